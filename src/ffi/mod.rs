@@ -1,0 +1,3 @@
+//! ffi
+#![allow(unsafe_code)]
+pub mod types;

@@ -1,0 +1,27 @@
+//! railover: an NCCL network plugin that carries NCCL's inter-node traffic over TCP (and,
+//! later, RDMA verbs) and moves it to healthy NIC pairs when a link fails.
+//!
+//! The layers, top-down (DESIGN.md §3):
+//! * [`ffi`] — the exported `ncclNetPlugin_v8` … `_v12` tables, the exact `repr(C)` types,
+//!   the panic barrier and the one place errors become `ncclResult_t`.
+//! * [`plugin`] — the version-independent facade: contexts, devices, listen/connect/accept,
+//!   memory handles and requests whose atomic state `test` reads.
+//! * [`reactor`] — the one proxy-progress thread: it owns every socket and drives the
+//!   connection machines; NCCL's threads only queue commands to it.
+//! * [`conn`] — sans-IO per-comm send/receive machines and the wire format.
+//! * [`routing`] — sans-IO route bookkeeping; the reactor publishes snapshots lock-free.
+//! * [`transport`] — fabric-specific code: NIC discovery and sockets for TCP.
+//! * [`topology`] — pure data about NICs, GPUs, PCI paths and rails.
+//! * [`config`] — `RAILOVER_*` environment variables parsed into typed values.
+//! * [`telemetry`] — logging into NCCL's logger, counters.
+#![deny(unsafe_code)]
+
+pub mod config;
+pub mod conn;
+pub mod ffi;
+pub mod plugin;
+pub mod reactor;
+pub mod routing;
+pub mod telemetry;
+pub mod topology;
+pub mod transport;
