@@ -1,3 +1,4 @@
 //! ffi
 #![allow(unsafe_code)]
+pub mod buffer;
 pub mod types;
