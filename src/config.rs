@@ -56,7 +56,12 @@ impl IfFilter {
         {
             return Err(format!("{bad:?} is not an interface name"));
         }
-        Ok(IfFilter { given: true, exclude, exact, names })
+        Ok(IfFilter {
+            given: true,
+            exclude,
+            exact,
+            names,
+        })
     }
 
     /// Does the explicit list select `ifname`? (Only meaningful when `given`.)
@@ -101,13 +106,21 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config { ifname: IfFilter::default(), spin: Duration::from_micros(200), log: LogLevel::Warn }
+        Config {
+            ifname: IfFilter::default(),
+            spin: Duration::from_micros(200),
+            log: LogLevel::Warn,
+        }
     }
 }
 
 impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ifname={:?} spin={:?} log={:?}", self.ifname.names, self.spin, self.log)
+        write!(
+            f,
+            "ifname={:?} spin={:?} log={:?}",
+            self.ifname.names, self.spin, self.log
+        )
     }
 }
 
@@ -118,8 +131,16 @@ pub const VARIABLES: &[(&str, &str, &str)] = &[
         "every up, non-loopback interface with an address (loopback only if nothing else)",
         "NCCL_SOCKET_IFNAME syntax: prefix list, `^` to exclude, `=` for exact names",
     ),
-    ("RAILOVER_SPIN_US", "200", "busy-poll budget in microseconds, 0..=1000000"),
-    ("RAILOVER_LOG", "warn", "off|warn|info|debug|trace (stderr only)"),
+    (
+        "RAILOVER_SPIN_US",
+        "200",
+        "busy-poll budget in microseconds, 0..=1000000",
+    ),
+    (
+        "RAILOVER_LOG",
+        "warn",
+        "off|warn|info|debug|trace (stderr only)",
+    ),
 ];
 
 impl Config {
@@ -167,7 +188,10 @@ impl Config {
 }
 
 fn parse_u64(s: &str, min: u64, max: u64) -> Option<u64> {
-    s.trim().parse::<u64>().ok().filter(|v| (min..=max).contains(v))
+    s.trim()
+        .parse::<u64>()
+        .ok()
+        .filter(|v| (min..=max).contains(v))
 }
 
 #[cfg(test)]
@@ -176,8 +200,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let map: HashMap<String, String> =
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         Config::from_lookup(|k| map.get(k).cloned())
     }
 
@@ -214,14 +240,21 @@ mod tests {
             assert_eq!(err.var, var);
             assert_eq!(err.value, value);
             let msg = err.to_string();
-            assert!(msg.contains(var) && msg.contains(value) && msg.contains("expected"), "{msg}");
+            assert!(
+                msg.contains(var) && msg.contains(value) && msg.contains("expected"),
+                "{msg}"
+            );
         }
     }
 
     #[test]
     fn good_values_parse() {
-        let c = cfg(&[("RAILOVER_SPIN_US", "0"), ("RAILOVER_LOG", "INFO"), ("RAILOVER_IFNAME", "lo")])
-            .unwrap();
+        let c = cfg(&[
+            ("RAILOVER_SPIN_US", "0"),
+            ("RAILOVER_LOG", "INFO"),
+            ("RAILOVER_IFNAME", "lo"),
+        ])
+        .unwrap();
         assert_eq!(c.spin, Duration::ZERO);
         assert_eq!(c.log, LogLevel::Info);
         assert_eq!(c.ifname.names, vec!["lo".to_string()]);

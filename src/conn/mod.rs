@@ -88,18 +88,36 @@ mod tests {
                 RecvEvent::Failed { .. } => panic!("{e:?}"),
             })
             .collect();
-        let want: Vec<(u64, u64)> = sends.iter().enumerate().map(|(i, &l)| (i as u64, l)).collect();
+        let want: Vec<(u64, u64)> = sends
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u64, l))
+            .collect();
         assert_eq!(got, want);
         assert_eq!(sent.len(), sends.len());
-        assert!(sent.iter().all(|e| matches!(e, SendEvent::Completed { .. })));
+        assert!(sent
+            .iter()
+            .all(|e| matches!(e, SendEvent::Completed { .. })));
     }
 
     #[test]
     fn oversized_send_fails_both_sides_and_the_next_one_still_works() {
         let (recvd, sent) = exchange(&[10, 3], &[9, 9]);
-        assert!(matches!(recvd[0], RecvEvent::Failed { error: ConnError::Truncated { .. }, .. }));
+        assert!(matches!(
+            recvd[0],
+            RecvEvent::Failed {
+                error: ConnError::Truncated { .. },
+                ..
+            }
+        ));
         assert!(matches!(recvd[1], RecvEvent::Completed { len: 3, .. }));
-        assert!(matches!(sent[0], SendEvent::Failed { error: ConnError::Truncated { .. }, .. }));
+        assert!(matches!(
+            sent[0],
+            SendEvent::Failed {
+                error: ConnError::Truncated { .. },
+                ..
+            }
+        ));
         assert!(matches!(sent[1], SendEvent::Completed { len: 3, .. }));
     }
 }

@@ -28,8 +28,16 @@ pub enum Placement {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum RecvEvent<T> {
-    Completed { seq: u64, len: u64, token: T },
-    Failed { seq: u64, token: T, error: ConnError },
+    Completed {
+        seq: u64,
+        len: u64,
+        token: T,
+    },
+    Failed {
+        seq: u64,
+        token: T,
+        error: ConnError,
+    },
 }
 
 #[derive(Debug)]
@@ -78,9 +86,14 @@ impl<T> RecvMachine<T> {
         self.next_seq += 1;
         if let Some(error) = self.failed.clone() {
             self.delivered = self.delivered.max(seq + 1);
-            self.events.push_back(RecvEvent::Failed { seq, token, error });
+            self.events
+                .push_back(RecvEvent::Failed { seq, token, error });
         } else {
-            self.posted.push_back(Posted { seq, capacity, token });
+            self.posted.push_back(Posted {
+                seq,
+                capacity,
+                token,
+            });
             self.ctrl.push_back(Control::Cts { seq, capacity });
         }
         seq
@@ -96,7 +109,10 @@ impl<T> RecvMachine<T> {
             return Ok(Placement::Discard { len });
         }
         if seq > self.delivered {
-            return Err(ConnError::Protocol(format!("data {seq}, expected {}", self.delivered)));
+            return Err(ConnError::Protocol(format!(
+                "data {seq}, expected {}",
+                self.delivered
+            )));
         }
         let p = self
             .posted
@@ -121,15 +137,24 @@ impl<T> RecvMachine<T> {
     /// The payload of the `Deliver` in progress is entirely in its buffer.
     pub fn payload_done(&mut self, seq: u64, len: u64) -> Result<(), ConnError> {
         if self.in_progress != Some(seq) {
-            return Err(ConnError::Protocol(format!("payload {seq} was not expected")));
+            return Err(ConnError::Protocol(format!(
+                "payload {seq} was not expected"
+            )));
         }
         self.in_progress = None;
-        let p = self.posted.pop_front().expect("in-progress receive is at the front");
+        let p = self
+            .posted
+            .pop_front()
+            .expect("in-progress receive is at the front");
         self.delivered = seq + 1;
         self.ack_owed = true;
         self.stats.messages += 1;
         self.stats.bytes += len;
-        self.events.push_back(RecvEvent::Completed { seq, len, token: p.token });
+        self.events.push_back(RecvEvent::Completed {
+            seq,
+            len,
+            token: p.token,
+        });
         Ok(())
     }
 
@@ -149,7 +174,9 @@ impl<T> RecvMachine<T> {
                 });
                 Ok(())
             }
-            _ => Err(ConnError::Protocol(format!("truncation notice for {seq} out of order"))),
+            _ => Err(ConnError::Protocol(format!(
+                "truncation notice for {seq} out of order"
+            ))),
         }
     }
 
@@ -163,7 +190,9 @@ impl<T> RecvMachine<T> {
         }
         // Acks are cumulative: one carries every delivery since the last.
         if std::mem::take(&mut self.ack_owed) {
-            return Some(Control::Ack { delivered: self.delivered });
+            return Some(Control::Ack {
+                delivered: self.delivered,
+            });
         }
         None
     }
@@ -181,7 +210,10 @@ impl<T> RecvMachine<T> {
         self.ctrl.clear();
         self.ack_owed = false;
         for p in &self.posted {
-            self.ctrl.push_back(Control::Cts { seq: p.seq, capacity: p.capacity });
+            self.ctrl.push_back(Control::Cts {
+                seq: p.seq,
+                capacity: p.capacity,
+            });
         }
         self.delivered
     }
@@ -191,7 +223,11 @@ impl<T> RecvMachine<T> {
         self.in_progress = None;
         self.delivered = self.next_seq;
         while let Some(p) = self.posted.pop_front() {
-            self.events.push_back(RecvEvent::Failed { seq: p.seq, token: p.token, error: error.clone() });
+            self.events.push_back(RecvEvent::Failed {
+                seq: p.seq,
+                token: p.token,
+                error: error.clone(),
+            });
         }
         self.failed.get_or_insert(error);
     }
@@ -221,7 +257,16 @@ mod tests {
         m.post(0, 'b');
         assert_eq!(
             ctrl(&mut m),
-            vec![Control::Cts { seq: 0, capacity: 100 }, Control::Cts { seq: 1, capacity: 0 }]
+            vec![
+                Control::Cts {
+                    seq: 0,
+                    capacity: 100
+                },
+                Control::Cts {
+                    seq: 1,
+                    capacity: 0
+                }
+            ]
         );
     }
 
@@ -230,11 +275,21 @@ mod tests {
         let mut m = RecvMachine::default();
         m.post(100, 'a');
         let _ = ctrl(&mut m);
-        assert_eq!(m.handle_data(0, 40).unwrap(), Placement::Deliver { seq: 0, len: 40 });
+        assert_eq!(
+            m.handle_data(0, 40).unwrap(),
+            Placement::Deliver { seq: 0, len: 40 }
+        );
         assert_eq!(m.message(0), Some(&'a'));
         assert!(m.poll_event().is_none());
         m.payload_done(0, 40).unwrap();
-        assert_eq!(m.poll_event(), Some(RecvEvent::Completed { seq: 0, len: 40, token: 'a' }));
+        assert_eq!(
+            m.poll_event(),
+            Some(RecvEvent::Completed {
+                seq: 0,
+                len: 40,
+                token: 'a'
+            })
+        );
         assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 1 }]);
     }
 
@@ -257,10 +312,16 @@ mod tests {
         let mut m = RecvMachine::default();
         m.post(0, 0);
         m.post(crate::conn::wire::MAX_DATA, 1);
-        assert_eq!(m.handle_data(0, 0).unwrap(), Placement::Deliver { seq: 0, len: 0 });
+        assert_eq!(
+            m.handle_data(0, 0).unwrap(),
+            Placement::Deliver { seq: 0, len: 0 }
+        );
         m.payload_done(0, 0).unwrap();
         let max = crate::conn::wire::MAX_DATA;
-        assert_eq!(m.handle_data(1, max).unwrap(), Placement::Deliver { seq: 1, len: max });
+        assert_eq!(
+            m.handle_data(1, max).unwrap(),
+            Placement::Deliver { seq: 1, len: max }
+        );
         m.payload_done(1, max).unwrap();
         assert_eq!(m.stats.bytes, max);
         assert_eq!(m.delivered(), 2);
@@ -291,7 +352,10 @@ mod tests {
             Some(RecvEvent::Failed {
                 seq: 0,
                 token: 'a',
-                error: ConnError::Truncated { len: 11, capacity: 10 }
+                error: ConnError::Truncated {
+                    len: 11,
+                    capacity: 10
+                }
             })
         );
         assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 1 }]);
@@ -314,12 +378,27 @@ mod tests {
         assert_eq!(m.begin_replay(), 1);
         assert_eq!(
             ctrl(&mut m),
-            vec![Control::Cts { seq: 1, capacity: 100 }, Control::Cts { seq: 2, capacity: 100 }]
+            vec![
+                Control::Cts {
+                    seq: 1,
+                    capacity: 100
+                },
+                Control::Cts {
+                    seq: 2,
+                    capacity: 100
+                }
+            ]
         );
         // A sender replaying from further back: the overlap is discarded and counted.
-        assert_eq!(m.handle_data(0, 100).unwrap(), Placement::Discard { len: 100 });
+        assert_eq!(
+            m.handle_data(0, 100).unwrap(),
+            Placement::Discard { len: 100 }
+        );
         assert_eq!(m.stats.duplicates, 1);
-        assert_eq!(m.handle_data(1, 100).unwrap(), Placement::Deliver { seq: 1, len: 100 });
+        assert_eq!(
+            m.handle_data(1, 100).unwrap(),
+            Placement::Deliver { seq: 1, len: 100 }
+        );
         m.payload_done(1, 100).unwrap();
         assert_eq!(m.delivered(), 2);
     }
@@ -330,10 +409,19 @@ mod tests {
         m.post(1, 'a');
         m.post(1, 'b');
         m.handle_lane_lost(ConnError::PeerClosed);
-        assert!(matches!(m.poll_event(), Some(RecvEvent::Failed { token: 'a', .. })));
-        assert!(matches!(m.poll_event(), Some(RecvEvent::Failed { token: 'b', .. })));
+        assert!(matches!(
+            m.poll_event(),
+            Some(RecvEvent::Failed { token: 'a', .. })
+        ));
+        assert!(matches!(
+            m.poll_event(),
+            Some(RecvEvent::Failed { token: 'b', .. })
+        ));
         m.post(1, 'c');
-        assert!(matches!(m.poll_event(), Some(RecvEvent::Failed { token: 'c', .. })));
+        assert!(matches!(
+            m.poll_event(),
+            Some(RecvEvent::Failed { token: 'c', .. })
+        ));
         assert!(m.poll_transmit().is_none());
     }
 }

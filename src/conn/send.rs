@@ -22,8 +22,16 @@ pub enum Transmit {
 /// Outcomes for the owner of a message.
 #[derive(Debug, PartialEq, Eq)]
 pub enum SendEvent<T> {
-    Completed { seq: u64, len: u64, token: T },
-    Failed { seq: u64, token: T, error: ConnError },
+    Completed {
+        seq: u64,
+        len: u64,
+        token: T,
+    },
+    Failed {
+        seq: u64,
+        token: T,
+        error: ConnError,
+    },
 }
 
 #[derive(Debug)]
@@ -76,7 +84,8 @@ impl<T> SendMachine<T> {
         self.next_seq += 1;
         if let Some(error) = self.failed.clone() {
             self.acked = self.acked.max(seq + 1);
-            self.events.push_back(SendEvent::Failed { seq, token, error });
+            self.events
+                .push_back(SendEvent::Failed { seq, token, error });
         } else {
             self.queue.push_back(Msg { seq, len, token });
         }
@@ -87,7 +96,9 @@ impl<T> SendMachine<T> {
     pub fn handle_cts(&mut self, seq: u64, capacity: u64) -> Result<(), ConnError> {
         let expected = self.cts_base + self.cts.len() as u64;
         if seq != expected {
-            return Err(ConnError::Protocol(format!("CTS for {seq}, expected {expected}")));
+            return Err(ConnError::Protocol(format!(
+                "CTS for {seq}, expected {expected}"
+            )));
         }
         self.cts.push_back(capacity);
         Ok(())
@@ -106,7 +117,11 @@ impl<T> SendMachine<T> {
             let m = self.queue.pop_front().expect("front checked");
             self.stats.messages += 1;
             self.stats.bytes += m.len;
-            self.events.push_back(SendEvent::Completed { seq: m.seq, len: m.len, token: m.token });
+            self.events.push_back(SendEvent::Completed {
+                seq: m.seq,
+                len: m.len,
+                token: m.token,
+            });
         }
         Ok(())
     }
@@ -149,7 +164,11 @@ impl<T> SendMachine<T> {
     pub fn handle_lane_lost(&mut self, error: ConnError) {
         self.acked = self.next_seq;
         while let Some(m) = self.queue.pop_front() {
-            self.events.push_back(SendEvent::Failed { seq: m.seq, token: m.token, error: error.clone() });
+            self.events.push_back(SendEvent::Failed {
+                seq: m.seq,
+                token: m.token,
+                error: error.clone(),
+            });
         }
         self.failed.get_or_insert(error);
     }
@@ -166,7 +185,12 @@ impl<T> SendMachine<T> {
             )));
         }
         self.handle_ack(delivered)?;
-        let replayed: u64 = self.queue.iter().filter(|m| m.seq < self.tx_next).map(|m| m.len).sum();
+        let replayed: u64 = self
+            .queue
+            .iter()
+            .filter(|m| m.seq < self.tx_next)
+            .map(|m| m.len)
+            .sum();
         self.stats.replayed_bytes += replayed;
         self.tx_next = delivered;
         self.cts.clear();
@@ -216,7 +240,10 @@ mod tests {
         m.post(1, ());
         assert_eq!(
             drain(&mut m),
-            vec![Transmit::Data { seq: 0, len: 64 }, Transmit::Data { seq: 1, len: 1 }]
+            vec![
+                Transmit::Data { seq: 0, len: 64 },
+                Transmit::Data { seq: 1, len: 1 }
+            ]
         );
     }
 
@@ -229,11 +256,32 @@ mod tests {
         }
         assert_eq!(drain(&mut m).len(), 3);
         m.handle_ack(2).unwrap();
-        assert_eq!(m.poll_event(), Some(SendEvent::Completed { seq: 0, len: 1, token: 0 }));
-        assert_eq!(m.poll_event(), Some(SendEvent::Completed { seq: 1, len: 2, token: 1 }));
+        assert_eq!(
+            m.poll_event(),
+            Some(SendEvent::Completed {
+                seq: 0,
+                len: 1,
+                token: 0
+            })
+        );
+        assert_eq!(
+            m.poll_event(),
+            Some(SendEvent::Completed {
+                seq: 1,
+                len: 2,
+                token: 1
+            })
+        );
         assert_eq!(m.poll_event(), None);
         m.handle_ack(3).unwrap();
-        assert_eq!(m.poll_event(), Some(SendEvent::Completed { seq: 2, len: 3, token: 2 }));
+        assert_eq!(
+            m.poll_event(),
+            Some(SendEvent::Completed {
+                seq: 2,
+                len: 3,
+                token: 2
+            })
+        );
         assert_eq!((m.stats.messages, m.stats.bytes), (3, 6));
     }
 
@@ -253,18 +301,31 @@ mod tests {
         m.handle_cts(1, 5).unwrap();
         assert_eq!(
             drain(&mut m),
-            vec![Transmit::Truncated { seq: 0, len: 100 }, Transmit::Data { seq: 1, len: 5 }]
+            vec![
+                Transmit::Truncated { seq: 0, len: 100 },
+                Transmit::Data { seq: 1, len: 5 }
+            ]
         );
         assert_eq!(
             m.poll_event(),
             Some(SendEvent::Failed {
                 seq: 0,
                 token: 'x',
-                error: ConnError::Truncated { len: 100, capacity: 99 }
+                error: ConnError::Truncated {
+                    len: 100,
+                    capacity: 99
+                }
             })
         );
         m.handle_ack(2).unwrap();
-        assert_eq!(m.poll_event(), Some(SendEvent::Completed { seq: 1, len: 5, token: 'y' }));
+        assert_eq!(
+            m.poll_event(),
+            Some(SendEvent::Completed {
+                seq: 1,
+                len: 5,
+                token: 'y'
+            })
+        );
     }
 
     #[test]
@@ -281,17 +342,30 @@ mod tests {
         let replayed = m.begin_replay(2).unwrap();
         assert_eq!(replayed, 30 + 40);
         assert_eq!(m.stats.replayed_bytes, 70);
-        assert_eq!(m.poll_event(), Some(SendEvent::Completed { seq: 1, len: 20, token: 1 }));
+        assert_eq!(
+            m.poll_event(),
+            Some(SendEvent::Completed {
+                seq: 1,
+                len: 20,
+                token: 1
+            })
+        );
         assert!(drain(&mut m).is_empty(), "waits for fresh CTS");
         m.handle_cts(2, 1000).unwrap();
         m.handle_cts(3, 1000).unwrap();
         assert_eq!(
             drain(&mut m),
-            vec![Transmit::Data { seq: 2, len: 30 }, Transmit::Data { seq: 3, len: 40 }]
+            vec![
+                Transmit::Data { seq: 2, len: 30 },
+                Transmit::Data { seq: 3, len: 40 }
+            ]
         );
         m.handle_ack(4).unwrap();
         assert_eq!(std::iter::from_fn(|| m.poll_event()).count(), 2);
-        assert!(m.begin_replay(3).is_err(), "cannot replay below what was acknowledged");
+        assert!(
+            m.begin_replay(3).is_err(),
+            "cannot replay below what was acknowledged"
+        );
     }
 
     #[test]
@@ -302,10 +376,19 @@ mod tests {
         m.handle_cts(0, 8).unwrap();
         let _ = drain(&mut m);
         m.handle_lane_lost(ConnError::PeerClosed);
-        assert!(matches!(m.poll_event(), Some(SendEvent::Failed { seq: 0, .. })));
-        assert!(matches!(m.poll_event(), Some(SendEvent::Failed { seq: 1, .. })));
+        assert!(matches!(
+            m.poll_event(),
+            Some(SendEvent::Failed { seq: 0, .. })
+        ));
+        assert!(matches!(
+            m.poll_event(),
+            Some(SendEvent::Failed { seq: 1, .. })
+        ));
         m.post(3, 3);
-        assert!(matches!(m.poll_event(), Some(SendEvent::Failed { seq: 2, .. })));
+        assert!(matches!(
+            m.poll_event(),
+            Some(SendEvent::Failed { seq: 2, .. })
+        ));
         assert!(m.poll_transmit().is_none());
         assert_eq!(m.pending(), 0);
     }

@@ -99,7 +99,12 @@ pub struct Header {
 
 impl Header {
     pub fn new(kind: Kind, seq: u64, len: u64) -> Header {
-        Header { kind, aux: 0, seq, len }
+        Header {
+            kind,
+            aux: 0,
+            seq,
+            len,
+        }
     }
 
     /// Bytes of body that follow the header in the stream (payload for `Data`).
@@ -123,8 +128,10 @@ impl Header {
 
     /// Parses and bounds-checks a header from the first [`HEADER_LEN`] bytes of `b`.
     pub fn decode(b: &[u8]) -> Result<Header, WireError> {
-        let b: &[u8; HEADER_LEN] =
-            b.get(..HEADER_LEN).and_then(|s| s.try_into().ok()).ok_or(WireError::Short("header"))?;
+        let b: &[u8; HEADER_LEN] = b
+            .get(..HEADER_LEN)
+            .and_then(|s| s.try_into().ok())
+            .ok_or(WireError::Short("header"))?;
         if b[0..2] != MAGIC {
             return Err(WireError::BadMagic([b[0], b[1]]));
         }
@@ -149,7 +156,11 @@ impl Header {
             _ => u64::MAX,
         };
         if h.len > max {
-            return Err(WireError::TooLong { kind, len: h.len, max });
+            return Err(WireError::TooLong {
+                kind,
+                len: h.len,
+                max,
+            });
         }
         Ok(h)
     }
@@ -214,14 +225,19 @@ fn decode_nics(b: &[u8]) -> Result<(Vec<NicAddr>, &[u8]), WireError> {
     if n > MAX_NICS {
         return Err(WireError::Malformed("NIC count"));
     }
-    let body = b.get(2..2 + n * NIC_LEN).ok_or(WireError::Short("NIC list"))?;
+    let body = b
+        .get(2..2 + n * NIC_LEN)
+        .ok_or(WireError::Short("NIC list"))?;
     let mut nics = Vec::with_capacity(n);
     for e in body.chunks_exact(NIC_LEN) {
         let mut ip = [0u8; 16];
         ip.copy_from_slice(&e[1..17]);
         let ip6 = Ipv6Addr::from(ip);
         let ip = match e[0] {
-            4 => IpAddr::V4(ip6.to_ipv4_mapped().ok_or(WireError::Malformed("IPv4 address"))?),
+            4 => IpAddr::V4(
+                ip6.to_ipv4_mapped()
+                    .ok_or(WireError::Malformed("IPv4 address"))?,
+            ),
             6 => IpAddr::V6(ip6),
             _ => return Err(WireError::Malformed("address family")),
         };
@@ -232,7 +248,10 @@ fn decode_nics(b: &[u8]) -> Result<(Vec<NicAddr>, &[u8]), WireError> {
             r if r >= 0 => Some(r as u32),
             _ => return Err(WireError::Malformed("rail")),
         };
-        nics.push(NicAddr { addr: SocketAddr::new(ip, port), rail });
+        nics.push(NicAddr {
+            addr: SocketAddr::new(ip, port),
+            rail,
+        });
     }
     Ok((nics, &b[2 + n * NIC_LEN..]))
 }
@@ -252,8 +271,10 @@ impl Hello {
     }
 
     pub fn decode(body: &[u8]) -> Result<Hello, WireError> {
-        let token: [u8; 16] =
-            body.get(..16).and_then(|s| s.try_into().ok()).ok_or(WireError::Short("token"))?;
+        let token: [u8; 16] = body
+            .get(..16)
+            .and_then(|s| s.try_into().ok())
+            .ok_or(WireError::Short("token"))?;
         let purpose = match body.get(16) {
             Some(0) => Purpose::Data,
             Some(1) => Purpose::Probe,
@@ -265,7 +286,11 @@ impl Hello {
         if !rest.is_empty() {
             return Err(WireError::Malformed("trailing bytes after Hello"));
         }
-        Ok(Hello { token, purpose, nics })
+        Ok(Hello {
+            token,
+            purpose,
+            nics,
+        })
     }
 }
 
@@ -315,7 +340,12 @@ mod tests {
             Kind::Truncated,
             Kind::Close,
         ] {
-            let h = Header { kind, aux: 7, seq: u64::MAX - 3, len: 100 };
+            let h = Header {
+                kind,
+                aux: 7,
+                seq: u64::MAX - 3,
+                len: 100,
+            };
             assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }
     }
@@ -339,16 +369,31 @@ mod tests {
         assert!(matches!(Header::decode(&h), Err(WireError::TooLong { .. })));
         // The largest legal data message and a zero-byte one are fine.
         assert!(Header::decode(&Header::new(Kind::Data, 0, MAX_DATA).encode()).is_ok());
-        assert_eq!(Header::decode(&Header::new(Kind::Data, 0, 0).encode()).unwrap().body_len(), 0);
+        assert_eq!(
+            Header::decode(&Header::new(Kind::Data, 0, 0).encode())
+                .unwrap()
+                .body_len(),
+            0
+        );
     }
 
     #[test]
     fn hello_and_welcome_roundtrip() {
         let nics = vec![
-            NicAddr { addr: "127.0.0.1:4000".parse().unwrap(), rail: Some(3) },
-            NicAddr { addr: "[::1]:5000".parse().unwrap(), rail: None },
+            NicAddr {
+                addr: "127.0.0.1:4000".parse().unwrap(),
+                rail: Some(3),
+            },
+            NicAddr {
+                addr: "[::1]:5000".parse().unwrap(),
+                rail: None,
+            },
         ];
-        let hello = Hello { token: [9; 16], purpose: Purpose::Migrate, nics: nics.clone() };
+        let hello = Hello {
+            token: [9; 16],
+            purpose: Purpose::Migrate,
+            nics: nics.clone(),
+        };
         let bytes = hello.encode();
         let h = Header::decode(&bytes).unwrap();
         assert_eq!(h.kind, Kind::Hello);
@@ -364,17 +409,28 @@ mod tests {
 
     #[test]
     fn hello_rejects_malformed_bodies() {
-        let hello = Hello { token: [1; 16], purpose: Purpose::Data, nics: vec![] }.encode();
+        let hello = Hello {
+            token: [1; 16],
+            purpose: Purpose::Data,
+            nics: vec![],
+        }
+        .encode();
         let body = &hello[HEADER_LEN..];
         for cut in 0..body.len() {
-            assert!(Hello::decode(&body[..cut]).is_err(), "prefix of {cut} bytes accepted");
+            assert!(
+                Hello::decode(&body[..cut]).is_err(),
+                "prefix of {cut} bytes accepted"
+            );
         }
         let mut extra = body.to_vec();
         extra.push(0);
         assert!(Hello::decode(&extra).is_err());
         let mut bad_purpose = body.to_vec();
         bad_purpose[16] = 7;
-        assert_eq!(Hello::decode(&bad_purpose), Err(WireError::Malformed("purpose")));
+        assert_eq!(
+            Hello::decode(&bad_purpose),
+            Err(WireError::Malformed("purpose"))
+        );
     }
 
     #[test]

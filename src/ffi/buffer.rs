@@ -20,7 +20,10 @@ impl UserBuf {
     /// `ptr` must be valid for reads and writes of `len` bytes until the request that
     /// carries this buffer completes, and nothing else may access it meanwhile.
     pub(crate) unsafe fn new(ptr: *mut c_void, len: usize) -> UserBuf {
-        UserBuf { ptr: ptr.cast(), len }
+        UserBuf {
+            ptr: ptr.cast(),
+            len,
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -70,6 +73,9 @@ impl UserBuf {
     /// Test helper: a view of `s`. The caller keeps `s` alive and untouched while the
     /// view is in use, which is what NCCL promises for its buffers.
     pub(crate) fn of_slice(s: &mut [u8]) -> UserBuf {
-        UserBuf { ptr: s.as_mut_ptr(), len: s.len() }
+        UserBuf {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+        }
     }
 }

@@ -15,7 +15,11 @@ const SOCK_BUF: usize = 4 << 20;
 
 /// A non-blocking listener on `ip`, on a port the kernel picks.
 pub fn listen(ip: IpAddr) -> io::Result<mio::net::TcpListener> {
-    let sock = Socket::new(Domain::for_address(SocketAddr::new(ip, 0)), Type::STREAM, Some(Protocol::TCP))?;
+    let sock = Socket::new(
+        Domain::for_address(SocketAddr::new(ip, 0)),
+        Type::STREAM,
+        Some(Protocol::TCP),
+    )?;
     sock.set_reuse_address(true)?;
     sock.set_nonblocking(true)?;
     sock.bind(&SockAddr::from(SocketAddr::new(ip, 0)))?;

@@ -56,7 +56,12 @@ pub fn interfaces() -> std::io::Result<Vec<Interface>> {
                     existing.ip = ip;
                 }
             }
-            None => out.push(Interface { name: ifa.interface_name, ip, up, loopback }),
+            None => out.push(Interface {
+                name: ifa.interface_name,
+                ip,
+                up,
+                loopback,
+            }),
         }
     }
     Ok(out)
@@ -75,12 +80,21 @@ pub fn select(all: &[Interface], filter: &IfFilter) -> Vec<Interface> {
             .cloned()
             .collect()
     } else {
-        all.iter().filter(eligible).filter(|i| !i.loopback).cloned().collect()
+        all.iter()
+            .filter(eligible)
+            .filter(|i| !i.loopback)
+            .cloned()
+            .collect()
     };
     // An explicit list that matches nothing stays empty: quietly using loopback instead
     // would hide the misconfiguration.
     if chosen.is_empty() && !filter.given {
-        chosen = all.iter().filter(eligible).filter(|i| i.loopback).cloned().collect();
+        chosen = all
+            .iter()
+            .filter(eligible)
+            .filter(|i| i.loopback)
+            .cloned()
+            .collect();
     }
     chosen.sort_by(|a, b| a.name.cmp(&b.name));
     chosen
@@ -97,12 +111,21 @@ pub fn describe(iface: &Interface, sysfs: &Path) -> TcpNic {
         .and_then(|s| s.trim().parse::<i32>().ok())
         .filter(|&s| s > 0)
         .unwrap_or(FALLBACK_SPEED_MBPS);
-    TcpNic { name: iface.name.clone(), ip: iface.ip, pci_path, speed_mbps, loopback: iface.loopback }
+    TcpNic {
+        name: iface.name.clone(),
+        ip: iface.ip,
+        pci_path,
+        speed_mbps,
+        loopback: iface.loopback,
+    }
 }
 
 /// Discovers this process's TCP NICs.
 pub fn discover(filter: &IfFilter, sysfs: &Path) -> std::io::Result<Vec<TcpNic>> {
-    Ok(select(&interfaces()?, filter).iter().map(|i| describe(i, sysfs)).collect())
+    Ok(select(&interfaces()?, filter)
+        .iter()
+        .map(|i| describe(i, sysfs))
+        .collect())
 }
 
 #[cfg(test)]
@@ -110,7 +133,12 @@ mod tests {
     use super::*;
 
     fn iface(name: &str, ip: &str, up: bool) -> Interface {
-        Interface { name: name.into(), ip: ip.parse().unwrap(), up, loopback: name == "lo" }
+        Interface {
+            name: name.into(),
+            ip: ip.parse().unwrap(),
+            up,
+            loopback: name == "lo",
+        }
     }
 
     fn names(v: &[Interface]) -> Vec<&str> {
@@ -129,12 +157,18 @@ mod tests {
 
     #[test]
     fn default_is_every_up_non_loopback_interface() {
-        assert_eq!(names(&select(&sample(), &IfFilter::default())), ["docker0", "eth0", "eth1"]);
+        assert_eq!(
+            names(&select(&sample(), &IfFilter::default())),
+            ["docker0", "eth0", "eth1"]
+        );
     }
 
     #[test]
     fn loopback_only_when_nothing_else_or_named() {
-        let only_lo = vec![iface("lo", "127.0.0.1", true), iface("eth0", "10.0.0.1", false)];
+        let only_lo = vec![
+            iface("lo", "127.0.0.1", true),
+            iface("eth0", "10.0.0.1", false),
+        ];
         assert_eq!(names(&select(&only_lo, &IfFilter::default())), ["lo"]);
         let f = IfFilter::parse("lo").unwrap();
         assert_eq!(names(&select(&sample(), &f)), ["lo"]);
@@ -149,7 +183,10 @@ mod tests {
         let f = IfFilter::parse("=eth1").unwrap();
         assert_eq!(names(&select(&sample(), &f)), ["eth1"]);
         let f = IfFilter::parse("=eth").unwrap();
-        assert!(select(&sample(), &f).is_empty(), "exact match selects nothing");
+        assert!(
+            select(&sample(), &f).is_empty(),
+            "exact match selects nothing"
+        );
     }
 
     #[test]
@@ -163,9 +200,15 @@ mod tests {
         std::os::unix::fs::symlink(&dev, net.join("device")).unwrap();
         let nic = describe(&iface("eth0", "10.0.0.2", true), &dir);
         assert_eq!(nic.speed_mbps, 25000);
-        assert_eq!(nic.pci_path.as_deref(), dev.canonicalize().unwrap().to_str());
+        assert_eq!(
+            nic.pci_path.as_deref(),
+            dev.canonicalize().unwrap().to_str()
+        );
         let virt = describe(&iface("veth0", "10.0.0.3", true), &dir);
-        assert_eq!((virt.speed_mbps, virt.pci_path), (FALLBACK_SPEED_MBPS, None));
+        assert_eq!(
+            (virt.speed_mbps, virt.pci_path),
+            (FALLBACK_SPEED_MBPS, None)
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -45,8 +45,16 @@ pub enum ReadError {
 enum State {
     Header,
     Body(Header),
-    NeedPlacement { seq: u64, len: u64 },
-    Payload { seq: u64, len: u64, off: u64, dst: Option<UserBuf> },
+    NeedPlacement {
+        seq: u64,
+        len: u64,
+    },
+    Payload {
+        seq: u64,
+        len: u64,
+        off: u64,
+        dst: Option<UserBuf>,
+    },
 }
 
 /// Incremental frame parser for one lane.
@@ -61,7 +69,13 @@ pub struct FrameReader {
 
 impl Default for FrameReader {
     fn default() -> Self {
-        FrameReader { buf: vec![0; STAGING].into_boxed_slice(), start: 0, end: 0, state: State::Header, more: false }
+        FrameReader {
+            buf: vec![0; STAGING].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            state: State::Header,
+            more: false,
+        }
     }
 }
 
@@ -85,8 +99,14 @@ impl FrameReader {
                         let h = Header::decode(&self.buf[self.start..])?;
                         self.start += HEADER_LEN;
                         if h.kind == Kind::Data {
-                            self.state = State::NeedPlacement { seq: h.seq, len: h.len };
-                            return Ok(Some(Inbound::Data { seq: h.seq, len: h.len }));
+                            self.state = State::NeedPlacement {
+                                seq: h.seq,
+                                len: h.len,
+                            };
+                            return Ok(Some(Inbound::Data {
+                                seq: h.seq,
+                                len: h.len,
+                            }));
                         }
                         if h.body_len() == 0 {
                             return Ok(Some(Inbound::Frame(h, Vec::new())));
@@ -107,7 +127,12 @@ impl FrameReader {
                 State::NeedPlacement { .. } => {
                     return Err(WireError::Malformed("payload read before placement").into())
                 }
-                State::Payload { seq, len, ref mut off, ref mut dst } => {
+                State::Payload {
+                    seq,
+                    len,
+                    ref mut off,
+                    ref mut dst,
+                } => {
                     if *off == len {
                         self.state = State::Header;
                         return Ok(Some(Inbound::PayloadDone { seq, len }));
@@ -116,7 +141,8 @@ impl FrameReader {
                     if avail > 0 {
                         let n = avail.min(want);
                         if let Some(d) = dst {
-                            d.slice_mut(*off as usize, n).copy_from_slice(&self.buf[self.start..self.start + n]);
+                            d.slice_mut(*off as usize, n)
+                                .copy_from_slice(&self.buf[self.start..self.start + n]);
                         }
                         self.start += n;
                         *off += n as u64;
@@ -166,7 +192,12 @@ impl FrameReader {
     /// least `len` bytes) or `None` to read and drop it.
     pub fn place(&mut self, dst: Option<UserBuf>) {
         if let State::NeedPlacement { seq, len } = self.state {
-            self.state = State::Payload { seq, len, off: 0, dst };
+            self.state = State::Payload {
+                seq,
+                len,
+                off: 0,
+                dst,
+            };
         }
     }
 
@@ -200,13 +231,24 @@ impl FrameReader {
 }
 
 fn eof_mid_frame() -> ReadError {
-    io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed in the middle of a frame").into()
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "connection closed in the middle of a frame",
+    )
+    .into()
 }
 
 #[derive(Debug)]
 enum Chunk {
-    Ctrl { bytes: Vec<u8>, off: usize },
-    Payload { buf: UserBuf, off: usize, end: usize },
+    Ctrl {
+        bytes: Vec<u8>,
+        off: usize,
+    },
+    Payload {
+        buf: UserBuf,
+        off: usize,
+        end: usize,
+    },
 }
 
 /// Outgoing queue of one lane.
@@ -224,14 +266,21 @@ impl FrameWriter {
         if let Some(Chunk::Ctrl { bytes: last, .. }) = self.q.back_mut() {
             last.extend_from_slice(bytes);
         } else {
-            self.q.push_back(Chunk::Ctrl { bytes: bytes.to_vec(), off: 0 });
+            self.q.push_back(Chunk::Ctrl {
+                bytes: bytes.to_vec(),
+                off: 0,
+            });
         }
     }
 
     /// Queues the first `len` bytes of `buf`.
     pub fn push_payload(&mut self, buf: UserBuf, len: usize) {
         if len > 0 {
-            self.q.push_back(Chunk::Payload { buf, off: 0, end: len.min(buf.len()) });
+            self.q.push_back(Chunk::Payload {
+                buf,
+                off: 0,
+                end: len.min(buf.len()),
+            });
         }
     }
 
@@ -343,7 +392,12 @@ mod tests {
         wire.extend_from_slice(&Header::new(Kind::Data, 5, 0).encode());
         wire.extend_from_slice(&Header::new(Kind::Ack, 6, 0).encode());
         for chunk in [1, 7, 23, 4096, 1 << 20] {
-            let mut sock = Trickle { data: wire.clone(), pos: 0, chunk, block_next: false };
+            let mut sock = Trickle {
+                data: wire.clone(),
+                pos: 0,
+                chunk,
+                block_next: false,
+            };
             let mut r = FrameReader::default();
             let mut dst = vec![0u8; payload.len()];
             let mut got = Vec::new();
@@ -361,13 +415,21 @@ mod tests {
             assert_eq!(dst, payload, "chunk {chunk}");
             assert_eq!(got.len(), 6, "chunk {chunk}: {got:?}");
             assert!(got[2].starts_with("PayloadDone { seq: 4"), "{got:?}");
-            assert!(got[4].starts_with("PayloadDone { seq: 5, len: 0"), "{got:?}");
+            assert!(
+                got[4].starts_with("PayloadDone { seq: 5, len: 0"),
+                "{got:?}"
+            );
         }
     }
 
     #[test]
     fn garbage_is_a_wire_error_and_eof_mid_frame_an_io_error() {
-        let mut sock = Trickle { data: b"GET / HTTP/1.1\r\nHost: railover\r\n\r\n".to_vec(), pos: 0, chunk: 64, block_next: false };
+        let mut sock = Trickle {
+            data: b"GET / HTTP/1.1\r\nHost: railover\r\n\r\n".to_vec(),
+            pos: 0,
+            chunk: 64,
+            block_next: false,
+        };
         let mut r = FrameReader::default();
         let err = loop {
             match r.next(&mut sock) {
@@ -379,7 +441,12 @@ mod tests {
 
         let mut half = Header::new(Kind::Data, 0, 10).encode().to_vec();
         half.extend_from_slice(&[1, 2, 3]);
-        let mut sock = Trickle { data: half, pos: 0, chunk: 64, block_next: false };
+        let mut sock = Trickle {
+            data: half,
+            pos: 0,
+            chunk: 64,
+            block_next: false,
+        };
         let mut r = FrameReader::default();
         let err = loop {
             match r.next(&mut sock) {
@@ -434,7 +501,11 @@ mod tests {
             w.push_payload(heap_buf(&mut payload), 50_000);
             w.push_payload(heap_buf(&mut payload), 0);
             w.push_ctrl(b"tail");
-            let mut sink = Sink { out: Vec::new(), chunk, calls: 0 };
+            let mut sink = Sink {
+                out: Vec::new(),
+                chunk,
+                calls: 0,
+            };
             for _ in 0..1_000_000 {
                 if w.is_empty() {
                     break;
