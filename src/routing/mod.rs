@@ -265,6 +265,32 @@ pub enum Event {
     },
 }
 
+impl fmt::Display for Event {
+    /// The text of the log line: for a stranded lane, every candidate and the rule that
+    /// excluded it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Event::NoEligiblePair {
+                comm,
+                lane,
+                exclusions,
+            } => {
+                write!(f, "comm {} lane {}: no eligible NIC pair", comm.0, lane.0)?;
+                for (i, (pair, why)) in exclusions.iter().enumerate() {
+                    f.write_str(if i == 0 { ": " } else { "; " })?;
+                    write!(f, "{pair} ({why})")?;
+                }
+                Ok(())
+            }
+            Event::TopologyUnknown { nic } => write!(
+                f,
+                "nic{}: PCIe distance to the GPU unknown, distance limit not applied",
+                nic.0
+            ),
+        }
+    }
+}
+
 /// Failover counts, one per [`FailReason`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReasonCounts {

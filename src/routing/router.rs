@@ -38,6 +38,15 @@ use super::{
 /// `holddown_base`, doubling with each further flap up to `holddown_max`, and halving for
 /// every `holddown_max` the pair then stays in service without failing. Probing never
 /// stops while a lane is away.
+///
+/// # Implementation notes
+///
+/// The only timers are the fail-back probes, one per original pair with lanes away, each
+/// due one interval after the previous probe was sent (or after the pair failed). The
+/// hold-down needs no timer of its own: it is checked when a good answer arrives, so a
+/// fail-back lands on the first probe answered once the hold-down has passed. Probe
+/// deadlines belong to the reactor ([`DEFAULT_PROBE_DEADLINE`](super::DEFAULT_PROBE_DEADLINE)).
+/// Every collection is ordered, so the same inputs and seed give the same outputs.
 #[derive(Debug)]
 pub struct Router {
     config: RouterConfig,
@@ -50,6 +59,8 @@ pub struct Router {
     probes: VecDeque<ProbeRequest>,
     events: VecDeque<Event>,
     stats: Stats,
+    /// The latest `now` seen, to catch a clock that goes backwards in debug builds.
+    last_now: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -168,6 +179,7 @@ impl Router {
             probes: VecDeque::new(),
             events: VecDeque::new(),
             stats: Stats::default(),
+            last_now: None,
         }
     }
 
@@ -208,6 +220,7 @@ impl Router {
         spec: CommSpec,
         now: Instant,
     ) -> Result<(), RouterError> {
+        self.tick(now);
         if self.comms.contains_key(&comm) {
             return Err(RouterError::DuplicateComm(comm));
         }
@@ -309,6 +322,7 @@ impl Router {
         reason: FailReason,
         now: Instant,
     ) -> Result<(), RouterError> {
+        self.tick(now);
         let c = self
             .comms
             .get(&comm)
@@ -333,6 +347,7 @@ impl Router {
     /// [`FailReason::Probe`]); a good one may complete a fail-back and lets waiting lanes
     /// choose their backup. An answer nobody asked for is still recorded.
     pub fn handle_probe(&mut self, pair: Pair, ok: bool, now: Instant) {
+        self.tick(now);
         let ps = self.pairs.entry(pair).or_default();
         ps.probing = false;
         if ok {
@@ -353,6 +368,7 @@ impl Router {
     /// [`FailReason::LinkDown`]. Until [`Router::handle_nic_up`], no pair using it is a
     /// candidate ([`Exclusion::Down`]) and fail-back onto it waits. Repeats are ignored.
     pub fn handle_nic_down(&mut self, nic: NicId, now: Instant) {
+        self.tick(now);
         if !self.down.insert(nic) {
             return;
         }
@@ -371,6 +387,7 @@ impl Router {
     /// Carrier back on a local NIC. Pairs using it become "unknown" (probed before use);
     /// fail-back onto it resumes at the next scheduled probe. Repeats are ignored.
     pub fn handle_nic_up(&mut self, nic: NicId, now: Instant) {
+        self.tick(now);
         if !self.down.remove(&nic) {
             return;
         }
@@ -386,6 +403,7 @@ impl Router {
     /// the good streak reset, while their local NIC is down). Calling it early, or twice,
     /// does nothing.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.tick(now);
         let due: Vec<Pair> = self
             .pairs
             .iter()
@@ -503,6 +521,15 @@ impl Router {
     }
 
     // ---- internals ----
+
+    /// Enforces "time never goes backwards" in debug builds.
+    fn tick(&mut self, now: Instant) {
+        debug_assert!(
+            self.last_now.map_or(true, |t| now >= t),
+            "routing: time went backwards"
+        );
+        self.last_now = Some(now);
+    }
 
     /// Marks `pair` failed at `now` and sends every running lane on it to wait for a backup.
     fn fail_pair(&mut self, pair: Pair, reason: FailReason, now: Instant) {

@@ -816,6 +816,13 @@ fn two_sided_failure_with_same_rail_leaves_nothing_on_two_nics() {
         ]
     );
     assert_eq!(sim.router.stats().no_eligible_pair, 2);
+    assert_eq!(
+        events[1].to_string(),
+        "comm 0 lane 1: no eligible NIC pair: nic0 -> peer1/nic0 (local NIC down); \
+         nic0 -> peer1/nic1 (rail rule: local rail 0 != remote rail 1); \
+         nic1 -> peer1/nic0 (rail rule: local rail 1 != remote rail 0); \
+         nic1 -> peer1/nic1 (pair unhealthy)"
+    );
 }
 
 // ---- fail-back ----
@@ -1144,4 +1151,13 @@ fn snapshots_publish_and_read_without_locks() {
     assert_eq!(lane.status, LaneStatus::Active);
     assert_eq!(after.stats.failovers.link_down, 2);
     assert_eq!(after.remote_nics.iter().map(|r| r.lanes).sum::<u32>(), 8);
+}
+
+#[test]
+#[cfg(debug_assertions)]
+#[should_panic(expected = "time went backwards")]
+fn time_going_backwards_is_caught_in_debug_builds() {
+    let mut sim = failed_over_at_zero(ms(0));
+    sim.router.handle_timeout(sim.at(ms(1_000)));
+    sim.router.handle_timeout(sim.at(ms(999)));
 }
