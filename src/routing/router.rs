@@ -227,7 +227,6 @@ impl Router {
         if spec.lanes.is_empty() {
             return Err(RouterError::NoLanes(comm));
         }
-        let mut lanes = Vec::with_capacity(spec.lanes.len());
         for (i, &(local, remote)) in spec.lanes.iter().enumerate() {
             let unknown = |nic, side| RouterError::UnknownNic {
                 comm,
@@ -241,6 +240,9 @@ impl Router {
             if !spec.remote_nics.iter().any(|n| n.id == remote) {
                 return Err(unknown(remote, "remote"));
             }
+        }
+        let mut lanes = Vec::with_capacity(spec.lanes.len());
+        for &(local, remote) in &spec.lanes {
             let pair = Pair {
                 local,
                 peer: spec.peer,
@@ -345,12 +347,17 @@ impl Router {
     /// The answer to a [`ProbeRequest`]: `ok` when the pair answered within the reactor's
     /// deadline. A failed probe marks the pair unhealthy (moving any lanes on it, reason
     /// [`FailReason::Probe`]); a good one may complete a fail-back and lets waiting lanes
-    /// choose their backup. An answer nobody asked for is still recorded.
+    /// choose their backup. An answer nobody asked for is still recorded, except a good one
+    /// through a local NIC that is down: it was sent before the carrier went, so it proves
+    /// nothing and does not count towards fail-back.
     pub fn handle_probe(&mut self, pair: Pair, ok: bool, now: Instant) {
         self.tick(now);
+        let stale = self.down.contains(&pair.local);
         let ps = self.pairs.entry(pair).or_default();
         ps.probing = false;
-        if ok {
+        if ok && stale {
+            self.stats.probes_ok += 1;
+        } else if ok {
             self.stats.probes_ok += 1;
             ps.health = Health::Good(now);
             if let Some(w) = &mut ps.watch {
@@ -391,7 +398,7 @@ impl Router {
         if !self.down.remove(&nic) {
             return;
         }
-        for (_, ps) in self.pairs.range_mut(..).filter(|(p, _)| p.local == nic) {
+        for (_, ps) in self.pairs.iter_mut().filter(|(p, _)| p.local == nic) {
             if matches!(ps.health, Health::Bad(_)) {
                 ps.health = Health::Unknown;
             }

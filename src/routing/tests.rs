@@ -925,6 +925,23 @@ fn failback_waits_while_the_original_nic_is_down() {
 }
 
 #[test]
+fn a_good_answer_sent_before_carrier_loss_does_not_count() {
+    let mut sim = failed_over_at_zero(ms(0));
+    sim.auto_probe = false;
+    sim.advance_to(ms(1_000));
+    assert_eq!(sim.pending_probes, vec![pair(0, 0)]);
+    sim.nic_down(0);
+    sim.router.handle_probe(pair(0, 0), true, sim.now);
+    sim.auto_probe = true;
+    sim.nic_up(0);
+    // Three fresh good probes are needed after the carrier returns: 2 s, 3 s, 4 s.
+    sim.advance_to(ms(3_999));
+    assert!(sim.take_moves().is_empty());
+    sim.advance_to(ms(4_000));
+    assert_eq!(sim.take_moves().len(), 1);
+}
+
+#[test]
 fn flapping_link_doubles_its_holddown_up_to_the_cap() {
     let mut sim = failed_over_at_zero(ms(0));
     let p = pair(0, 0);
