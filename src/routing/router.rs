@@ -355,15 +355,15 @@ impl Router {
         let stale = self.down.contains(&pair.local);
         let ps = self.pairs.entry(pair).or_default();
         ps.probing = false;
-        if ok && stale {
+        if ok {
             self.stats.probes_ok += 1;
-        } else if ok {
-            self.stats.probes_ok += 1;
-            ps.health = Health::Good(now);
-            if let Some(w) = &mut ps.watch {
-                w.streak += 1;
+            if !stale {
+                ps.health = Health::Good(now);
+                if let Some(w) = &mut ps.watch {
+                    w.streak += 1;
+                }
+                self.try_failback(pair, now);
             }
-            self.try_failback(pair, now);
         } else {
             self.stats.probes_failed += 1;
             self.fail_pair(pair, FailReason::Probe, now);
