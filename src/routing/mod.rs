@@ -28,6 +28,7 @@
 //!
 //! The router updates its own view the moment it queues a [`Move`]: the reactor must carry
 //! out every move it polls (in order), or report the lane as failed, which selects again.
+#![deny(missing_docs, missing_debug_implementations)]
 
 mod config;
 mod rng;

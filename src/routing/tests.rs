@@ -616,6 +616,24 @@ fn a_lane_failure_moves_every_lane_sharing_the_pair() {
 }
 
 #[test]
+fn a_failed_probe_of_a_busy_pair_moves_its_lanes() {
+    // The reactor may probe a pair on its own (a keepalive); a failure counts as such.
+    let mut sim = router_with_rails(2, 1, config(0));
+    let before = sim.router.stats();
+    sim.router.handle_probe(pair(1, 1), false, sim.now);
+    sim.drive();
+    let moves = sim.take_moves();
+    assert_eq!(moves.len(), 1);
+    assert_eq!(moves[0].from, pair(1, 1));
+    assert_eq!(moves[0].to, pair(0, 0));
+    assert_eq!(moves[0].reason, MoveReason::Failover(FailReason::Probe));
+    let after = sim.router.stats();
+    assert_eq!(after.failovers.probe, before.failovers.probe + 1);
+    assert_eq!(after.failovers.total(), before.failovers.total() + 1);
+    assert_eq!(after.probes_failed, before.probes_failed + 1);
+}
+
+#[test]
 fn two_nics_failing_one_after_the_other_and_at_once() {
     for at_once in [false, true] {
         let n = 8;
