@@ -202,6 +202,10 @@ fn config(seed: u64) -> RouterConfig {
     }
 }
 
+fn mismatch(local: Option<u32>, remote: Option<u32>) -> Exclusion {
+    Exclusion::RailMismatch { local, remote }
+}
+
 fn ceil_div(a: u32, b: u32) -> u32 {
     a.div_ceil(b)
 }
@@ -229,6 +233,12 @@ fn selection_over_nic_sets() {
     let down = |pairs: &[(u32, u32)]| -> Vec<((u32, u32), Exclusion)> {
         pairs.iter().map(|&p| (p, Exclusion::Down)).collect()
     };
+    // One NIC at each distance from the GPU, all on rail 0.
+    let ladder: Vec<LocalNic> = [Pix, Pxb, Phb, Sys]
+        .into_iter()
+        .zip(0..)
+        .map(|(d, i)| local(i, Some(0), Some(d)))
+        .collect();
     let rows = vec![
         SelectRow {
             name: "8 rails, same rail: any other rail, both ends on it",
@@ -280,62 +290,14 @@ fn selection_over_nic_sets() {
             limit: Phb,
             expect: Err(vec![
                 ((0, 0), Exclusion::Down),
-                (
-                    (0, 1),
-                    Exclusion::RailMismatch {
-                        local: Some(0),
-                        remote: Some(1),
-                    },
-                ),
-                (
-                    (0, 2),
-                    Exclusion::RailMismatch {
-                        local: Some(0),
-                        remote: None,
-                    },
-                ),
-                (
-                    (1, 0),
-                    Exclusion::RailMismatch {
-                        local: None,
-                        remote: Some(0),
-                    },
-                ),
-                (
-                    (1, 1),
-                    Exclusion::RailMismatch {
-                        local: None,
-                        remote: Some(1),
-                    },
-                ),
-                (
-                    (1, 2),
-                    Exclusion::RailMismatch {
-                        local: None,
-                        remote: None,
-                    },
-                ),
-                (
-                    (2, 0),
-                    Exclusion::RailMismatch {
-                        local: Some(2),
-                        remote: Some(0),
-                    },
-                ),
-                (
-                    (2, 1),
-                    Exclusion::RailMismatch {
-                        local: Some(2),
-                        remote: Some(1),
-                    },
-                ),
-                (
-                    (2, 2),
-                    Exclusion::RailMismatch {
-                        local: Some(2),
-                        remote: None,
-                    },
-                ),
+                ((0, 1), mismatch(Some(0), Some(1))),
+                ((0, 2), mismatch(Some(0), None)),
+                ((1, 0), mismatch(None, Some(0))),
+                ((1, 1), mismatch(None, Some(1))),
+                ((1, 2), mismatch(None, None)),
+                ((2, 0), mismatch(Some(2), Some(0))),
+                ((2, 1), mismatch(Some(2), Some(1))),
+                ((2, 2), mismatch(Some(2), None)),
             ]),
             topology_unknown: false,
         },
@@ -350,12 +312,7 @@ fn selection_over_nic_sets() {
         },
         SelectRow {
             name: "limit PHB excludes the NIC across the socket",
-            local: vec![
-                local(0, Some(0), pix),
-                local(1, Some(0), Some(Pxb)),
-                local(2, Some(0), Some(Phb)),
-                local(3, Some(0), Some(Sys)),
-            ],
+            local: ladder.clone(),
             remote: vec![remote(0, Some(0))],
             rule: RailRule::Same,
             limit: Phb,
@@ -364,12 +321,7 @@ fn selection_over_nic_sets() {
         },
         SelectRow {
             name: "limit PXB also excludes the host bridge",
-            local: vec![
-                local(0, Some(0), pix),
-                local(1, Some(0), Some(Pxb)),
-                local(2, Some(0), Some(Phb)),
-                local(3, Some(0), Some(Sys)),
-            ],
+            local: ladder.clone(),
             remote: vec![remote(0, Some(0))],
             rule: RailRule::Same,
             limit: Pxb,
@@ -712,10 +664,7 @@ fn all_down_names_each_exclusion_then_recovers_when_a_nic_returns() {
             let want = if p.local == p.remote {
                 Exclusion::Down
             } else {
-                Exclusion::RailMismatch {
-                    local: Some(p.local.0),
-                    remote: Some(p.remote.0),
-                }
+                mismatch(Some(p.local.0), Some(p.remote.0))
             };
             assert_eq!(ex, want, "{p}");
         }
@@ -808,14 +757,10 @@ fn two_sided_failure_with_same_rail_leaves_nothing_on_two_nics() {
         .filter(|e| matches!(e, Event::NoEligiblePair { .. }))
         .cloned()
         .collect();
-    let rails = |l, r| Exclusion::RailMismatch {
-        local: Some(l),
-        remote: Some(r),
-    };
     let exclusions = vec![
         (pair(0, 0), Exclusion::Down),
-        (pair(0, 1), rails(0, 1)),
-        (pair(1, 0), rails(1, 0)),
+        (pair(0, 1), mismatch(Some(0), Some(1))),
+        (pair(1, 0), mismatch(Some(1), Some(0))),
         (pair(1, 1), Exclusion::Unhealthy),
     ];
     assert_eq!(
