@@ -121,7 +121,7 @@ fn netdevs(root: &Path) -> Result<Vec<Netdev>, TopologyError> {
     for name in list_dir(&dir)? {
         let d = dir.join(&name);
         // Virtual interfaces (lo, bridges, veth) have no PCI device.
-        let Ok(pci_path) = fs::canonicalize(d.join("device")) else {
+        let Some(pci_path) = pci_function(&d.join("device")) else {
             continue;
         };
         let carrier = attr(&d.join("carrier"));
@@ -165,7 +165,7 @@ fn rdma_nics(root: &Path, netdevs: &[Netdev]) -> Result<Vec<Nic>, TopologyError>
     for dev in list_dir(&dir)? {
         let d = dir.join(&dev);
         // Soft-RoCE (rxe) devices have no PCI device; they are NICs all the same.
-        let pci_path = fs::canonicalize(d.join("device")).ok();
+        let pci_path = pci_function(&d.join("device"));
         let ports = numeric_entries(&d.join("ports"))?;
         let multi = ports.len() > 1;
         for (port, pdir) in ports {
@@ -259,6 +259,16 @@ fn gpu_paths(root: &Path) -> Result<Vec<PathBuf>, TopologyError> {
         }
     }
     Ok(out)
+}
+
+/// The realpath of a `device` link, moved up to the PCI function it belongs to: a virtio
+/// NIC's `device` is `…/0000:00:03.0/virtio2`, and the PCI function is its parent. `None`
+/// when the link is missing or no PCI function lies above it.
+fn pci_function(device_link: &Path) -> Option<PathBuf> {
+    let real = fs::canonicalize(device_link).ok()?;
+    real.ancestors()
+        .find(|p| last_component(p).and_then(PciAddr::parse).is_some())
+        .map(Path::to_path_buf)
 }
 
 /// Places the PCI device at `path` in the graph, creating the switches and CPU above it.
