@@ -432,6 +432,30 @@ impl Topology {
             })
     }
 
+    /// Copies what only a running system shows from `live` onto NICs of the same name: link
+    /// state, and, where this topology lacks them, link layer, netdev, GIDs, address, speed,
+    /// NUMA node and PCI path. For a topology read from XML, whose distances are NCCL's but
+    /// which says nothing about link state. NICs `live` does not have are left as they are.
+    pub fn merge_live_state(&mut self, live: &Topology) {
+        for nic in &mut self.nics {
+            let Some(id) = live.nic_by_name(&nic.name) else {
+                continue;
+            };
+            let l = live.nic(id);
+            nic.state = l.state;
+            nic.state_detail.clone_from(&l.state_detail);
+            nic.link_layer = nic.link_layer.take().or_else(|| l.link_layer.clone());
+            nic.netdev = nic.netdev.take().or_else(|| l.netdev.clone());
+            if nic.gids.is_empty() {
+                nic.gids.clone_from(&l.gids);
+            }
+            nic.address = nic.address.take().or_else(|| l.address.clone());
+            nic.speed_mbps = nic.speed_mbps.or(l.speed_mbps);
+            nic.numa_node = nic.numa_node.or(l.numa_node);
+            nic.pci_path = nic.pci_path.take().or_else(|| l.pci_path.clone());
+        }
+    }
+
     /// The NUMA node a NIC hangs from in the PCI tree (its CPU node), which is what NCCL
     /// uses; falls back to the NIC's own `numa_node`.
     pub fn nic_numa(&self, nic: NicId) -> Option<i64> {
