@@ -225,3 +225,29 @@ fn usage_and_unknown_arguments() {
         "{s}"
     );
 }
+
+#[test]
+fn mixed_link_layers_are_reported() {
+    use railover::topology::fixture::{PciOpts, PortOpts};
+    let dir = tempfile::tempdir().unwrap();
+    let b = machines::dual_socket(dir.path()).unwrap();
+    // An InfiniBand NIC next to the two RoCE ones.
+    b.rdma_nic(
+        "mlx5_2",
+        &["0000:18:01.0", "0000:19:00.0"],
+        PciOpts::new(4, 16, 0),
+        &[PortOpts::ib(400)],
+        &[],
+    )
+    .unwrap();
+    let o = doctor(dir.path(), &[], &[]);
+    let t = text(&o);
+    assert!(
+        t.contains("mixed link layers (Ethernet: mlx5_0, mlx5_1; InfiniBand: mlx5_2)"),
+        "{t}"
+    );
+    assert!(t.contains("mixed port speeds"), "{t}");
+    // mlx5_0 and mlx5_2 share socket 0 (PHB), mlx5_1 is alone on socket 1.
+    assert!(t.contains("mlx5_1 has no backup"), "{t}");
+    assert_eq!(o.status.code(), Some(1), "{t}");
+}

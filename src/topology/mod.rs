@@ -6,7 +6,7 @@
 //!   [`Topology::from_xml`] reads an `NCCL_TOPO_FILE`-style XML.
 //! * [`Topology::path`] types the path between two devices exactly as NCCL does from the
 //!   same sysfs (PIX < PXB < PHB < SYS), with hop count and bottleneck bandwidth.
-//! * [`Topology::apply_rail_map`] and the automatic rule decide each NIC's rail
+//! * [`Topology::apply_rail_env`] / [`Topology::apply_rails`] and the automatic rule decide each NIC's rail
 //!   (see [`rails`]).
 //! * [`Topology::backup_candidates`] lists the NICs that may take over from a failed one
 //!   under a [`RailRule`] and a distance limit (see [`backup`]).
@@ -250,7 +250,7 @@ pub enum Origin {
 }
 
 /// A node's NICs and GPUs and the PCIe tree joining them. Immutable once built, apart from
-/// rails ([`Topology::apply_rail_map`]) and the inter-socket bandwidth assumption.
+/// rails ([`Topology::apply_rails`]) and the inter-socket bandwidth assumption.
 #[derive(Debug, Clone)]
 pub struct Topology {
     nics: Vec<Nic>,
