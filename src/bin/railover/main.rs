@@ -2,7 +2,9 @@
 
 mod bench;
 mod demo;
+mod doctor;
 mod peer;
+mod sim;
 
 const USAGE: &str = "\
 usage: railover <command> [options]
@@ -12,6 +14,8 @@ commands:
            the throughput live (runs on loopback; needs nothing else)
   bench    throughput (4 KiB .. 64 MiB) and 8-byte round-trip latency through the
            plugin ABI, against plain TCP sockets measured in the same run
+  doctor   NICs, rails, PCI distances and backup candidates of this node (--help for more)
+  sim      predicted all-reduce slowdown after a NIC failure (--help for more)
   help     this text
 ";
 
@@ -20,6 +24,8 @@ fn main() {
     let code = match args.get(1).map(String::as_str) {
         Some("demo") => demo::run(&args[2..]),
         Some("bench") => bench::run(&args[2..]),
+        Some("doctor") => doctor::run(&args[2..]),
+        Some("sim") => sim::run(&args[2..]),
         Some(peer::PEER_COMMAND) => peer::serve(&args[2..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
