@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod doctor;
+mod fault_peer;
 mod peer;
 mod sim;
 
@@ -26,6 +27,7 @@ fn main() {
         Some("bench") => bench::run(&args[2..]),
         Some("doctor") => doctor::run(&args[2..]),
         Some("sim") => sim::run(&args[2..]),
+        Some("fault-peer") => fault_peer::run(&args[2..]),
         Some(peer::PEER_COMMAND) => peer::serve(&args[2..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");

@@ -1,0 +1,915 @@
+//! `railover fault-peer`: one endpoint of the fault-injection tier (`tests/fault.rs`).
+//!
+//! Started inside a network namespace (`ip netns exec <ns> railover fault-peer ...`), it
+//! drives the plugin through the exported `ncclNetPlugin_v12` table as NCCL's proxy does:
+//! several comms per device, a fixed number of requests in flight on each, messages whose
+//! every byte is derived from (comm, sequence number) so the receiver detects loss,
+//! duplication, reordering and corruption. It reports on stdout, one line per event, and
+//! stops by itself. `tcp-send` / `tcp-recv` move plain TCP bytes instead, so the testbed
+//! can be checked without the plugin. The full protocol is in `docs/fault-tier.md`.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use railover::ffi::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
+
+const USAGE: &str = "\
+usage: railover fault-peer <role> [options]
+
+roles:
+  recv      listen on every device, print `handle` lines, receive and verify
+  send      read `handle` lines and then `go` from stdin, connect, send
+  tcp-recv  --bind IP:PORT: plain TCP sink (testbed self-checks)
+  tcp-send  --to IP:PORT: plain TCP source (testbed self-checks)
+
+options (recv/send):
+  --per-dev K     comms per device (default 1)
+  --size BYTES    message size, suffix k/m allowed (default 512k)
+  --depth D       requests in flight per comm (default 8)
+  --seconds S     send for S seconds (default 5); recv gives up at S + 2 x grace
+  --grace S       after sending stops, how long to wait for what is in flight (default 5)
+  --tick-ms MS    interval of `tick` lines (default 100)
+options (tcp-*): --seconds S, --tick-ms MS
+
+exit status: 0 all delivered, 1 corruption/loss/duplication/reordering seen,
+             3 request errors or stalls (no corruption), 2 usage, 4 setup failed
+";
+
+const MAGIC: u32 = 0x5246_5031;
+const HDR: usize = 32;
+const FLAG_END: u32 = 1;
+const MAX_BAD_LINES: u32 = 20;
+
+#[derive(Debug, Clone)]
+struct Opts {
+    per_dev: usize,
+    size: usize,
+    depth: usize,
+    seconds: f64,
+    grace: f64,
+    tick: Duration,
+    addr: Option<SocketAddr>,
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim().to_ascii_lowercase();
+    let (num, mul) = match s.strip_suffix('k') {
+        Some(n) => (n.to_string(), 1024),
+        None => match s.strip_suffix('m') {
+            Some(n) => (n.to_string(), 1 << 20),
+            None => (s.clone(), 1),
+        },
+    };
+    num.parse::<usize>().ok().map(|n| n * mul)
+}
+
+fn parse_opts(args: &[String]) -> Result<Opts, String> {
+    let mut o = Opts {
+        per_dev: 1,
+        size: 512 << 10,
+        depth: 8,
+        seconds: 5.0,
+        grace: 5.0,
+        tick: Duration::from_millis(100),
+        addr: None,
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let val = it
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value"))?
+            .as_str();
+        let bad = || format!("{flag} {val:?} is not valid");
+        match flag.as_str() {
+            "--per-dev" => o.per_dev = val.parse().map_err(|_| bad())?,
+            "--size" => o.size = parse_size(val).ok_or_else(bad)?,
+            "--depth" => o.depth = val.parse().map_err(|_| bad())?,
+            "--seconds" => o.seconds = val.parse().map_err(|_| bad())?,
+            "--grace" => o.grace = val.parse().map_err(|_| bad())?,
+            "--tick-ms" => o.tick = Duration::from_millis(val.parse().map_err(|_| bad())?),
+            "--bind" | "--to" => o.addr = Some(val.parse().map_err(|_| bad())?),
+            _ => return Err(format!("unknown option {flag}")),
+        }
+    }
+    if o.per_dev == 0 || o.depth == 0 || o.size < HDR || !(o.seconds >= 0.0 && o.grace >= 0.0) {
+        return Err(format!(
+            "need --per-dev >= 1, --depth >= 1, --size >= {HDR}, non-negative times"
+        ));
+    }
+    Ok(o)
+}
+
+pub fn run(args: &[String]) -> i32 {
+    let Some(role) = args.first() else {
+        eprint!("{USAGE}");
+        return 2;
+    };
+    let opts = match parse_opts(&args[1..]) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("railover fault-peer: {e}\n{USAGE}");
+            return 2;
+        }
+    };
+    match role.as_str() {
+        "recv" => receiver(&opts),
+        "send" => sender(&opts),
+        "tcp-recv" => tcp_recv(&opts),
+        "tcp-send" => tcp_send(&opts),
+        _ => {
+            eprint!("{USAGE}");
+            2
+        }
+    }
+}
+
+/// Wall-clock milliseconds: comparable between the two endpoints and the test.
+fn unix_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<[u8; 128]> {
+    if s.len() != 256 {
+        return None;
+    }
+    let mut out = [0u8; 128];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// `key=value` words of a line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+// ---- message content ------------------------------------------------------------
+
+fn seed(comm: u32, seq: u64) -> u64 {
+    (seq ^ (u64::from(comm) << 48)).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03
+}
+
+fn next(x: &mut u64) -> [u8; 8] {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    x.to_le_bytes()
+}
+
+/// Writes message `seq` of `comm`: a header, then bytes derived from (comm, seq).
+fn fill(buf: &mut [u8], comm: u32, seq: u64, flags: u32) {
+    let len = buf.len() as u32;
+    buf[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    buf[4..8].copy_from_slice(&comm.to_le_bytes());
+    buf[8..16].copy_from_slice(&seq.to_le_bytes());
+    buf[16..20].copy_from_slice(&len.to_le_bytes());
+    buf[20..24].copy_from_slice(&flags.to_le_bytes());
+    buf[24..32].fill(0);
+    let mut x = seed(comm, seq);
+    for chunk in buf[HDR..].chunks_mut(8) {
+        let b = next(&mut x);
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// What a received message says about itself, or what is wrong with it.
+#[derive(Debug)]
+enum Verdict {
+    Data,
+    End,
+    Bad(&'static str, String),
+}
+
+fn verify(buf: &[u8], comm: u32, expect_seq: u64) -> Verdict {
+    if buf.len() < HDR {
+        return Verdict::Bad("size", format!("got={} min={HDR}", buf.len()));
+    }
+    let u32_at = |o: usize| u32::from_le_bytes(buf[o..o + 4].try_into().unwrap());
+    let seq = u64::from_le_bytes(buf[8..16].try_into().unwrap());
+    if u32_at(0) != MAGIC {
+        return Verdict::Bad("corrupt", format!("offset=0 magic={:#x}", u32_at(0)));
+    }
+    if u32_at(4) != comm {
+        return Verdict::Bad("misrouted", format!("from_comm={}", u32_at(4)));
+    }
+    if seq < expect_seq {
+        return Verdict::Bad("dup", format!("seq={seq} expected={expect_seq}"));
+    }
+    if seq > expect_seq {
+        return Verdict::Bad("gap", format!("seq={seq} expected={expect_seq}"));
+    }
+    if u32_at(16) as usize != buf.len() {
+        return Verdict::Bad("size", format!("got={} header={}", buf.len(), u32_at(16)));
+    }
+    let mut x = seed(comm, seq);
+    for (i, chunk) in buf[HDR..].chunks(8).enumerate() {
+        let b = next(&mut x);
+        if chunk != &b[..chunk.len()] {
+            return Verdict::Bad("corrupt", format!("offset={}", HDR + 8 * i));
+        }
+    }
+    if u32_at(20) & FLAG_END != 0 {
+        Verdict::End
+    } else {
+        Verdict::Data
+    }
+}
+
+// ---- bookkeeping shared by both roles --------------------------------------------
+
+#[derive(Debug, Default)]
+struct Tally {
+    msgs: u64,
+    bytes: u64,
+    bad: u32,
+    req_errors: u64,
+    codes: BTreeMap<i32, u64>,
+    first_error: Option<u128>,
+    last_error: Option<u128>,
+}
+
+impl Tally {
+    fn error(&mut self, comm: usize, op: &str, seq: u64, code: Code) {
+        let t = unix_ms();
+        self.req_errors += 1;
+        *self.codes.entry(code.0).or_default() += 1;
+        self.first_error.get_or_insert(t);
+        self.last_error = Some(t);
+        say(&format!(
+            "error t={t} comm={comm} op={op} seq={seq} code={}",
+            code.0
+        ));
+    }
+
+    fn bad(&mut self, comm: usize, kind: &str, detail: &str) {
+        self.bad += 1;
+        if self.bad <= MAX_BAD_LINES {
+            say(&format!(
+                "bad t={} comm={comm} kind={kind} {detail}",
+                unix_ms()
+            ));
+        }
+    }
+
+    fn summary(&self, role: &str, comms: usize, ended: usize, failed: usize, stalled: usize) {
+        let codes: Vec<String> = self.codes.iter().map(|(c, n)| format!("{c}:{n}")).collect();
+        say(&format!(
+            "summary role={role} comms={comms} msgs={} bytes={} ended={ended} failed={failed} \
+             stalled={stalled} bad={} req_errors={} codes={} first_error={} last_error={}",
+            self.msgs,
+            self.bytes,
+            self.bad,
+            self.req_errors,
+            if codes.is_empty() {
+                "-".into()
+            } else {
+                codes.join(",")
+            },
+            self.first_error.unwrap_or(0),
+            self.last_error.unwrap_or(0),
+        ));
+    }
+
+    fn exit_code(&self, stalled: usize) -> i32 {
+        if self.bad > 0 {
+            1
+        } else if self.req_errors > 0 || stalled > 0 {
+            3
+        } else {
+            0
+        }
+    }
+}
+
+/// Prints a `tick` line every interval with the bytes each comm moved since the last.
+struct Ticker {
+    every: Duration,
+    start: Instant,
+    last: Instant,
+}
+
+impl Ticker {
+    fn new(every: Duration) -> Ticker {
+        let now = Instant::now();
+        Ticker {
+            every,
+            start: now,
+            last: now,
+        }
+    }
+
+    fn maybe(&mut self, per_comm: &mut [u64]) {
+        if self.last.elapsed() >= self.every {
+            self.flush(per_comm);
+        }
+    }
+
+    fn flush(&mut self, per_comm: &mut [u64]) {
+        self.last = Instant::now();
+        let b: Vec<String> = per_comm.iter().map(u64::to_string).collect();
+        say(&format!(
+            "tick t={} el={} bytes={}",
+            unix_ms(),
+            self.start.elapsed().as_millis(),
+            b.join(",")
+        ));
+        per_comm.fill(0);
+    }
+}
+
+/// Yield a few times, then sleep briefly: with 2 cores the reactors need the CPU.
+#[derive(Default)]
+struct Backoff(u32);
+
+impl Backoff {
+    fn progress(&mut self) {
+        self.0 = 0;
+    }
+    fn idle(&mut self) {
+        self.0 += 1;
+        if self.0 < 32 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Running,
+    /// Sender: no more data; END goes out once all data completed.
+    Draining,
+    /// Sender: END posted. Receiver: never.
+    EndPosted,
+    Ended,
+    Failed,
+}
+
+struct Slot {
+    buf: Buffer,
+    req: Option<(Request, u64)>,
+}
+
+fn describe_devices(ctx: &Ctx) -> Result<i32, Code> {
+    let n = ctx.devices()?;
+    let names: Vec<String> = (0..n)
+        .map(|d| {
+            ctx.properties(d)
+                .map(|p| p.name)
+                .unwrap_or_else(|_| "?".into())
+        })
+        .collect();
+    say(&format!("devices n={n} names={}", names.join(",")));
+    Ok(n)
+}
+
+// ---- receiver ---------------------------------------------------------------------
+
+struct RecvLane {
+    comm: RecvComm,
+    slots: Vec<Slot>,
+    posted: u64,
+    done: u64,
+    state: State,
+}
+
+fn receiver(o: &Opts) -> i32 {
+    let setup = || -> Result<(Ctx, Vec<RecvComm>), String> {
+        let ctx = Ctx::init().map_err(|e| format!("init: {e}"))?;
+        let ndev = describe_devices(&ctx).map_err(|e| format!("devices: {e}"))?;
+        if ndev < 1 {
+            return Err("no devices".into());
+        }
+        let m = o.per_dev * ndev as usize;
+        let mut listeners = Vec::new();
+        for i in 0..m {
+            let dev = (i % ndev as usize) as i32;
+            let (h, l) = ctx
+                .listen(dev)
+                .map_err(|e| format!("listen dev {dev}: {e}"))?;
+            say(&format!("handle comm={i} dev={dev} hex={}", hex(&h)));
+            listeners.push(l);
+        }
+        say(&format!("listening comms={m}"));
+        let end = Instant::now() + Duration::from_secs(30);
+        let mut comms: Vec<Option<RecvComm>> = (0..m).map(|_| None).collect();
+        while comms.iter().any(Option::is_none) {
+            if Instant::now() > end {
+                return Err("accept timed out".into());
+            }
+            for (c, l) in comms.iter_mut().zip(&listeners) {
+                if c.is_none() {
+                    *c = l.accept().map_err(|e| format!("accept: {e}"))?;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok((ctx, comms.into_iter().map(Option::unwrap).collect()))
+    };
+    let (ctx, comms) = match setup() {
+        Ok(x) => x,
+        Err(e) => {
+            say(&format!("setup-failed {e}"));
+            return 4;
+        }
+    };
+    let mut lanes = Vec::new();
+    for comm in comms {
+        let slots = (0..o.depth)
+            .map(|_| comm.register(o.size).map(|buf| Slot { buf, req: None }))
+            .collect::<Result<Vec<_>, _>>();
+        match slots {
+            Ok(slots) => lanes.push(RecvLane {
+                comm,
+                slots,
+                posted: 0,
+                done: 0,
+                state: State::Running,
+            }),
+            Err(e) => {
+                say(&format!("setup-failed regMr: {e}"));
+                return 4;
+            }
+        }
+    }
+    say(&format!("connected comms={} t={}", lanes.len(), unix_ms()));
+
+    let mut tally = Tally::default();
+    let mut per_comm = vec![0u64; lanes.len()];
+    let mut ticker = Ticker::new(o.tick);
+    let give_up = Instant::now() + Duration::from_secs_f64(o.seconds + 2.0 * o.grace);
+    let mut backoff = Backoff::default();
+    let depth = o.depth as u64;
+    loop {
+        let mut progress = false;
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            // Test: the oldest while healthy, every outstanding one once failed.
+            for k in 0..depth {
+                let seq = lane.done + k;
+                if lane.state == State::Running && k > 0 {
+                    break;
+                }
+                let slot = &mut lane.slots[(seq % depth) as usize];
+                let Some((req, s)) = slot.req.as_mut() else {
+                    continue;
+                };
+                let s = *s;
+                match req.test() {
+                    Ok(None) => {}
+                    Ok(Some(n)) => {
+                        slot.req = None;
+                        progress = true;
+                        if lane.state == State::Ended {
+                            continue;
+                        }
+                        let bytes = slot.buf.bytes().expect("completed buffer is free");
+                        match verify(&bytes[..n.min(bytes.len())], i as u32, s) {
+                            Verdict::Data => {
+                                tally.msgs += 1;
+                                tally.bytes += n as u64;
+                                per_comm[i] += n as u64;
+                            }
+                            Verdict::End => {
+                                lane.state = State::Ended;
+                                say(&format!("end t={} comm={i} msgs={s}", unix_ms()));
+                            }
+                            Verdict::Bad(kind, detail) => tally.bad(i, kind, &detail),
+                        }
+                        if lane.state == State::Running {
+                            lane.done += 1;
+                        }
+                    }
+                    Err(c) => {
+                        slot.req = None;
+                        progress = true;
+                        if lane.state != State::Ended {
+                            tally.error(i, "test", s, c);
+                            lane.state = State::Failed;
+                        }
+                    }
+                }
+            }
+            // Post receives into free slots, in order.
+            while lane.state == State::Running && lane.posted < lane.done + depth {
+                let seq = lane.posted;
+                let slot = &mut lane.slots[(seq % depth) as usize];
+                match lane.comm.irecv(&mut slot.buf, o.size) {
+                    Ok(Some(r)) => {
+                        slot.req = Some((r, seq));
+                        lane.posted += 1;
+                        progress = true;
+                    }
+                    Ok(None) => break,
+                    Err(c) => {
+                        tally.error(i, "irecv", seq, c);
+                        lane.state = State::Failed;
+                    }
+                }
+            }
+        }
+        ticker.maybe(&mut per_comm);
+        let settled = lanes.iter().all(|l| {
+            l.state == State::Ended
+                || (l.state == State::Failed && l.slots.iter().all(|s| s.req.is_none()))
+        });
+        if settled || Instant::now() > give_up {
+            break;
+        }
+        if progress {
+            backoff.progress();
+        } else {
+            backoff.idle();
+        }
+    }
+    ticker.flush(&mut per_comm);
+    let ended = lanes.iter().filter(|l| l.state == State::Ended).count();
+    let failed = lanes.iter().filter(|l| l.state == State::Failed).count();
+    let stalled = lanes
+        .iter()
+        .filter(|l| {
+            l.state == State::Running
+                || (l.state == State::Failed && l.slots.iter().any(|s| s.req.is_some()))
+        })
+        .count();
+    tally.summary("recv", lanes.len(), ended, failed, stalled);
+    let code = tally.exit_code(stalled);
+    // Receives posted past END (and any stuck ones) stay posted: leave them to the
+    // process exit rather than closing comms under outstanding requests.
+    if lanes
+        .iter()
+        .any(|l| l.slots.iter().any(|s| s.req.is_some()))
+    {
+        std::mem::forget(lanes);
+        std::mem::forget(ctx);
+    } else {
+        drop(lanes);
+        let _ = ctx.finalize();
+    }
+    code
+}
+
+// ---- sender -----------------------------------------------------------------------
+
+struct SendLane {
+    comm: SendComm,
+    slots: Vec<Slot>,
+    posted: u64,
+    done: u64,
+    state: State,
+}
+
+fn read_handles() -> Result<Vec<(usize, i32, [u8; 128])>, String> {
+    let mut out = Vec::new();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.map_err(|e| format!("stdin: {e}"))?;
+        let line = line.trim();
+        if line == "go" {
+            out.sort_by_key(|h: &(usize, i32, [u8; 128])| h.0);
+            if out.iter().enumerate().any(|(i, h)| h.0 != i) {
+                return Err("handle comm numbers are not 0..n".into());
+            }
+            return Ok(out);
+        }
+        if !line.starts_with("handle ") {
+            continue;
+        }
+        let parsed = (|| {
+            Some((
+                field(line, "comm")?.parse().ok()?,
+                field(line, "dev")?.parse().ok()?,
+                unhex(field(line, "hex")?)?,
+            ))
+        })();
+        out.push(parsed.ok_or_else(|| format!("bad handle line {line:?}"))?);
+    }
+    Err("stdin closed before `go`".into())
+}
+
+fn sender(o: &Opts) -> i32 {
+    let setup = || -> Result<(Ctx, Vec<SendComm>), String> {
+        let ctx = Ctx::init().map_err(|e| format!("init: {e}"))?;
+        let ndev = describe_devices(&ctx).map_err(|e| format!("devices: {e}"))?;
+        let mut handles = read_handles()?;
+        if let Some(h) = handles.iter().find(|h| h.1 >= ndev) {
+            return Err(format!("comm {} wants device {} of {ndev}", h.0, h.1));
+        }
+        let end = Instant::now() + Duration::from_secs(30);
+        let mut comms: Vec<Option<SendComm>> = handles.iter().map(|_| None).collect();
+        while comms.iter().any(Option::is_none) {
+            if Instant::now() > end {
+                return Err("connect timed out".into());
+            }
+            for (c, (_, dev, h)) in comms.iter_mut().zip(handles.iter_mut()) {
+                if c.is_none() {
+                    *c = ctx
+                        .connect(*dev, h)
+                        .map_err(|e| format!("connect dev {dev}: {e}"))?;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok((ctx, comms.into_iter().map(Option::unwrap).collect()))
+    };
+    let (ctx, comms) = match setup() {
+        Ok(x) => x,
+        Err(e) => {
+            say(&format!("setup-failed {e}"));
+            return 4;
+        }
+    };
+    let mut lanes = Vec::new();
+    for (i, comm) in comms.into_iter().enumerate() {
+        let mut slots = Vec::new();
+        for _ in 0..o.depth {
+            match comm.register(o.size) {
+                Ok(buf) => slots.push(Slot { buf, req: None }),
+                Err(e) => {
+                    say(&format!("setup-failed regMr comm {i}: {e}"));
+                    return 4;
+                }
+            }
+        }
+        lanes.push(SendLane {
+            comm,
+            slots,
+            posted: 0,
+            done: 0,
+            state: State::Running,
+        });
+    }
+    say(&format!("connected comms={} t={}", lanes.len(), unix_ms()));
+
+    let mut tally = Tally::default();
+    let mut per_comm = vec![0u64; lanes.len()];
+    let mut ticker = Ticker::new(o.tick);
+    let stop = Instant::now() + Duration::from_secs_f64(o.seconds);
+    let give_up = stop + Duration::from_secs_f64(o.grace);
+    let mut backoff = Backoff::default();
+    let depth = o.depth as u64;
+    loop {
+        let mut progress = false;
+        let stopping = Instant::now() >= stop;
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            if stopping && lane.state == State::Running {
+                lane.state = State::Draining;
+            }
+            let want_end = lane.state == State::Draining && lane.done == lane.posted;
+            while (lane.state == State::Running || want_end && lane.state == State::Draining)
+                && lane.posted < lane.done + depth
+            {
+                let seq = lane.posted;
+                let end = lane.state == State::Draining;
+                let len = if end { HDR } else { o.size };
+                let slot = &mut lane.slots[(seq % depth) as usize];
+                let bytes = slot.buf.bytes_mut().expect("free slot");
+                fill(
+                    &mut bytes[..len],
+                    i as u32,
+                    seq,
+                    if end { FLAG_END } else { 0 },
+                );
+                match lane.comm.isend(&slot.buf, len) {
+                    Ok(Some(r)) => {
+                        slot.req = Some((r, seq));
+                        lane.posted += 1;
+                        progress = true;
+                        if end {
+                            lane.state = State::EndPosted;
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(c) => {
+                        tally.error(i, "isend", seq, c);
+                        lane.state = State::Failed;
+                    }
+                }
+            }
+            for k in 0..depth {
+                let seq = lane.done + k;
+                if lane.state != State::Failed && k > 0 {
+                    break;
+                }
+                let slot = &mut lane.slots[(seq % depth) as usize];
+                let Some((req, s)) = slot.req.as_mut() else {
+                    continue;
+                };
+                let s = *s;
+                match req.test() {
+                    Ok(None) => {}
+                    Ok(Some(n)) => {
+                        slot.req = None;
+                        progress = true;
+                        if lane.state == State::EndPosted && s + 1 == lane.posted {
+                            lane.state = State::Ended;
+                        } else if n != o.size {
+                            tally.bad(i, "size", &format!("send seq={s} completed={n}"));
+                        } else {
+                            tally.msgs += 1;
+                            tally.bytes += n as u64;
+                            per_comm[i] += n as u64;
+                        }
+                        if lane.state != State::Failed {
+                            lane.done += 1;
+                        }
+                    }
+                    Err(c) => {
+                        slot.req = None;
+                        progress = true;
+                        tally.error(i, "test", s, c);
+                        lane.state = State::Failed;
+                    }
+                }
+            }
+        }
+        ticker.maybe(&mut per_comm);
+        let settled = lanes.iter().all(|l| {
+            l.state == State::Ended
+                || (l.state == State::Failed && l.slots.iter().all(|s| s.req.is_none()))
+        });
+        if settled || Instant::now() > give_up {
+            break;
+        }
+        if progress {
+            backoff.progress();
+        } else {
+            backoff.idle();
+        }
+    }
+    ticker.flush(&mut per_comm);
+    let ended = lanes.iter().filter(|l| l.state == State::Ended).count();
+    let failed = lanes.iter().filter(|l| l.state == State::Failed).count();
+    let stalled = lanes
+        .iter()
+        .filter(|l| l.slots.iter().any(|s| s.req.is_some()))
+        .count();
+    tally.summary("send", lanes.len(), ended, failed, stalled);
+    let code = tally.exit_code(stalled);
+    // Closing now could fail receives the receiver has not yet tested: keep the comms
+    // open until the test says `close` (or closes stdin), for at most the grace time.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            match line {
+                Ok(l) if l.trim() == "close" => break,
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let _ = tx.send(());
+    });
+    let _ = rx.recv_timeout(Duration::from_secs_f64(o.grace));
+    if stalled > 0 {
+        std::mem::forget(lanes);
+        std::mem::forget(ctx);
+    } else {
+        drop(lanes);
+        let _ = ctx.finalize();
+    }
+    code
+}
+
+// ---- plain TCP, for the testbed's own checks ---------------------------------------
+
+fn tcp_recv(o: &Opts) -> i32 {
+    let Some(addr) = o.addr else {
+        eprintln!("railover fault-peer tcp-recv: --bind IP:PORT is required");
+        return 2;
+    };
+    let l = match TcpListener::bind(addr) {
+        Ok(l) => l,
+        Err(e) => {
+            say(&format!("setup-failed bind {addr}: {e}"));
+            return 4;
+        }
+    };
+    say(&format!(
+        "listening addr={}",
+        l.local_addr().map_or(addr, |a| a)
+    ));
+    let (mut s, _) = match l.accept() {
+        Ok(x) => x,
+        Err(e) => {
+            say(&format!("setup-failed accept: {e}"));
+            return 4;
+        }
+    };
+    let _ = s.set_read_timeout(Some(o.tick / 2));
+    say(&format!("connected comms=1 t={}", unix_ms()));
+    let end = Instant::now() + Duration::from_secs_f64(o.seconds);
+    let mut ticker = Ticker::new(o.tick);
+    let mut per = [0u64];
+    let mut total = 0u64;
+    let mut buf = vec![0u8; 256 << 10];
+    while Instant::now() < end {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                per[0] += n as u64;
+                total += n as u64;
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => {
+                say(&format!("error t={} comm=0 op=read code=-1 {e}", unix_ms()));
+                break;
+            }
+        }
+        ticker.maybe(&mut per);
+    }
+    ticker.flush(&mut per);
+    say(&format!("summary role=tcp-recv bytes={total}"));
+    0
+}
+
+fn tcp_send(o: &Opts) -> i32 {
+    let Some(addr) = o.addr else {
+        eprintln!("railover fault-peer tcp-send: --to IP:PORT is required");
+        return 2;
+    };
+    let mut s = match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+        Ok(s) => s,
+        Err(e) => {
+            say(&format!("setup-failed connect {addr}: {e}"));
+            return 4;
+        }
+    };
+    let _ = s.set_write_timeout(Some(Duration::from_millis(50)));
+    say(&format!("connected comms=1 t={}", unix_ms()));
+    let end = Instant::now() + Duration::from_secs_f64(o.seconds);
+    let buf = vec![0x5au8; 64 << 10];
+    let mut total = 0u64;
+    while Instant::now() < end {
+        match s.write(&buf) {
+            Ok(n) => total += n as u64,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(e) => {
+                say(&format!(
+                    "error t={} comm=0 op=write code=-1 {e}",
+                    unix_ms()
+                ));
+                break;
+            }
+        }
+    }
+    say(&format!("summary role=tcp-send bytes={total}"));
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verify_detects_each_kind_of_damage() {
+        let mut m = vec![0u8; 4096 + 5];
+        fill(&mut m, 3, 7, 0);
+        assert!(matches!(verify(&m, 3, 7), Verdict::Data));
+        assert!(matches!(verify(&m, 3, 8), Verdict::Bad("dup", _)));
+        assert!(matches!(verify(&m, 3, 6), Verdict::Bad("gap", _)));
+        assert!(matches!(verify(&m, 2, 7), Verdict::Bad("misrouted", _)));
+        assert!(matches!(verify(&m[..100], 3, 7), Verdict::Bad("size", _)));
+        m[4000] ^= 1;
+        assert!(matches!(verify(&m, 3, 7), Verdict::Bad("corrupt", _)));
+        let mut e = vec![0u8; HDR];
+        fill(&mut e, 0, 9, FLAG_END);
+        assert!(matches!(verify(&e, 0, 9), Verdict::End));
+    }
+
+    #[test]
+    fn handles_and_options_parse() {
+        let h: Vec<u8> = (0..128u8).collect();
+        assert_eq!(unhex(&hex(&h)).unwrap().to_vec(), h);
+        assert!(unhex("00").is_none());
+        assert_eq!(parse_size("256k"), Some(256 << 10));
+        assert_eq!(parse_size("1M"), Some(1 << 20));
+        let o =
+            parse_opts(&["--per-dev".into(), "2".into(), "--size".into(), "1m".into()]).unwrap();
+        assert_eq!((o.per_dev, o.size), (2, 1 << 20));
+        assert!(parse_opts(&["--size".into(), "3".into()]).is_err());
+        assert_eq!(field("handle comm=3 dev=1 hex=ab", "dev"), Some("1"));
+    }
+}
