@@ -41,7 +41,10 @@ struct Symbol {
 /// Runs `nm` with `args` on `so`; `None` (after saying why) when `nm` is unavailable.
 fn nm(so: &Path, args: &[&str]) -> Option<Vec<Symbol>> {
     if !support::have_tool("nm") {
-        eprintln!("SKIP: `nm` (binutils) is not installed; cannot inspect {}", so.display());
+        eprintln!(
+            "SKIP: `nm` (binutils) is not installed; cannot inspect {}",
+            so.display()
+        );
         return None;
     }
     let out = Command::new("nm")
@@ -151,7 +154,10 @@ fn no_hard_dependency_on_rdma_core() {
 #[test]
 fn nm_line_parser() {
     let s = parse_nm_line("0000000000012340 00000000000000b0 D ncclNetPlugin_v12").unwrap();
-    assert_eq!((s.name.as_str(), s.kind, s.size), ("ncclNetPlugin_v12", 'D', Some(176)));
+    assert_eq!(
+        (s.name.as_str(), s.kind, s.size),
+        ("ncclNetPlugin_v12", 'D', Some(176))
+    );
     let s = parse_nm_line("                 U memcpy@GLIBC_2.14").unwrap();
     assert_eq!((s.name.as_str(), s.kind, s.size), ("memcpy", 'U', None));
     let s = parse_nm_line("                 w __gmon_start__").unwrap();
