@@ -70,7 +70,13 @@ pub fn compile_c(source: &str, output: &str, flags: &[&str], libs: &[&str]) -> P
 /// test executable itself lives in `deps/`, so both places are found from it. If neither
 /// holds the library (e.g. the tests were built by another tool), `cargo build --lib` is
 /// run for the same profile and target directory.
+///
+/// `RAILOVER_ABI_PLUGIN=/path/to/lib.so` overrides all this (e.g. to check an installed
+/// build or another NCCL plugin against the same driver).
 pub fn plugin_so() -> PathBuf {
+    if let Some(path) = std::env::var_os("RAILOVER_ABI_PLUGIN") {
+        return PathBuf::from(path);
+    }
     let exe = std::env::current_exe().expect("path of the test executable");
     let deps = exe.parent().expect("test executable has a directory");
     let profile_dir = deps.parent().expect("deps/ has a parent");
