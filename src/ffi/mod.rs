@@ -1,3 +1,23 @@
-//! ffi
+//! The C boundary with NCCL.
+//!
+//! Rules every entry point follows (NCCL's, which differ from usual C conventions):
+//! * `*request` is always written: a request, or NULL meaning "call again later"; a
+//!   value NCCL pre-stored there (`0x1`, a stale pointer) is overwritten.
+//! * `connect` and `accept` return success with a NULL comm until the comm is ready.
+//! * `deregMr(comm, NULL)` succeeds; `iflush` returns a NULL request for host memory.
+//! * NULL or unknown handles return `ncclInvalidArgument`; a panic returns
+//!   `ncclInternalError` ([`boundary`]); no unwind ever crosses into NCCL.
+//! * Legal NULLs (`sizes` in `test`, `sendDevComm`, profiler handles) are not errors.
+//!
+//! `unsafe` is allowed in this module (and the verbs fabric) only; each block says why
+//! it is sound.
 #![allow(unsafe_code)]
+
+pub mod boundary;
+pub mod buffer;
+pub mod driver;
+pub mod error;
+pub mod exports;
+pub mod handle;
+pub mod logger;
 pub mod types;

@@ -1,1 +1,403 @@
-//! plugin
+//! The version-independent plugin: what every `ncclNetPlugin_vN` entry point calls after
+//! `ffi` has checked its pointers. Safe Rust throughout; buffers arrive as [`UserBuf`].
+//!
+//! NCCL's threads only do three things here: validate, queue a command for the reactor,
+//! and read request state. They never touch a socket.
+
+pub mod comm;
+pub mod error;
+pub mod net_handle;
+pub mod request;
+
+use std::ffi::{CStr, CString};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::config::Config;
+use crate::conn::wire::NicAddr;
+use crate::ffi::buffer::UserBuf;
+use crate::reactor::{Command, ReactorHandle, ReactorStats};
+use crate::transport::tcp::{self, TcpNic};
+pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, Side};
+pub use error::Error;
+pub use net_handle::NetHandle;
+pub use request::{Request, Status};
+
+/// The plugin's name in NCCL (`NCCL_NET=railover`).
+pub const NAME: &CStr = c"railover";
+
+/// One NIC as `getProperties` reports it.
+#[derive(Debug, Clone)]
+pub struct NicInfo {
+    pub tcp: TcpNic,
+    /// Interned: NCCL keeps these pointers for the library's lifetime.
+    pub name: &'static CStr,
+    pub pci_path: Option<&'static CStr>,
+    pub guid: u64,
+}
+
+/// Everything alive between the first `init` and the last `finalize`.
+#[derive(Debug)]
+pub struct Runtime {
+    pub config: Config,
+    pub nics: Vec<NicInfo>,
+    pub reactor: ReactorHandle,
+}
+
+impl Runtime {
+    fn start() -> Result<Runtime, Error> {
+        let config = Config::from_env()?;
+        crate::telemetry::log::install(config.log);
+        let sysfs = Path::new("/sys");
+        let nics: Vec<NicInfo> = tcp::nic::discover(&config.ifname, sysfs)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, tcp)| NicInfo {
+                name: intern(&tcp.name),
+                pci_path: tcp.pci_path.as_deref().map(intern),
+                // Unique per device within the process; NCCL treats equal guids as one port.
+                guid: 0x7261_696c_0000_0000 | i as u64,
+                tcp,
+            })
+            .collect();
+        let wire_nics = nics
+            .iter()
+            .map(|n| NicAddr {
+                addr: SocketAddr::new(n.tcp.ip, 0),
+                rail: None,
+            })
+            .collect();
+        let reactor = ReactorHandle::spawn(wire_nics, config.spin)?;
+        tracing::info!(
+            "railover: {} NIC(s): {} ({config})",
+            nics.len(),
+            nics.iter()
+                .map(|n| format!("{}={}", n.tcp.name, n.tcp.ip))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Ok(Runtime {
+            config,
+            nics,
+            reactor,
+        })
+    }
+
+    fn nic(&self, dev: i32) -> Result<&NicInfo, Error> {
+        usize::try_from(dev)
+            .ok()
+            .and_then(|d| self.nics.get(d))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "device {dev} does not exist ({} NICs)",
+                    self.nics.len()
+                ))
+            })
+    }
+
+    /// Counters of the reactor (rejected connections, protocol errors, bytes).
+    pub fn stats(&self) -> &ReactorStats {
+        &self.reactor.stats
+    }
+}
+
+fn intern(s: &str) -> &'static CStr {
+    static NAMES: Mutex<Vec<&'static CStr>> = Mutex::new(Vec::new());
+    let mut names = NAMES.lock();
+    if let Some(n) = names.iter().find(|n| n.to_bytes() == s.as_bytes()) {
+        return n;
+    }
+    let c = CString::new(s.replace('\0', "")).expect("NUL bytes removed");
+    let leaked: &'static CStr = Box::leak(c.into_boxed_c_str());
+    names.push(leaked);
+    leaked
+}
+
+/// Per-communicator state (v11+), or the process-wide one of older versions.
+#[derive(Debug)]
+pub struct Context {
+    pub runtime: Arc<Runtime>,
+    pub traffic_class: i32,
+    pub hints: Mutex<Option<NetHints>>,
+    legacy: bool,
+}
+
+/// `setNetAttr`'s advisory traffic shape, kept for later use by lane planning.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NetHints {
+    pub send_max_flows_per_peer: i32,
+    pub recv_max_flows_per_peer: i32,
+    pub op: u32,
+    pub algo: u32,
+    pub proto: u32,
+}
+
+struct Global {
+    runtime: Option<Arc<Runtime>>,
+    contexts: usize,
+    legacy: Option<Arc<Context>>,
+}
+
+static GLOBAL: Mutex<Global> = Mutex::new(Global {
+    runtime: None,
+    contexts: 0,
+    legacy: None,
+});
+
+/// `init` of v11+: a new context for one communicator. The first one starts the runtime.
+pub fn init_context(traffic_class: i32) -> Result<Arc<Context>, Error> {
+    let mut g = GLOBAL.lock();
+    let runtime = match &g.runtime {
+        Some(rt) => rt.clone(),
+        None => {
+            let rt = Arc::new(Runtime::start()?);
+            g.runtime = Some(rt.clone());
+            rt
+        }
+    };
+    g.contexts += 1;
+    Ok(Arc::new(Context {
+        runtime,
+        traffic_class,
+        hints: Mutex::new(None),
+        legacy: false,
+    }))
+}
+
+/// `init` of v8–v10: one context for the whole process, never finalised (those versions
+/// have no `finalize`). Repeated calls return the same context.
+pub fn init_legacy() -> Result<Arc<Context>, Error> {
+    if let Some(ctx) = GLOBAL.lock().legacy.clone() {
+        return Ok(ctx);
+    }
+    let ctx = init_context(-1)?;
+    let ctx = Arc::new(Context {
+        runtime: ctx.runtime.clone(),
+        traffic_class: -1,
+        hints: Mutex::new(None),
+        legacy: true,
+    });
+    GLOBAL.lock().legacy = Some(ctx.clone());
+    Ok(ctx)
+}
+
+/// The legacy context, for v8–v10 calls that carry no context.
+pub fn legacy_context() -> Result<Arc<Context>, Error> {
+    GLOBAL
+        .lock()
+        .legacy
+        .clone()
+        .ok_or_else(|| Error::InvalidUsage("init was not called".into()))
+}
+
+/// `finalize`: the last context stops the reactor and joins its thread, because NCCL may
+/// unload the library right after.
+pub fn finalize(ctx: &Context) -> Result<(), Error> {
+    if ctx.legacy {
+        return Err(Error::InvalidArgument(
+            "the process-wide context of v8–v10 is not finalised".into(),
+        ));
+    }
+    let stop = {
+        let mut g = GLOBAL.lock();
+        g.contexts = g.contexts.saturating_sub(1);
+        if g.contexts == 0 {
+            g.runtime.take()
+        } else {
+            None
+        }
+    };
+    if let Some(rt) = stop {
+        rt.reactor.shutdown();
+        tracing::info!("railover: finalised, reactor stopped");
+    }
+    Ok(())
+}
+
+/// The runtime in use (for `devices`/`getProperties`, which carry no context).
+pub fn runtime() -> Result<Arc<Runtime>, Error> {
+    GLOBAL
+        .lock()
+        .runtime
+        .clone()
+        .ok_or_else(|| Error::InvalidUsage("init was not called".into()))
+}
+
+pub fn devices() -> Result<usize, Error> {
+    Ok(runtime()?.nics.len())
+}
+
+pub fn nic_info(dev: i32) -> Result<NicInfo, Error> {
+    runtime()?.nic(dev).cloned()
+}
+
+/// Opens a listener on device `dev` and describes it in `handle`.
+pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<ListenShared>, Error> {
+    let rt = &ctx.runtime;
+    let nic = rt.nic(dev)?;
+    let listener = tcp::listen(nic.tcp.ip)?;
+    let addr = listener.local_addr()?;
+    let mut token = [0u8; 16];
+    getrandom::getrandom(&mut token)
+        .map_err(|e| Error::System(format!("no randomness for the comm token: {e}")))?;
+    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+    let shared = Arc::new(ListenShared {
+        id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+        token,
+        ready: Mutex::new(Default::default()),
+        queue: rt.reactor.queue.clone(),
+    });
+    *handle = NetHandle {
+        addr,
+        token,
+        connect_id: 0,
+    }
+    .encode();
+    rt.reactor.queue.push(Command::Listen {
+        listener,
+        shared: shared.clone(),
+    });
+    Ok(shared)
+}
+
+/// Pending connects, keyed by the id `connect` writes into NCCL's copy of the handle.
+static PENDING: Mutex<Vec<(u64, Arc<PendingConnect>)>> = Mutex::new(Vec::new());
+
+/// Non-blocking connect: `Ok(None)` means "call again". NCCL passes the same handle
+/// buffer to every retry, so the first call records its progress id there.
+pub fn connect(
+    ctx: &Context,
+    dev: i32,
+    handle: &mut [u8; 128],
+) -> Result<Option<Arc<CommShared>>, Error> {
+    let mut h = NetHandle::decode(handle)?;
+    if h.connect_id != 0 {
+        let mut pending = PENDING.lock();
+        let Some(i) = pending.iter().position(|(id, _)| *id == h.connect_id) else {
+            return Err(Error::InvalidArgument(
+                "handle refers to an unknown connection attempt".into(),
+            ));
+        };
+        let outcome = pending[i].1.result.lock().take();
+        return match outcome {
+            None => Ok(None),
+            Some(r) => {
+                pending.swap_remove(i);
+                r.map(Some)
+            }
+        };
+    }
+    let rt = &ctx.runtime;
+    let nic = rt.nic(dev)?;
+    let stream = tcp::connect(nic.tcp.ip, h.addr)?;
+    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+    h.connect_id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    *handle = h.encode();
+    let pending = Arc::new(PendingConnect::default());
+    PENDING.lock().push((h.connect_id, pending.clone()));
+    rt.reactor.queue.push(Command::Connect {
+        stream,
+        token: h.token,
+        pending,
+    });
+    Ok(None)
+}
+
+/// Non-blocking accept: `Ok(None)` means "call again".
+pub fn accept(listen: &ListenShared) -> Result<Option<Arc<CommShared>>, Error> {
+    Ok(listen.ready.lock().pop_front())
+}
+
+pub fn close_listen(listen: &Arc<ListenShared>) {
+    listen.queue.push(Command::CloseListen {
+        shared: listen.clone(),
+    });
+}
+
+/// Registers `[addr, addr + len)` for use with `comm`. Host memory only while TCP is
+/// the only fabric.
+pub fn reg_mr(
+    comm: &Arc<CommShared>,
+    addr: usize,
+    len: usize,
+    ptr_type: i32,
+) -> Result<Arc<MemoryRegion>, Error> {
+    use crate::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
+    comm.check_usable()?;
+    match ptr_type {
+        NCCL_PTR_HOST => Ok(Arc::new(MemoryRegion { comm: comm.clone(), base: addr, len, ptr_type })),
+        NCCL_PTR_CUDA => Err(Error::InvalidUsage(
+            "GPU memory (NCCL_PTR_CUDA) cannot be registered: railover advertises host memory only until its RDMA fabric is enabled".into(),
+        )),
+        other => Err(Error::InvalidArgument(format!("unknown memory type {other}"))),
+    }
+}
+
+/// Queues a send; `Ok(None)` when all request slots are busy ("call again").
+pub fn isend(
+    comm: &Arc<CommShared>,
+    buf: UserBuf,
+    mr: &MemoryRegion,
+) -> Result<Option<Arc<Request>>, Error> {
+    if comm.side != Side::Send {
+        return Err(Error::InvalidArgument("isend on a receive comm".into()));
+    }
+    mr.check(comm, buf.addr(), buf.len())?;
+    comm.check_usable()?;
+    if !comm.try_take_slot() {
+        return Ok(None);
+    }
+    let req = Arc::new(Request::new(comm.clone()));
+    comm.queue.push(Command::Send {
+        comm: comm.clone(),
+        req: req.clone(),
+        buf,
+    });
+    Ok(Some(req))
+}
+
+/// Queues a receive of up to `buf.len()` bytes; `Ok(None)` when all slots are busy.
+pub fn irecv(
+    comm: &Arc<CommShared>,
+    buf: UserBuf,
+    mr: &MemoryRegion,
+) -> Result<Option<Arc<Request>>, Error> {
+    if comm.side != Side::Recv {
+        return Err(Error::InvalidArgument("irecv on a send comm".into()));
+    }
+    mr.check(comm, buf.addr(), buf.len())?;
+    comm.check_usable()?;
+    if !comm.try_take_slot() {
+        return Ok(None);
+    }
+    let req = Arc::new(Request::new(comm.clone()));
+    comm.queue.push(Command::Recv {
+        comm: comm.clone(),
+        req: req.clone(),
+        buf,
+    });
+    Ok(Some(req))
+}
+
+/// `test`: the request's outcome without blocking. A finished request frees its slot;
+/// the caller forgets the request.
+pub fn test(req: &Request) -> Result<Status, Error> {
+    let st = req.status();
+    if !matches!(st, Ok(Status::Pending)) {
+        req.comm.release_slot();
+    }
+    st
+}
+
+/// `closeSend`/`closeRecv`: never blocks; the reactor flushes what it can and lets go.
+pub fn close_comm(comm: &Arc<CommShared>) -> Result<(), Error> {
+    if !comm.mark_closed() {
+        return Err(Error::InvalidArgument("comm closed twice".into()));
+    }
+    comm.queue.push(Command::CloseComm { comm: comm.clone() });
+    Ok(())
+}

@@ -1,0 +1,459 @@
+//! The railover wire format: a fixed 24-byte header, then a kind-specific body.
+//!
+//! ```text
+//!  0      2   3    4        8                16               24
+//!  | "RO" |ver|kind|  aux   |      seq       |      len       | body…
+//! ```
+//! All integers are little-endian except the magic. `len` is the payload length for
+//! `Data`, the receive capacity for `Cts`, the send size for `Truncated`, and the body
+//! length for `Hello`/`Welcome`. Parsing checks every length before it reads, so a
+//! stranger's bytes produce a [`WireError`], never a panic.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+/// The first two bytes of every frame.
+pub const MAGIC: [u8; 2] = *b"RO";
+/// Version of this format; a peer speaking another one is refused.
+pub const VERSION: u8 = 1;
+pub const HEADER_LEN: usize = 24;
+/// Upper bound on a handshake body: far above any real NIC list.
+pub const MAX_BODY: u64 = 4096;
+/// Largest payload one message may carry (NCCL's `maxP2pBytes` bound).
+pub const MAX_DATA: u64 = 1 << 40;
+
+/// Frame kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Connector → listener: token, purpose, NIC list.
+    Hello,
+    /// Listener → connector: accepted; `seq` = messages already delivered.
+    Welcome,
+    /// Listener → connector: refused; `aux` = reason.
+    Refuse,
+    /// Receiver → sender: receive `seq` is posted with capacity `len`.
+    Cts,
+    /// Sender → receiver: message `seq`, `len` payload bytes follow.
+    Data,
+    /// Receiver → sender: `seq` messages delivered (cumulative).
+    Ack,
+    /// Sender → receiver: message `seq` of `len` bytes exceeds the posted receive.
+    Truncated,
+    /// Either side: orderly close of the comm.
+    Close,
+}
+
+impl Kind {
+    fn code(self) -> u8 {
+        match self {
+            Kind::Hello => 1,
+            Kind::Welcome => 2,
+            Kind::Refuse => 3,
+            Kind::Cts => 4,
+            Kind::Data => 5,
+            Kind::Ack => 6,
+            Kind::Truncated => 7,
+            Kind::Close => 8,
+        }
+    }
+
+    fn from_code(c: u8) -> Option<Kind> {
+        Some(match c {
+            1 => Kind::Hello,
+            2 => Kind::Welcome,
+            3 => Kind::Refuse,
+            4 => Kind::Cts,
+            5 => Kind::Data,
+            6 => Kind::Ack,
+            7 => Kind::Truncated,
+            8 => Kind::Close,
+            _ => return None,
+        })
+    }
+}
+
+/// Why bytes were rejected. Each closes the lane and is counted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad magic {0:02x?}")]
+    BadMagic([u8; 2]),
+    #[error("unsupported version {0}")]
+    BadVersion(u8),
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    #[error("{kind:?} frame length {len} exceeds {max}")]
+    TooLong { kind: Kind, len: u64, max: u64 },
+    #[error("truncated {0}")]
+    Short(&'static str),
+    #[error("malformed {0}")]
+    Malformed(&'static str),
+}
+
+/// A decoded header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub aux: u32,
+    pub seq: u64,
+    pub len: u64,
+}
+
+impl Header {
+    pub fn new(kind: Kind, seq: u64, len: u64) -> Header {
+        Header {
+            kind,
+            aux: 0,
+            seq,
+            len,
+        }
+    }
+
+    /// Bytes of body that follow the header in the stream (payload for `Data`).
+    pub fn body_len(&self) -> u64 {
+        match self.kind {
+            Kind::Hello | Kind::Welcome | Kind::Data => self.len,
+            _ => 0,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..2].copy_from_slice(&MAGIC);
+        b[2] = VERSION;
+        b[3] = self.kind.code();
+        b[4..8].copy_from_slice(&self.aux.to_le_bytes());
+        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Parses and bounds-checks a header from the first [`HEADER_LEN`] bytes of `b`.
+    pub fn decode(b: &[u8]) -> Result<Header, WireError> {
+        let b: &[u8; HEADER_LEN] = b
+            .get(..HEADER_LEN)
+            .and_then(|s| s.try_into().ok())
+            .ok_or(WireError::Short("header"))?;
+        if b[0..2] != MAGIC {
+            return Err(WireError::BadMagic([b[0], b[1]]));
+        }
+        if b[2] != VERSION {
+            return Err(WireError::BadVersion(b[2]));
+        }
+        let kind = Kind::from_code(b[3]).ok_or(WireError::UnknownKind(b[3]))?;
+        let le64 = |r: std::ops::Range<usize>| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[r]);
+            u64::from_le_bytes(a)
+        };
+        let h = Header {
+            kind,
+            aux: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+            seq: le64(8..16),
+            len: le64(16..24),
+        };
+        let max = match kind {
+            Kind::Hello | Kind::Welcome => MAX_BODY,
+            Kind::Data | Kind::Cts | Kind::Truncated => MAX_DATA,
+            _ => u64::MAX,
+        };
+        if h.len > max {
+            return Err(WireError::TooLong {
+                kind,
+                len: h.len,
+                max,
+            });
+        }
+        Ok(h)
+    }
+}
+
+/// What a new connection is for. Only `Data` exists until failover adds the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// The first lane of a new comm (NCCL's connect).
+    Data,
+    /// A health probe of a NIC pair.
+    Probe,
+    /// A replacement lane of an existing comm.
+    Migrate,
+}
+
+/// One NIC as the other side sees it: where its listener is, and its rail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NicAddr {
+    pub addr: SocketAddr,
+    pub rail: Option<u32>,
+}
+
+/// The connector's opening frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    pub token: [u8; 16],
+    pub purpose: Purpose,
+    pub nics: Vec<NicAddr>,
+}
+
+/// The listener's answer: its NIC list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Welcome {
+    pub nics: Vec<NicAddr>,
+}
+
+/// Reasons carried in `Refuse.aux`.
+pub const REFUSE_TOKEN: u32 = 1;
+
+const NIC_LEN: usize = 1 + 16 + 2 + 4;
+const MAX_NICS: usize = 64;
+
+fn encode_nics(out: &mut Vec<u8>, nics: &[NicAddr]) {
+    let n = nics.len().min(MAX_NICS);
+    out.extend_from_slice(&(n as u16).to_le_bytes());
+    for nic in &nics[..n] {
+        let (fam, ip) = match nic.addr.ip() {
+            IpAddr::V4(v4) => (4u8, v4.to_ipv6_mapped().octets()),
+            IpAddr::V6(v6) => (6u8, v6.octets()),
+        };
+        out.push(fam);
+        out.extend_from_slice(&ip);
+        out.extend_from_slice(&nic.addr.port().to_le_bytes());
+        out.extend_from_slice(&nic.rail.map_or(-1i32, |r| r as i32).to_le_bytes());
+    }
+}
+
+fn decode_nics(b: &[u8]) -> Result<(Vec<NicAddr>, &[u8]), WireError> {
+    let n = b.get(..2).ok_or(WireError::Short("NIC count"))?;
+    let n = u16::from_le_bytes([n[0], n[1]]) as usize;
+    if n > MAX_NICS {
+        return Err(WireError::Malformed("NIC count"));
+    }
+    let body = b
+        .get(2..2 + n * NIC_LEN)
+        .ok_or(WireError::Short("NIC list"))?;
+    let mut nics = Vec::with_capacity(n);
+    for e in body.chunks_exact(NIC_LEN) {
+        let mut ip = [0u8; 16];
+        ip.copy_from_slice(&e[1..17]);
+        let ip6 = Ipv6Addr::from(ip);
+        let ip = match e[0] {
+            4 => IpAddr::V4(
+                ip6.to_ipv4_mapped()
+                    .ok_or(WireError::Malformed("IPv4 address"))?,
+            ),
+            6 => IpAddr::V6(ip6),
+            _ => return Err(WireError::Malformed("address family")),
+        };
+        let port = u16::from_le_bytes([e[17], e[18]]);
+        let rail = i32::from_le_bytes([e[19], e[20], e[21], e[22]]);
+        let rail = match rail {
+            -1 => None,
+            r if r >= 0 => Some(r as u32),
+            _ => return Err(WireError::Malformed("rail")),
+        };
+        nics.push(NicAddr {
+            addr: SocketAddr::new(ip, port),
+            rail,
+        });
+    }
+    Ok((nics, &b[2 + n * NIC_LEN..]))
+}
+
+impl Hello {
+    /// Header plus body, ready to write.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut body = Vec::with_capacity(64);
+        body.extend_from_slice(&self.token);
+        body.push(match self.purpose {
+            Purpose::Data => 0,
+            Purpose::Probe => 1,
+            Purpose::Migrate => 2,
+        });
+        encode_nics(&mut body, &self.nics);
+        frame_with_body(Header::new(Kind::Hello, 0, 0), &body)
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Hello, WireError> {
+        let token: [u8; 16] = body
+            .get(..16)
+            .and_then(|s| s.try_into().ok())
+            .ok_or(WireError::Short("token"))?;
+        let purpose = match body.get(16) {
+            Some(0) => Purpose::Data,
+            Some(1) => Purpose::Probe,
+            Some(2) => Purpose::Migrate,
+            Some(_) => return Err(WireError::Malformed("purpose")),
+            None => return Err(WireError::Short("purpose")),
+        };
+        let (nics, rest) = decode_nics(&body[17..])?;
+        if !rest.is_empty() {
+            return Err(WireError::Malformed("trailing bytes after Hello"));
+        }
+        Ok(Hello {
+            token,
+            purpose,
+            nics,
+        })
+    }
+}
+
+impl Welcome {
+    /// Header (with `seq` = messages delivered) plus body.
+    pub fn encode(&self, delivered: u64) -> Vec<u8> {
+        let mut body = Vec::with_capacity(64);
+        encode_nics(&mut body, &self.nics);
+        frame_with_body(Header::new(Kind::Welcome, delivered, 0), &body)
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Welcome, WireError> {
+        let (nics, rest) = decode_nics(body)?;
+        if !rest.is_empty() {
+            return Err(WireError::Malformed("trailing bytes after Welcome"));
+        }
+        Ok(Welcome { nics })
+    }
+}
+
+fn frame_with_body(mut h: Header, body: &[u8]) -> Vec<u8> {
+    h.len = body.len() as u64;
+    let mut v = Vec::with_capacity(HEADER_LEN + body.len());
+    v.extend_from_slice(&h.encode());
+    v.extend_from_slice(body);
+    v
+}
+
+/// Placeholder address used in NIC lists before a listener port is known.
+pub fn unspecified() -> SocketAddr {
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_roundtrip_every_kind() {
+        for kind in [
+            Kind::Hello,
+            Kind::Welcome,
+            Kind::Refuse,
+            Kind::Cts,
+            Kind::Data,
+            Kind::Ack,
+            Kind::Truncated,
+            Kind::Close,
+        ] {
+            let h = Header {
+                kind,
+                aux: 7,
+                seq: u64::MAX - 3,
+                len: 100,
+            };
+            assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        }
+    }
+
+    #[test]
+    fn header_rejects_bad_input() {
+        let good = Header::new(Kind::Data, 1, 2).encode();
+        assert_eq!(Header::decode(&good[..23]), Err(WireError::Short("header")));
+        let mut b = good;
+        b[0] = b'X';
+        assert!(matches!(Header::decode(&b), Err(WireError::BadMagic(_))));
+        let mut b = good;
+        b[2] = 9;
+        assert_eq!(Header::decode(&b), Err(WireError::BadVersion(9)));
+        let mut b = good;
+        b[3] = 200;
+        assert_eq!(Header::decode(&b), Err(WireError::UnknownKind(200)));
+        let h = Header::new(Kind::Data, 0, MAX_DATA + 1).encode();
+        assert!(matches!(Header::decode(&h), Err(WireError::TooLong { .. })));
+        let h = Header::new(Kind::Hello, 0, MAX_BODY + 1).encode();
+        assert!(matches!(Header::decode(&h), Err(WireError::TooLong { .. })));
+        // The largest legal data message and a zero-byte one are fine.
+        assert!(Header::decode(&Header::new(Kind::Data, 0, MAX_DATA).encode()).is_ok());
+        assert_eq!(
+            Header::decode(&Header::new(Kind::Data, 0, 0).encode())
+                .unwrap()
+                .body_len(),
+            0
+        );
+    }
+
+    #[test]
+    fn hello_and_welcome_roundtrip() {
+        let nics = vec![
+            NicAddr {
+                addr: "127.0.0.1:4000".parse().unwrap(),
+                rail: Some(3),
+            },
+            NicAddr {
+                addr: "[::1]:5000".parse().unwrap(),
+                rail: None,
+            },
+        ];
+        let hello = Hello {
+            token: [9; 16],
+            purpose: Purpose::Migrate,
+            nics: nics.clone(),
+        };
+        let bytes = hello.encode();
+        let h = Header::decode(&bytes).unwrap();
+        assert_eq!(h.kind, Kind::Hello);
+        assert_eq!(h.body_len() as usize, bytes.len() - HEADER_LEN);
+        assert_eq!(Hello::decode(&bytes[HEADER_LEN..]).unwrap(), hello);
+
+        let w = Welcome { nics };
+        let bytes = w.encode(42);
+        let h = Header::decode(&bytes).unwrap();
+        assert_eq!((h.kind, h.seq), (Kind::Welcome, 42));
+        assert_eq!(Welcome::decode(&bytes[HEADER_LEN..]).unwrap(), w);
+    }
+
+    #[test]
+    fn hello_rejects_malformed_bodies() {
+        let hello = Hello {
+            token: [1; 16],
+            purpose: Purpose::Data,
+            nics: vec![],
+        }
+        .encode();
+        let body = &hello[HEADER_LEN..];
+        for cut in 0..body.len() {
+            assert!(
+                Hello::decode(&body[..cut]).is_err(),
+                "prefix of {cut} bytes accepted"
+            );
+        }
+        let mut extra = body.to_vec();
+        extra.push(0);
+        assert!(Hello::decode(&extra).is_err());
+        let mut bad_purpose = body.to_vec();
+        bad_purpose[16] = 7;
+        assert_eq!(
+            Hello::decode(&bad_purpose),
+            Err(WireError::Malformed("purpose"))
+        );
+    }
+
+    #[test]
+    fn decoders_never_panic_on_arbitrary_bytes() {
+        // A deterministic sweep over pseudo-random inputs of every small length.
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        for len in 0..200usize {
+            for _ in 0..50 {
+                let bytes: Vec<u8> = (0..len)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        x as u8
+                    })
+                    .collect();
+                let _ = Header::decode(&bytes);
+                let _ = Hello::decode(&bytes);
+                let _ = Welcome::decode(&bytes);
+                let mut framed = Header::new(Kind::Data, 0, 0).encode().to_vec();
+                framed.extend_from_slice(&bytes);
+                let _ = Header::decode(&framed);
+            }
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! The panic barrier around every exported function: a panic becomes
+//! `ncclInternalError` and one WARN line, never an unwind into NCCL.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::error;
+use super::types::{NcclResult, NCCL_INTERNAL_ERROR, NCCL_SUCCESS};
+use crate::plugin::Error;
+
+/// Runs `body` for the entry point `name`, mapping its outcome to `ncclResult_t`.
+pub fn guard(name: &'static str, body: impl FnOnce() -> Result<(), Error>) -> NcclResult {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => NCCL_SUCCESS,
+        Ok(Err(e)) => error::report(name, &e),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::warn!("railover {name}: internal panic caught at the NCCL boundary: {what}");
+            NCCL_INTERNAL_ERROR
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_internal_error() {
+        assert_eq!(guard("test", || panic!("on purpose")), NCCL_INTERNAL_ERROR);
+        assert_eq!(guard("test", || Ok(())), NCCL_SUCCESS);
+        assert_eq!(guard("test", || Err(Error::InvalidUsage("x".into()))), 5);
+    }
+}

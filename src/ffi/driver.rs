@@ -1,0 +1,444 @@
+//! A safe Rust client of the exported `ncclNetPlugin_v12` table, driving it the way
+//! NCCL's proxy does. The `railover` command (demo, bench) and the Rust tests use it, so
+//! they exercise exactly the ABI NCCL sees.
+//!
+//! Buffers are owned by [`Buffer`]; while a request uses one, its bytes cannot be read
+//! and dropping it leaks the memory rather than freeing it under the reactor.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use super::exports::ncclNetPlugin_v12;
+use super::types::{CommConfig, NetV12, PropertiesV12, NCCL_PTR_HOST, NCCL_SUCCESS};
+
+/// An `ncclResult_t` other than success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Code(pub c_int);
+
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ncclResult_t {}", self.0)
+    }
+}
+
+impl std::error::Error for Code {}
+
+fn check(r: c_int) -> Result<(), Code> {
+    if r == NCCL_SUCCESS {
+        Ok(())
+    } else {
+        Err(Code(r))
+    }
+}
+
+fn table() -> &'static NetV12 {
+    &ncclNetPlugin_v12.0
+}
+
+/// The plugin's name as NCCL reads it.
+pub fn name() -> String {
+    // SAFETY: the table's name is a static NUL-terminated string.
+    unsafe { CStr::from_ptr(table().name) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// One `init` … `finalize` context.
+#[derive(Debug)]
+pub struct Ctx {
+    raw: *mut c_void,
+}
+
+// SAFETY: a context pointer is an opaque key into a thread-safe registry.
+unsafe impl Send for Ctx {}
+// SAFETY: as above; every call through it is thread-safe.
+unsafe impl Sync for Ctx {}
+
+/// Properties of one device, copied out of the C struct.
+#[derive(Debug, Clone)]
+pub struct Props {
+    pub name: String,
+    pub pci_path: Option<String>,
+    pub guid: u64,
+    pub speed_mbps: i32,
+    pub max_recvs: i32,
+    pub max_p2p_bytes: usize,
+}
+
+impl Ctx {
+    pub fn init() -> Result<Ctx, Code> {
+        let mut raw = std::ptr::null_mut();
+        let mut cfg = CommConfig { traffic_class: -1 };
+        // SAFETY: valid out-pointer and config; NULL logger/profiler are allowed.
+        check(unsafe { (table().init)(&mut raw, 0, &mut cfg, None, None) })?;
+        Ok(Ctx { raw })
+    }
+
+    pub fn devices(&self) -> Result<i32, Code> {
+        let mut n = 0;
+        // SAFETY: valid out-pointer.
+        check(unsafe { (table().devices)(&mut n) })?;
+        Ok(n)
+    }
+
+    pub fn properties(&self, dev: i32) -> Result<Props, Code> {
+        let mut p = std::mem::MaybeUninit::<PropertiesV12>::uninit();
+        // SAFETY: the plugin writes the whole struct on success.
+        check(unsafe { (table().get_properties)(dev, p.as_mut_ptr()) })?;
+        // SAFETY: initialised by the successful call above.
+        let p = unsafe { p.assume_init() };
+        // SAFETY: the plugin's strings are static and NUL-terminated, or NULL.
+        let s = |c: *const std::ffi::c_char| {
+            (!c.is_null()).then(|| unsafe { CStr::from_ptr(c) }.to_string_lossy().into_owned())
+        };
+        Ok(Props {
+            name: s(p.name).unwrap_or_default(),
+            pci_path: s(p.pci_path),
+            guid: p.guid,
+            speed_mbps: p.speed,
+            max_recvs: p.max_recvs,
+            max_p2p_bytes: p.max_p2p_bytes,
+        })
+    }
+
+    /// Listens on `dev`; returns the handle to ship to the connector.
+    pub fn listen(&self, dev: i32) -> Result<([u8; 128], Listener), Code> {
+        let mut handle = [0u8; 128];
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: 128-byte handle buffer and a valid out-pointer.
+        check(unsafe { (table().listen)(self.raw, dev, handle.as_mut_ptr().cast(), &mut raw) })?;
+        Ok((handle, Listener { raw }))
+    }
+
+    /// One non-blocking connect attempt: `None` means "call again with the same handle".
+    pub fn connect(&self, dev: i32, handle: &mut [u8; 128]) -> Result<Option<SendComm>, Code> {
+        let mut raw = std::ptr::null_mut();
+        let mut dev_comm = std::ptr::null_mut();
+        // SAFETY: 128-byte handle buffer and valid out-pointers.
+        check(unsafe {
+            (table().connect)(
+                self.raw,
+                dev,
+                handle.as_mut_ptr().cast(),
+                &mut raw,
+                &mut dev_comm,
+            )
+        })?;
+        Ok((!raw.is_null()).then_some(SendComm(Comm { raw })))
+    }
+
+    /// The raw context pointer, for tests of bad input.
+    pub fn raw(&self) -> *mut c_void {
+        self.raw
+    }
+
+    pub fn finalize(self) -> Result<(), Code> {
+        let raw = self.raw;
+        std::mem::forget(self);
+        // SAFETY: the context came from `init` and is finalised once.
+        check(unsafe { (table().finalize)(raw) })
+    }
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        // SAFETY: the context came from `init` and is finalised once.
+        let _ = unsafe { (table().finalize)(self.raw) };
+    }
+}
+
+/// A listening endpoint; closed on drop.
+#[derive(Debug)]
+pub struct Listener {
+    raw: *mut c_void,
+}
+
+// SAFETY: opaque registry key; calls through it are thread-safe.
+unsafe impl Send for Listener {}
+
+impl Listener {
+    /// One non-blocking accept attempt.
+    pub fn accept(&self) -> Result<Option<RecvComm>, Code> {
+        let mut raw = std::ptr::null_mut();
+        let mut dev_comm = std::ptr::null_mut();
+        // SAFETY: valid out-pointers.
+        check(unsafe { (table().accept)(self.raw, &mut raw, &mut dev_comm) })?;
+        Ok((!raw.is_null()).then_some(RecvComm(Comm { raw })))
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        // SAFETY: closes the listener this value owns, once.
+        let _ = unsafe { (table().close_listen)(self.raw) };
+    }
+}
+
+#[derive(Debug)]
+struct Comm {
+    raw: *mut c_void,
+}
+
+// SAFETY: opaque registry key; calls through it are thread-safe.
+unsafe impl Send for Comm {}
+
+/// Host memory registered with one comm.
+#[derive(Debug)]
+pub struct Buffer {
+    data: Box<[u8]>,
+    mr: *mut c_void,
+    busy: Arc<AtomicBool>,
+}
+
+// SAFETY: the buffer owns its memory; the MR pointer is an opaque registry key.
+unsafe impl Send for Buffer {}
+
+impl Buffer {
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// The bytes; `None` while a request is using the buffer.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        (!self.busy.load(Ordering::Acquire)).then_some(&self.data[..])
+    }
+
+    /// The bytes, writable; `None` while a request is using the buffer.
+    pub fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        (!self.busy.load(Ordering::Acquire)).then_some(&mut self.data[..])
+    }
+
+    fn claim(&self) -> bool {
+        self.busy
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        // SAFETY: deregisters this buffer's own handle once (NCCL allows it after close).
+        let _ = unsafe { (table().dereg_mr)(std::ptr::null_mut(), self.mr) };
+        if self.busy.load(Ordering::Acquire) {
+            // The plugin may still write into it: leak rather than free.
+            std::mem::forget(std::mem::take(&mut self.data));
+        }
+    }
+}
+
+impl Comm {
+    fn register(&self, len: usize) -> Result<Buffer, Code> {
+        let mut data = vec![0u8; len].into_boxed_slice();
+        let mut mr = std::ptr::null_mut();
+        // SAFETY: `data` is a live allocation of `len` bytes owned by the returned Buffer.
+        check(unsafe {
+            (table().reg_mr)(
+                self.raw,
+                data.as_mut_ptr().cast(),
+                len,
+                NCCL_PTR_HOST,
+                &mut mr,
+            )
+        })?;
+        Ok(Buffer {
+            data,
+            mr,
+            busy: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    fn close(&mut self, f: unsafe extern "C" fn(*mut c_void) -> c_int) -> Result<(), Code> {
+        let raw = std::mem::replace(&mut self.raw, std::ptr::null_mut());
+        if raw.is_null() {
+            return Ok(());
+        }
+        // SAFETY: closes the comm this value owns, once.
+        check(unsafe { f(raw) })
+    }
+}
+
+/// The sending half; closed on drop.
+#[derive(Debug)]
+pub struct SendComm(Comm);
+
+/// The receiving half; closed on drop.
+#[derive(Debug)]
+pub struct RecvComm(Comm);
+
+/// An outstanding request. Test it until it reports done.
+#[derive(Debug)]
+pub struct Request {
+    raw: *mut c_void,
+    busy: Arc<AtomicBool>,
+    finished: bool,
+}
+
+// SAFETY: opaque registry key; `test` is thread-safe.
+unsafe impl Send for Request {}
+
+impl Request {
+    /// `Ok(Some(size))` once done; `Ok(None)` while pending.
+    pub fn test(&mut self) -> Result<Option<usize>, Code> {
+        if self.finished {
+            return Err(Code(super::types::NCCL_INVALID_ARGUMENT));
+        }
+        let mut done = 0;
+        let mut size = 0;
+        // SAFETY: the request came from isend/irecv and is tested until done.
+        let r = unsafe { (table().test)(self.raw, &mut done, &mut size) };
+        if r != NCCL_SUCCESS || done != 0 {
+            self.finished = true;
+            self.busy.store(false, Ordering::Release);
+        }
+        check(r)?;
+        Ok((done != 0).then_some(size as usize))
+    }
+}
+
+impl SendComm {
+    pub fn register(&self, len: usize) -> Result<Buffer, Code> {
+        self.0.register(len)
+    }
+
+    /// Sends the first `len` bytes of `buf`; `Ok(None)` means "no slot now, call again".
+    /// Panics if `buf` is still used by another request or `len` exceeds it.
+    pub fn isend(&self, buf: &Buffer, len: usize) -> Result<Option<Request>, Code> {
+        assert!(len <= buf.len(), "send longer than its buffer");
+        assert!(buf.claim(), "buffer already in use by a request");
+        let mut req = std::ptr::null_mut();
+        // SAFETY: the buffer stays alive (leaked if dropped) and unread until `test`
+        // reports done, which releases the claim.
+        let r = unsafe {
+            (table().isend)(
+                self.0.raw,
+                buf.data.as_ptr() as *mut c_void,
+                len,
+                0,
+                buf.mr,
+                std::ptr::null_mut(),
+                &mut req,
+            )
+        };
+        if r != NCCL_SUCCESS || req.is_null() {
+            buf.busy.store(false, Ordering::Release);
+        }
+        check(r)?;
+        Ok((!req.is_null()).then(|| Request {
+            raw: req,
+            busy: buf.busy.clone(),
+            finished: false,
+        }))
+    }
+
+    pub fn close(mut self) -> Result<(), Code> {
+        self.0.close(table().close_send)
+    }
+
+    pub fn raw(&self) -> *mut c_void {
+        self.0.raw
+    }
+}
+
+impl Drop for SendComm {
+    fn drop(&mut self) {
+        let _ = self.0.close(table().close_send);
+    }
+}
+
+impl RecvComm {
+    pub fn register(&self, len: usize) -> Result<Buffer, Code> {
+        self.0.register(len)
+    }
+
+    /// Receives up to `capacity` bytes into `buf`; `Ok(None)` means "call again".
+    pub fn irecv(&self, buf: &mut Buffer, capacity: usize) -> Result<Option<Request>, Code> {
+        assert!(capacity <= buf.len(), "receive larger than its buffer");
+        assert!(buf.claim(), "buffer already in use by a request");
+        let mut data = buf.data.as_mut_ptr() as *mut c_void;
+        let mut size = capacity;
+        let mut tag: c_int = 0;
+        let mut mr = buf.mr;
+        let mut phandle = std::ptr::null_mut();
+        // NCCL may pre-store the optional-completion hint; the plugin must overwrite it.
+        let mut req = super::types::NCCL_NET_OPTIONAL_RECV_COMPLETION as *mut c_void;
+        // SAFETY: one-element arrays for n=1; the buffer stays alive and untouched until
+        // `test` reports done.
+        let r = unsafe {
+            (table().irecv)(
+                self.0.raw,
+                1,
+                &mut data,
+                &mut size,
+                &mut tag,
+                &mut mr,
+                &mut phandle,
+                &mut req,
+            )
+        };
+        if r != NCCL_SUCCESS || req.is_null() {
+            buf.busy.store(false, Ordering::Release);
+        }
+        check(r)?;
+        Ok((!req.is_null()).then(|| Request {
+            raw: req,
+            busy: buf.busy.clone(),
+            finished: false,
+        }))
+    }
+
+    pub fn close(mut self) -> Result<(), Code> {
+        self.0.close(table().close_recv)
+    }
+
+    pub fn raw(&self) -> *mut c_void {
+        self.0.raw
+    }
+}
+
+impl Drop for RecvComm {
+    fn drop(&mut self) {
+        let _ = self.0.close(table().close_recv);
+    }
+}
+
+/// Calls `test` with arbitrary pointers: for bad-input tests.
+pub fn test_raw(request: *mut c_void) -> c_int {
+    let mut done = 0;
+    // SAFETY: the plugin only looks the pointer up in its registry, never dereferences it.
+    unsafe { (table().test)(request, &mut done, std::ptr::null_mut()) }
+}
+
+/// Calls `closeSend` with an arbitrary pointer: for bad-input tests.
+pub fn close_send_raw(comm: *mut c_void) -> c_int {
+    // SAFETY: as for `test_raw`.
+    unsafe { (table().close_send)(comm) }
+}
+
+/// Calls `closeRecv` with an arbitrary pointer: for bad-input tests.
+pub fn close_recv_raw(comm: *mut c_void) -> c_int {
+    // SAFETY: as for `test_raw`.
+    unsafe { (table().close_recv)(comm) }
+}
+
+/// Calls `isend` on an arbitrary comm pointer with no buffer: for bad-input tests.
+pub fn isend_raw(comm: *mut c_void) -> (c_int, *mut c_void) {
+    let mut req = 0x1 as *mut c_void;
+    // SAFETY: as for `test_raw`; zero bytes from a NULL buffer.
+    let r = unsafe {
+        (table().isend)(
+            comm,
+            std::ptr::null_mut(),
+            0,
+            0,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut req,
+        )
+    };
+    (r, req)
+}

@@ -1,0 +1,104 @@
+//! What the opaque pointers NCCL holds are, and how they are checked.
+//!
+//! Every object handed to NCCL is an `Arc` registered here under its address. A pointer
+//! from NCCL is only ever looked up, never dereferenced, so NULL, unknown, stale or
+//! double-closed handles become `ncclInvalidArgument` instead of undefined behaviour.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, LazyLock};
+
+use parking_lot::Mutex;
+
+use crate::plugin::{CommShared, Context, Error, ListenShared, MemoryRegion, Request};
+
+/// Live objects of one kind, keyed by the address handed to NCCL.
+pub struct Registry<T> {
+    what: &'static str,
+    map: LazyLock<Mutex<HashMap<usize, Arc<T>>>>,
+}
+
+impl<T> Registry<T> {
+    const fn new(what: &'static str) -> Registry<T> {
+        Registry {
+            what,
+            map: LazyLock::new(|| Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// Registers `v` and returns the pointer NCCL will hold.
+    pub fn insert(&self, v: Arc<T>) -> *mut c_void {
+        let p = Arc::as_ptr(&v) as *mut c_void;
+        self.map.lock().insert(p as usize, v);
+        p
+    }
+
+    pub fn get(&self, p: *mut c_void) -> Result<Arc<T>, Error> {
+        if p.is_null() {
+            return Err(Error::InvalidArgument(format!("NULL {}", self.what)));
+        }
+        self.map
+            .lock()
+            .get(&(p as usize))
+            .cloned()
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown or closed {} {p:p}", self.what)))
+    }
+
+    pub fn remove(&self, p: *mut c_void) -> Result<Arc<T>, Error> {
+        if p.is_null() {
+            return Err(Error::InvalidArgument(format!("NULL {}", self.what)));
+        }
+        self.map.lock().remove(&(p as usize)).ok_or_else(|| {
+            Error::InvalidArgument(format!("unknown or already closed {} {p:p}", self.what))
+        })
+    }
+
+    /// Removes every entry that matches (used to forget a closed comm's requests).
+    pub fn retain(&self, keep: impl Fn(&T) -> bool) {
+        self.map.lock().retain(|_, v| keep(v));
+    }
+}
+
+pub static CONTEXTS: Registry<Context> = Registry::new("context");
+pub static LISTENS: Registry<ListenShared> = Registry::new("listen comm");
+/// Send and receive comms share one registry: `regMr` takes either.
+pub static COMMS: Registry<CommShared> = Registry::new("comm");
+pub static MRS: Registry<MemoryRegion> = Registry::new("memory handle");
+pub static REQUESTS: Registry<Request> = Registry::new("request");
+
+/// Writes through an out-pointer after a NULL check.
+pub fn write<T>(p: *mut T, v: T, what: &str) -> Result<(), Error> {
+    if p.is_null() {
+        return Err(Error::InvalidArgument(format!("NULL {what}")));
+    }
+    // SAFETY: non-null, and NCCL passes out-pointers to valid, aligned storage of `T`.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+/// Writes through an out-pointer NCCL may legally pass as NULL.
+pub fn write_opt<T>(p: *mut T, v: T) {
+    if !p.is_null() {
+        // SAFETY: as in `write`.
+        unsafe { p.write(v) };
+    }
+}
+
+/// Reads element `i` of an array NCCL passed, after a NULL check.
+pub fn read_at<T: Copy>(p: *const T, i: usize, what: &str) -> Result<T, Error> {
+    if p.is_null() {
+        return Err(Error::InvalidArgument(format!("NULL {what}")));
+    }
+    // SAFETY: non-null; NCCL passes arrays of at least `n` elements and callers index below `n`.
+    Ok(unsafe { p.add(i).read() })
+}
+
+/// The 128-byte handle buffer NCCL passes to `listen`/`connect`.
+pub fn handle_mut<'a>(p: *mut c_void) -> Result<&'a mut [u8; 128], Error> {
+    if p.is_null() {
+        return Err(Error::InvalidArgument("NULL handle".into()));
+    }
+    // SAFETY: NCCL's handle buffers are NCCL_NET_HANDLE_MAXSIZE (128) bytes, byte-aligned,
+    // and owned by the calling thread for the duration of the call.
+    Ok(unsafe { &mut *(p as *mut [u8; 128]) })
+}

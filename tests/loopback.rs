@@ -1,0 +1,214 @@
+//! End-to-end through the exported v12 table on loopback: connect/accept, data of every
+//! interesting size verified byte for byte, bad input, and a stranger on the listener.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use railover::ffi::driver::{self, Buffer, Ctx, RecvComm, Request, SendComm};
+
+fn setup() -> Ctx {
+    // Tests touch only loopback.
+    std::env::set_var("RAILOVER_IFNAME", "lo");
+    Ctx::init().expect("init")
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
+fn pair(ctx: &Ctx) -> (SendComm, RecvComm, driver::Listener) {
+    let (mut handle, listener) = ctx.listen(0).expect("listen");
+    let (mut s, mut r) = (None, None);
+    let end = deadline();
+    while s.is_none() || r.is_none() {
+        assert!(Instant::now() < end, "connect/accept did not finish");
+        if s.is_none() {
+            s = ctx.connect(0, &mut handle).expect("connect");
+        }
+        if r.is_none() {
+            r = listener.accept().expect("accept");
+        }
+    }
+    (s.unwrap(), r.unwrap(), listener)
+}
+
+fn wait(req: &mut Request) -> Result<usize, driver::Code> {
+    let end = deadline();
+    loop {
+        if let Some(n) = req.test()? {
+            return Ok(n);
+        }
+        assert!(Instant::now() < end, "request did not complete");
+        std::thread::yield_now();
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn fill(buf: &mut Buffer, data: &[u8]) {
+    buf.bytes_mut().unwrap()[..data.len()].copy_from_slice(data);
+}
+
+#[test]
+fn sizes_from_zero_to_64_mib_arrive_intact() {
+    let ctx = setup();
+    assert!(ctx.devices().unwrap() >= 1);
+    let props = ctx.properties(0).unwrap();
+    assert_eq!(props.name, "lo");
+    assert_eq!(props.max_recvs, 1);
+    let (s, r, _l) = pair(&ctx);
+    for (i, &len) in [0usize, 1, 4095, 4096, 65537, 1 << 20, 64 << 20]
+        .iter()
+        .enumerate()
+    {
+        let data = pattern(i as u64, len);
+        let mut sb = s.register(len.max(1)).unwrap();
+        fill(&mut sb, &data);
+        let mut rb = r.register(len + 100).unwrap();
+        let mut rr = r.irecv(&mut rb, len + 100).unwrap().expect("slot");
+        let mut sr = s.isend(&sb, len).unwrap().expect("slot");
+        assert_eq!(wait(&mut rr).unwrap(), len, "reported size");
+        assert_eq!(wait(&mut sr).unwrap(), len);
+        assert!(
+            rb.bytes().unwrap()[..len] == data[..],
+            "payload of {len} bytes corrupted"
+        );
+    }
+}
+
+#[test]
+fn eight_in_flight_keep_order() {
+    let ctx = setup();
+    let (s, r, _l) = pair(&ctx);
+    let n = 8;
+    let sizes: Vec<usize> = (0..n).map(|i| 1000 * (i + 1) + i).collect();
+    let mut sbufs: Vec<Buffer> = sizes.iter().map(|&l| s.register(l).unwrap()).collect();
+    let mut rbufs: Vec<Buffer> = sizes.iter().map(|_| r.register(16384).unwrap()).collect();
+    for (i, b) in sbufs.iter_mut().enumerate() {
+        fill(b, &pattern(100 + i as u64, sizes[i]));
+    }
+    let mut rreqs: Vec<Request> = rbufs
+        .iter_mut()
+        .map(|b| r.irecv(b, 16384).unwrap().unwrap())
+        .collect();
+    let mut sreqs: Vec<Request> = sbufs
+        .iter()
+        .zip(&sizes)
+        .map(|(b, &l)| s.isend(b, l).unwrap().unwrap())
+        .collect();
+    for (i, rq) in rreqs.iter_mut().enumerate() {
+        assert_eq!(wait(rq).unwrap(), sizes[i]);
+    }
+    for sq in &mut sreqs {
+        wait(sq).unwrap();
+    }
+    for (i, b) in rbufs.iter().enumerate() {
+        assert!(b.bytes().unwrap()[..sizes[i]] == pattern(100 + i as u64, sizes[i])[..]);
+    }
+}
+
+#[test]
+fn a_send_larger_than_its_receive_fails_both_sides_without_overrun() {
+    let ctx = setup();
+    let (s, r, _l) = pair(&ctx);
+    let sb = s.register(200).unwrap();
+    let mut rb = r.register(200).unwrap();
+    fill(&mut rb, &[0xEE; 200]);
+    let mut rr = r.irecv(&mut rb, 100).unwrap().unwrap();
+    let mut sr = s.isend(&sb, 150).unwrap().unwrap();
+    assert_eq!(wait(&mut rr), Err(driver::Code(5)));
+    assert_eq!(wait(&mut sr), Err(driver::Code(5)));
+    assert!(
+        rb.bytes().unwrap().iter().all(|&b| b == 0xEE),
+        "receive buffer was written"
+    );
+}
+
+#[test]
+fn bad_handles_are_invalid_argument_not_crashes() {
+    let ctx = setup();
+    let mut junk = [0u64; 4];
+    let bogus = junk.as_mut_ptr().cast();
+    assert_eq!(driver::test_raw(std::ptr::null_mut()), 4);
+    assert_eq!(driver::test_raw(bogus), 4);
+    assert_eq!(driver::close_send_raw(std::ptr::null_mut()), 4);
+    assert_eq!(driver::close_recv_raw(bogus), 4);
+    let (r, req) = driver::isend_raw(bogus);
+    assert_eq!(r, 4);
+    assert!(req.is_null(), "*request must be written even on error");
+    let (s, rc, _l) = pair(&ctx);
+    let raw = s.raw();
+    s.close().unwrap();
+    assert_eq!(driver::close_send_raw(raw), 4, "double close");
+    drop(rc);
+}
+
+#[test]
+fn a_stranger_with_garbage_is_dropped_and_the_listener_keeps_serving() {
+    let ctx = setup();
+    let (mut handle, listener) = ctx.listen(0).unwrap();
+    let h = railover::plugin::NetHandle::decode(&handle).unwrap();
+    let rt = railover::plugin::runtime().unwrap();
+    let before = rt
+        .stats()
+        .rejected_connections
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let mut stranger = std::net::TcpStream::connect(h.addr).unwrap();
+    stranger
+        .write_all(b"GET / HTTP/1.1\r\nHost: railover\r\n\r\n")
+        .unwrap();
+    // A peer with the right address but the wrong comm token.
+    let mut forged = handle;
+    forged[24] ^= 0xFF;
+    let mut forged_comm = None;
+    let mut refused = false;
+    let (mut s, mut r) = (None, None);
+    let end = deadline();
+    while s.is_none() || r.is_none() || !refused {
+        assert!(Instant::now() < end, "listener stopped serving");
+        if s.is_none() {
+            s = ctx.connect(0, &mut handle).unwrap();
+        }
+        if r.is_none() {
+            r = listener.accept().unwrap();
+        }
+        if !refused {
+            match ctx.connect(0, &mut forged) {
+                Ok(Some(c)) => forged_comm = Some(c),
+                Ok(None) => {}
+                Err(_) => refused = true,
+            }
+        }
+    }
+    assert!(forged_comm.is_none(), "a wrong token must not get a comm");
+    let after = rt
+        .stats()
+        .rejected_connections
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        after >= before + 2,
+        "garbage and wrong token are counted: {before} -> {after}"
+    );
+    assert!(
+        listener.accept().unwrap().is_none(),
+        "no comm for the stranger"
+    );
+    // The real pair still works.
+    let (s, r) = (s.unwrap(), r.unwrap());
+    let sb = s.register(10).unwrap();
+    let mut rb = r.register(10).unwrap();
+    let mut rr = r.irecv(&mut rb, 10).unwrap().unwrap();
+    let mut sr = s.isend(&sb, 10).unwrap().unwrap();
+    assert_eq!(wait(&mut rr).unwrap(), 10);
+    wait(&mut sr).unwrap();
+}
