@@ -39,6 +39,8 @@
 #include "nccl_net.h"
 
 #define MAX_INFLIGHT 8           /* NCCL_STEPS: requests in flight per NCCL connection */
+#define MAX_REQUESTS 32          /* NCCL_NET_MAX_REQUESTS: what every comm must accept */
+#define MAX_SLOTS (MAX_REQUESTS + 1)
 #define PROXY_MAX_SUBS 64        /* size of the arrays NCCL passes to irecv/test */
 #define GUARD 256                /* bytes after each receive buffer that must stay intact */
 #define GUARD_BYTE 0xEE
@@ -48,6 +50,7 @@
 #define CTL_TIMEOUT_MS 150000    /* waiting for the peer process */
 #define OVERALL_ALARM_S 280      /* whole run, per process */
 #define CLOSE_MAX_S 5.0          /* a close must not wait for the peer */
+#define TEST_MAX_S 2.0           /* test() must not block (generous: the host is shared) */
 #define SIZES_SENTINEL (-7)
 
 /* ------------------------------------------------------------ reporting */
@@ -140,6 +143,7 @@ static void on_fatal_signal(int sig) {
            : sig == SIGBUS  ? "SIGBUS"
            : sig == SIGABRT ? "SIGABRT"
            : sig == SIGFPE  ? "SIGFPE"
+           : sig == SIGPIPE ? "SIGPIPE (a write to a closed socket without MSG_NOSIGNAL)"
                             : "SIGILL");
   }
   append(line, sizeof line, &len, "\n");
@@ -153,7 +157,9 @@ static void on_fatal_signal(int sig) {
 }
 
 static void install_signal_handlers(void) {
-  int sigs[] = {SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL, SIGALRM};
+  /* SIGPIPE keeps its fatal meaning (C/C++ NCCL applications do not ignore it): a
+   * plugin writing to a closed socket without MSG_NOSIGNAL is caught here. */
+  int sigs[] = {SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL, SIGPIPE, SIGALRM};
   for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -161,7 +167,6 @@ static void install_signal_handlers(void) {
     sa.sa_flags = SA_RESETHAND;
     sigaction(sigs[i], &sa, NULL);
   }
-  signal(SIGPIPE, SIG_IGN);
 }
 
 /* ------------------------------------------------------------ the logger NCCL hands in */
@@ -338,9 +343,11 @@ static ncclResult_t net_close_send(void* c) { return NET_CALL(closeSend, c); }
 static ncclResult_t net_close_recv(void* c) { return NET_CALL(closeRecv, c); }
 static ncclResult_t net_close_listen(void* c) { return NET_CALL(closeListen, c); }
 
-static int is_arg_error(ncclResult_t r) { return r == ncclInvalidArgument || r == ncclInternalError; }
+static int is_arg_error(ncclResult_t r) {
+  return r == ncclInvalidArgument || r == ncclInternalError;
+}
 
-/* ------------------------------------------------------------ control channel to the peer process */
+/* ------------------------------------------------------------ control channel to the peer */
 
 enum {
   MSG_HANDLE = 1,
@@ -574,7 +581,10 @@ typedef struct {
   void* phandle;           /* profiler handle passed to isend/irecv (v10+) */
   int posted, completed;
   int failed;
-  slot_t slots[MAX_INFLIGHT];
+  int depth;               /* requests in flight at most (8 like NCCL, 33 for the depth test) */
+  double max_test_s;       /* longest single test() call */
+  double max_post_s;       /* longest single isend()/irecv() call */
+  slot_t slots[MAX_SLOTS];
   long null_retries, tests, flushes;
   size_t bytes;
 } stream_t;
@@ -589,7 +599,8 @@ static size_t max_size(const msg_spec_t* m, int n, int want_cap) {
 }
 
 static int stream_init(stream_t* s, test_t* t, ctl_t* ctl, void* comm, int is_send, int tag,
-                       const msg_spec_t* msgs, int n, uint64_t seed, uint32_t id, int staging) {
+                       const msg_spec_t* msgs, int n, uint64_t seed, uint32_t id, int staging,
+                       int depth) {
   memset(s, 0, sizeof *s);
   s->t = t;
   s->ctl = ctl;
@@ -602,9 +613,10 @@ static int stream_init(stream_t* s, test_t* t, ctl_t* ctl, void* comm, int is_se
   s->id = id;
   s->staging_mode = staging;
   s->flush_every = 4;
+  s->depth = depth < 1 ? 1 : depth > MAX_SLOTS ? MAX_SLOTS : depth;
   if (staging) {
     s->slot_size = max_size(msgs, n, !is_send) + GUARD;
-    size_t total = s->slot_size * MAX_INFLIGHT;
+    size_t total = s->slot_size * (size_t)s->depth;
     s->staging = malloc(total);
     if (!CHECK(t, s->staging != NULL, "out of memory for %zu bytes of staging", total)) return -1;
     memset(s->staging, 0, total);
@@ -627,16 +639,37 @@ static void stream_release_slot(stream_t* s, slot_t* sl) {
   memset(sl, 0, sizeof *sl);
 }
 
-static void stream_fini(stream_t* s) {
-  for (int i = 0; i < MAX_INFLIGHT; i++) {
-    if (s->slots[i].state != SLOT_EMPTY) stream_release_slot(s, &s->slots[i]);
+/* Deregisters every buffer of the stream (NCCL deregisters before it closes a comm). */
+static void stream_dereg(stream_t* s) {
+  for (int i = 0; i < MAX_SLOTS; i++) {
+    slot_t* sl = &s->slots[i];
+    if (!s->staging_mode && sl->state != SLOT_EMPTY && sl->mh) {
+      ncclResult_t r = net_deregmr(s->comm, sl->mh);
+      CHECK(s->t, r == ncclSuccess, "deregMr(comm, mhandle of message %d) = %d", sl->msg, r);
+    }
+    sl->mh = NULL;
   }
-  if (s->staging) {
+  if (s->staging_mh) {
     ncclResult_t r = net_deregmr(s->comm, s->staging_mh);
     CHECK(s->t, r == ncclSuccess, "deregMr(comm, staging mhandle) = %d", r);
-    free(s->staging);
-    s->staging = NULL;
+    s->staging_mh = NULL;
   }
+}
+
+/* Frees the buffers; after stream_dereg, and after the comm is closed if requests may
+ * still be outstanding. */
+static void stream_free(stream_t* s) {
+  for (int i = 0; i < MAX_SLOTS; i++) {
+    if (!s->staging_mode) free(s->slots[i].alloc);
+    memset(&s->slots[i], 0, sizeof s->slots[i]);
+  }
+  free(s->staging);
+  s->staging = NULL;
+}
+
+static void stream_fini(stream_t* s) {
+  stream_dereg(s);
+  stream_free(s);
 }
 
 static int stream_prepare(stream_t* s, slot_t* sl, int idx) {
@@ -644,7 +677,7 @@ static int stream_prepare(stream_t* s, slot_t* sl, int idx) {
   size_t len = s->is_send ? m->size : m->cap;
   sl->msg = idx;
   if (s->staging_mode) {
-    sl->buf = s->staging + (size_t)(idx % MAX_INFLIGHT) * s->slot_size;
+    sl->buf = s->staging + (size_t)(idx % s->depth) * s->slot_size;
   } else {
     sl->alloc = malloc(len + GUARD);
     if (!CHECK(s->t, sl->alloc != NULL, "out of memory (%zu bytes)", len + GUARD)) return -1;
@@ -675,7 +708,9 @@ static int stream_post(stream_t* s, slot_t* sl) {
   ncclResult_t r;
   if (s->is_send) {
     req = STALE;
+    double t0 = now_s();
     r = net_isend(s->comm, sl->buf, m->size, s->tag, mh, s->phandle, &req);
+    if (now_s() - t0 > s->max_post_s) s->max_post_s = now_s() - t0;
     if (!CHECK(s->t, r == ncclSuccess, "isend(stream %u, msg %d, size %zu, tag %d) = %d", s->id,
                sl->msg, m->size, s->tag, r))
       return -1;
@@ -687,7 +722,9 @@ static int stream_post(stream_t* s, slot_t* sl) {
     else
       req = STALE;
     void* before = req;
+    double t0 = now_s();
     r = net_irecv(s->comm, sl->buf, m->cap, s->tag, mh, s->phandle, &req);
+    if (now_s() - t0 > s->max_post_s) s->max_post_s = now_s() - t0;
     if (!CHECK(s->t, r == ncclSuccess, "irecv(stream %u, msg %d, n=1, cap %zu, tag %d) = %d",
                s->id, sl->msg, m->cap, s->tag, r))
       return -1;
@@ -712,7 +749,7 @@ static int stream_post(stream_t* s, slot_t* sl) {
 
 /* Tests the oldest outstanding request only, as NCCL does. 1 = it completed. */
 static int stream_test_oldest(stream_t* s) {
-  slot_t* sl = &s->slots[s->completed % MAX_INFLIGHT];
+  slot_t* sl = &s->slots[s->completed % s->depth];
   const msg_spec_t* m = &s->msgs[sl->msg];
   int done = 0x5A5A;
   int sizes[PROXY_MAX_SUBS];
@@ -720,7 +757,10 @@ static int stream_test_oldest(stream_t* s) {
   /* Sometimes NULL: flush requests and the bootstrap pass no sizes. */
   int with_sizes = s->is_send ? (sl->msg % 3 != 1) : (sl->msg % 5 != 3);
   s->tests++;
+  double t0 = now_s();
   ncclResult_t r = net_test(sl->req, &done, with_sizes ? sizes : NULL);
+  double dt = now_s() - t0;
+  if (dt > s->max_test_s) s->max_test_s = dt;
   if (!CHECK(s->t, r == ncclSuccess, "test(%s request of stream %u msg %d size %zu cap %zu) = %d",
              s->is_send ? "send" : "recv", s->id, sl->msg, m->size, m->cap, r))
     return -1;
@@ -734,8 +774,8 @@ static int stream_test_oldest(stream_t* s) {
             "recv msg %d: test reported size %d, sender sent %zu (receive capacity %zu)", sl->msg,
             sizes[0], m->size, m->cap);
       for (int i = 1; i < PROXY_MAX_SUBS; i++) {
-        if (!CHECK(s->t, sizes[i] == SIZES_SENTINEL, "recv msg %d: test wrote sizes[%d] = %d (n was 1)",
-                   sl->msg, i, sizes[i]))
+        if (!CHECK(s->t, sizes[i] == SIZES_SENTINEL,
+                   "recv msg %d: test wrote sizes[%d] = %d (n was 1)", sl->msg, i, sizes[i]))
           break;
       }
     }
@@ -767,8 +807,8 @@ static int stream_test_oldest(stream_t* s) {
 static int stream_step(stream_t* s) {
   if (s->failed || s->completed == s->nmsgs) return 0;
   int progress = 0;
-  if (s->posted < s->nmsgs && s->posted - s->completed < MAX_INFLIGHT) {
-    slot_t* sl = &s->slots[s->posted % MAX_INFLIGHT];
+  if (s->posted < s->nmsgs && s->posted - s->completed < s->depth) {
+    slot_t* sl = &s->slots[s->posted % s->depth];
     if (sl->state == SLOT_EMPTY && stream_prepare(s, sl, s->posted) != 0) goto fail;
     if (sl->state == SLOT_PREPARED) {
       int r = stream_post(s, sl);
@@ -787,6 +827,41 @@ static int stream_step(stream_t* s) {
   return progress;
 fail:
   s->failed = 1;
+  return 0;
+}
+
+/* Posts up to `count` more messages without testing anything, retrying NULL requests
+ * until `deadline`. Returns the number posted so far, or -1 on error. */
+static int stream_post_only(stream_t* s, int count, double deadline) {
+  int target = s->posted + count < s->nmsgs ? s->posted + count : s->nmsgs;
+  while (s->posted < target && s->posted - s->completed < s->depth) {
+    slot_t* sl = &s->slots[s->posted % s->depth];
+    if (sl->state == SLOT_EMPTY && stream_prepare(s, sl, s->posted) != 0) goto fail;
+    int r = stream_post(s, sl);
+    if (r < 0) goto fail;
+    if (r > 0) {
+      s->posted++;
+      continue;
+    }
+    if (now_s() > deadline) break;
+    sched_yield();
+  }
+  return s->posted;
+fail:
+  s->failed = 1;
+  return -1;
+}
+
+/* Tests the oldest request for `secs`: 1 = it completed, 0 = still pending, -1 = error. */
+static int stream_poll_oldest(stream_t* s, double secs) {
+  double end = now_s() + secs;
+  if (s->completed >= s->posted) return 0;
+  do {
+    int r = stream_test_oldest(s);
+    if (r < 0) s->failed = 1;
+    if (r != 0) return r;
+    sched_yield();
+  } while (now_s() < end);
   return 0;
 }
 
@@ -833,9 +908,15 @@ static int run_streams(stream_t* ss, int n, double deadline_s) {
   double dt = now_s() - t0;
   for (int i = 0; i < n; i++) {
     note("stream %u (%s): %d msgs, %zu bytes in %.2f s, %ld NULL-request retries, %ld tests,"
-         " %ld flushes",
+         " %ld flushes, slowest test() %.1f ms",
          ss[i].id, ss[i].is_send ? "send" : "recv", ss[i].nmsgs, ss[i].bytes, dt,
-         ss[i].null_retries, ss[i].tests, ss[i].flushes);
+         ss[i].null_retries, ss[i].tests, ss[i].flushes, ss[i].max_test_s * 1e3);
+    CHECK(ss[i].t, ss[i].max_test_s < TEST_MAX_S,
+          "stream %u: one test() call took %.2f s; test must never block", ss[i].id,
+          ss[i].max_test_s);
+    CHECK(ss[i].t, ss[i].max_post_s < TEST_MAX_S,
+          "stream %u: one %s() call took %.2f s; it must never block", ss[i].id,
+          ss[i].is_send ? "isend" : "irecv", ss[i].max_post_s);
   }
   return 0;
 }
@@ -867,13 +948,18 @@ static int setup_recv(void* ctx, int dev, conn_t* cs, int n, ctl_t* ctl, test_t*
     }
   }
   double deadline = now_s() + SETUP_DEADLINE_S;
+  double slowest = 0;
   int left = n;
   long polls = 0;
   while (left > 0) {
     for (int i = 0; i < n; i++) {
       if (cs[i].comm) continue;
       cs[i].devcomm = NULL;
-      ncclResult_t r = net_accept(cs[i].lc, &cs[i].comm, cs[i].pass_null_devcomm ? NULL : &cs[i].devcomm);
+      double t0 = now_s();
+      ncclResult_t r = net_accept(cs[i].lc, &cs[i].comm,
+                                  cs[i].pass_null_devcomm ? NULL : &cs[i].devcomm);
+      double dt = now_s() - t0;
+      if (dt > slowest) slowest = dt;
       polls++;
       if (!CHECK(t, r == ncclSuccess, "accept(listenComm %d) = %d after %ld polls", i, r, polls))
         return -1;
@@ -898,7 +984,9 @@ static int setup_recv(void* ctx, int dev, conn_t* cs, int n, ctl_t* ctl, test_t*
     }
     sched_yield();
   }
-  note("accepted %d comm(s) after %ld accept polls", n, polls);
+  note("accepted %d comm(s) after %ld accept polls, slowest accept %.1f ms", n, polls,
+       slowest * 1e3);
+  CHECK(t, slowest < TEST_MAX_S, "one accept() call took %.2f s; it must never block", slowest);
   return 0;
 }
 
@@ -912,14 +1000,18 @@ static int setup_send(void* ctx, int dev, conn_t* cs, int n, ctl_t* ctl, test_t*
     memcpy(cs[i].handle, m.data, sizeof cs[i].handle);
   }
   double deadline = now_s() + SETUP_DEADLINE_S;
+  double slowest = 0;
   int left = n;
   long polls = 0;
   while (left > 0) {
     for (int i = 0; i < n; i++) {
       if (cs[i].comm) continue;
       cs[i].devcomm = NULL;
+      double t0 = now_s();
       ncclResult_t r = net_connect(ctx, dev, cs[i].handle, &cs[i].comm,
                                    cs[i].pass_null_devcomm ? NULL : &cs[i].devcomm);
+      double dt = now_s() - t0;
+      if (dt > slowest) slowest = dt;
       polls++;
       if (!CHECK(t, r == ncclSuccess, "connect(dev %d, handle %d) = %d after %ld polls", dev, i, r,
                  polls)) {
@@ -945,7 +1037,9 @@ static int setup_send(void* ctx, int dev, conn_t* cs, int n, ctl_t* ctl, test_t*
     }
     sched_yield();
   }
-  note("connected %d comm(s) after %ld connect polls", n, polls);
+  note("connected %d comm(s) after %ld connect polls, slowest connect %.1f ms", n, polls,
+       slowest * 1e3);
+  CHECK(t, slowest < TEST_MAX_S, "one connect() call took %.2f s; it must never block", slowest);
   return 0;
 }
 
@@ -1307,8 +1401,8 @@ static void test_regmr(void* comm, int is_send, test_t* t) {
   if (!CHECK(t, buf != NULL, "out of memory")) return;
   void* mh = STALE;
   ncclResult_t r = net_regmr(comm, buf, len, NCCL_PTR_HOST, &mh);
-  CHECK(t, r == ncclSuccess, "regMr(%s comm, %zu bytes, NCCL_PTR_HOST) = %d", is_send ? "send" : "recv",
-        len, r);
+  CHECK(t, r == ncclSuccess, "regMr(%s comm, %zu bytes, NCCL_PTR_HOST) = %d",
+        is_send ? "send" : "recv", len, r);
   CHECK(t, r != ncclSuccess || mh != STALE, "regMr succeeded without writing *mhandle");
   if (r == ncclSuccess) {
     r = net_deregmr(comm, mh);
@@ -1329,8 +1423,191 @@ static void test_data(void* comm, int is_send, uint64_t seed, ctl_t* ctl, test_t
   static msg_spec_t msgs[64];
   int n = make_msgs(seed, 1, KIND_MAIN, msgs, 64);
   stream_t s;
-  if (stream_init(&s, t, ctl, comm, is_send, 0, msgs, n, seed, 1, 0) == 0) run_streams(&s, 1, DATA_DEADLINE_S);
+  if (stream_init(&s, t, ctl, comm, is_send, 0, msgs, n, seed, 1, 0, MAX_INFLIGHT) == 0)
+    run_streams(&s, 1, DATA_DEADLINE_S);
   stream_fini(&s);
+}
+
+/* Railover's contract: a send completes only once the receiver acknowledged it, so with
+ * no receive posted no send may complete (NULL requests are fine: "retry later"). */
+static void test_send_before_recv(void* comm, int is_send, uint64_t seed, ctl_t* ctl, test_t* t) {
+  static msg_spec_t msgs[MAX_INFLIGHT];
+  int n = make_msgs(seed, 2, KIND_THREAD, msgs, MAX_INFLIGHT);
+  stream_t s;
+  if (stream_init(&s, t, ctl, comm, is_send, 0, msgs, n, seed, 2, 0, MAX_INFLIGHT) != 0) {
+    ctl_abort(ctl);
+    goto out;
+  }
+  if (is_send) {
+    int posted = stream_post_only(&s, n, now_s() + 0.3);
+    int r = posted < 0 ? -1 : stream_poll_oldest(&s, 0.3);
+    if (r < 0) {
+      ctl_abort(ctl);
+      goto out;
+    }
+    note("send_before_recv: %d of %d sends accepted before any receive was posted "
+         "(%ld NULL-request answers)", posted, n, s.null_retries);
+    CHECK(t, r == 0, "a %zu-byte send completed before the receiver posted any receive",
+          msgs[0].size);
+    ctl_send(ctl, MSG_READY, 0, 0, NULL);
+  } else if (ctl_recv(ctl, MSG_READY, NULL, CTL_TIMEOUT_MS, t) != 0) {
+    goto out;
+  }
+  run_streams(&s, 1, DATA_DEADLINE_S);
+out:
+  stream_fini(&s);
+}
+
+/* Receives posted long before the sends: all 8 must be accepted at once, none may
+ * complete before data exists. */
+static void test_recv_before_send(void* comm, int is_send, uint64_t seed, ctl_t* ctl, test_t* t) {
+  static msg_spec_t msgs[MAX_INFLIGHT];
+  int n = make_msgs(seed, 3, KIND_THREAD, msgs, MAX_INFLIGHT);
+  stream_t s;
+  if (stream_init(&s, t, ctl, comm, is_send, 0, msgs, n, seed, 3, 0, MAX_INFLIGHT) != 0) {
+    ctl_abort(ctl);
+    goto out;
+  }
+  if (!is_send) {
+    int posted = stream_post_only(&s, n, now_s() + 2.0);
+    int r = posted < 0 ? -1 : stream_poll_oldest(&s, 0.3);
+    if (r < 0) {
+      ctl_abort(ctl);
+      goto out;
+    }
+    CHECK(t, posted == n, "only %d of %d receives accepted on an idle comm (at least 8 must be)",
+          posted, n);
+    CHECK(t, r == 0, "a receive completed although nothing had been sent");
+    ctl_send(ctl, MSG_READY, 0, 0, NULL);
+  } else if (ctl_recv(ctl, MSG_READY, NULL, CTL_TIMEOUT_MS, t) != 0) {
+    goto out;
+  }
+  run_streams(&s, 1, DATA_DEADLINE_S);
+out:
+  stream_fini(&s);
+}
+
+/* NCCL_NET_MAX_REQUESTS: one comm must hold 32 outstanding requests. The receiver posts 33
+ * before anything is sent (the 33rd may be a NULL "retry later", not an error), then the
+ * sender posts as many as it can; everything must then complete in order. */
+static void test_depth32(void* comm, int is_send, uint64_t seed, ctl_t* ctl, test_t* t) {
+  static msg_spec_t msgs[MAX_SLOTS];
+  int n = make_msgs(seed, 4, KIND_THREAD, msgs, MAX_SLOTS);
+  stream_t s;
+  if (stream_init(&s, t, ctl, comm, is_send, 0, msgs, n, seed, 4, 1, MAX_SLOTS) != 0) {
+    ctl_abort(ctl);
+    goto out;
+  }
+  if (!is_send) {
+    /* 32 with NULL answers retried for up to 2 s, then a single try at the 33rd. */
+    int posted = stream_post_only(&s, MAX_REQUESTS, now_s() + 2.0);
+    if (posted >= 0) posted = stream_post_only(&s, 1, 0);
+    if (posted < 0) {
+      ctl_abort(ctl);
+      goto out;
+    }
+    note("depth32: %d of %d receives outstanding at once on one comm", posted, n);
+    CHECK(t, posted >= MAX_REQUESTS, "only %d receives accepted on one comm (NCCL requires 32)",
+          posted);
+    ctl_send(ctl, MSG_READY, 0, 0, NULL);
+  } else {
+    if (ctl_recv(ctl, MSG_READY, NULL, CTL_TIMEOUT_MS, t) != 0) goto out;
+    int posted = stream_post_only(&s, MAX_REQUESTS, now_s() + 2.0);
+    if (posted >= 0) posted = stream_post_only(&s, 1, 0);
+    if (posted < 0) {
+      ctl_abort(ctl);
+      goto out;
+    }
+    note("depth32: %d of %d sends outstanding at once on one comm", posted, n);
+    CHECK(t, posted >= MAX_INFLIGHT, "only %d sends accepted with 33 receives posted", posted);
+  }
+  run_streams(&s, 1, DATA_DEADLINE_S);
+out:
+  stream_fini(&s);
+}
+
+/* After an abort NCCL closes comms with requests outstanding. The sender closes with two
+ * sends in flight while the receiver has four receives posted; both closes must return
+ * promptly and succeed, and test() on the orphaned receives must not block. What those
+ * receives report is not specified: it is printed. */
+static void test_close_pending(void* ctx, int is_recv, uint64_t seed, ctl_t* ctl, test_t* t) {
+  enum { N = 4, SENT = 2 };
+  static msg_spec_t msgs[N];
+  for (int i = 0; i < N; i++) msgs[i] = (msg_spec_t){1u << 20, 1u << 20};
+  conn_t c;
+  memset(&c, 0, sizeof c);
+  stream_t s;
+  memset(&s, 0, sizeof s);
+  int rc = is_recv ? setup_recv(ctx, 0, &c, 1, ctl, t) : setup_send(ctx, 0, &c, 1, ctl, t);
+  if (rc != 0 ||
+      stream_init(&s, t, ctl, c.comm, !is_recv, 0, msgs, N, seed, 5, 1, MAX_INFLIGHT) != 0) {
+    ctl_abort(ctl);
+    goto out;
+  }
+  if (is_recv) {
+    int posted = stream_post_only(&s, N, now_s() + 2.0);
+    if (posted < 0) {
+      ctl_abort(ctl);
+      goto out;
+    }
+    ctl_send(ctl, MSG_READY, 0, 0, NULL);
+    if (ctl_recv(ctl, MSG_CLOSED, NULL, CTL_TIMEOUT_MS, t) != 0) goto out;
+    int completed = 0;
+    ncclResult_t err = ncclSuccess;
+    double end = now_s() + 3.0;
+    while (completed < posted && now_s() < end) {
+      slot_t* sl = &s.slots[completed % s.depth];
+      int done = 0, sizes[PROXY_MAX_SUBS] = {0};
+      double t0 = now_s();
+      ncclResult_t r = net_test(sl->req, &done, sizes);
+      double dt = now_s() - t0;
+      CHECK(t, dt < TEST_MAX_S, "test() on a receive whose sender closed took %.2f s", dt);
+      if (r != ncclSuccess) {
+        err = r;
+        break;
+      }
+      if (done) {
+        long long bad = check_pattern(sl->buf, (size_t)sizes[0],
+                                      msg_key(seed, 5, (uint32_t)completed));
+        CHECK(t, sizes[0] == (int)msgs[completed].size && bad < 0,
+              "receive %d completed after the sender closed with size %d (sent %zu), "
+              "payload bad at %lld", completed, sizes[0], msgs[completed].size, bad);
+        completed++;
+        continue;
+      }
+      sched_yield();
+    }
+    note("close_pending: sender closed with %d sends in flight; %d of %d receives completed, "
+         "then the next %s (code %d)", SENT, completed, posted,
+         err != ncclSuccess ? "failed" : completed < posted ? "stayed pending for 3 s" : "-",
+         err);
+    CHECK(t, completed <= SENT, "%d receives completed but only %d were sent", completed, SENT);
+  } else {
+    if (ctl_recv(ctl, MSG_READY, NULL, CTL_TIMEOUT_MS, t) != 0) goto out;
+    if (stream_post_only(&s, SENT, now_s() + 2.0) < 0) {
+      ctl_abort(ctl);
+      goto out;
+    }
+  }
+  stream_dereg(&s);
+  double t0 = now_s();
+  ncclResult_t r = is_recv ? net_close_recv(c.comm) : net_close_send(c.comm);
+  double dt = now_s() - t0;
+  c.comm = NULL;
+  CHECK(t, r == ncclSuccess, "close%s with requests outstanding = %d", is_recv ? "Recv" : "Send",
+        r);
+  CHECK(t, dt < CLOSE_MAX_S, "close%s with requests outstanding took %.1f s",
+        is_recv ? "Recv" : "Send", dt);
+  if (!is_recv) ctl_send(ctl, MSG_CLOSED, 0, 0, NULL);
+out:
+  if (c.comm) {
+    stream_dereg(&s);
+    if (is_recv)
+      net_close_recv(c.comm);
+    else
+      net_close_send(c.comm);
+  }
+  stream_free(&s);
 }
 
 /* A send larger than the posted receive must fail on at least one side, must not write
@@ -1499,7 +1776,8 @@ static void* comm_thread(void* p) {
     r = get_props(0, &pr, 0xAB);
     CHECK(&ts, r == ncclSuccess, "getProperties(0) from a second init thread = %d", r);
   }
-  int rc = a->is_recv ? setup_recv(ctx, 0, c, 2, &a->ctl, &ts) : setup_send(ctx, 0, c, 2, &a->ctl, &ts);
+  int rc = a->is_recv ? setup_recv(ctx, 0, c, 2, &a->ctl, &ts)
+                      : setup_send(ctx, 0, c, 2, &a->ctl, &ts);
   if (rc != 0) ctl_abort(&a->ctl);
   test_end(&ts);
 
@@ -1507,17 +1785,19 @@ static void* comm_thread(void* p) {
     test_begin(&td, name[1]);
     static msg_spec_t msgs[4][64];
     stream_t s[2];
+    memset(s, 0, sizeof s);
     int ok = 1;
     static int phandle_dummy;
     for (int k = 0; k < 2 && ok; k++) {
       uint32_t id = 100 + (uint32_t)(a->idx * 2 + k);
+      msg_spec_t* m = msgs[a->idx * 2 + k];
       /* Parent thread 0 receives, child thread 0 sends: same stream ids on both sides. */
-      int n = make_msgs(a->seed, id, KIND_THREAD, msgs[a->idx * 2 + k], 64);
-      if (stream_init(&s[k], &td, &a->ctl, c[k].comm, !a->is_recv, 7 + a->idx, msgs[a->idx * 2 + k], n,
-                      a->seed, id, 1) != 0)
-        ok = 0;
-      s[k].phandle = &phandle_dummy;
+      int n = make_msgs(a->seed, id, KIND_THREAD, m, 64);
+      ok = stream_init(&s[k], &td, &a->ctl, c[k].comm, !a->is_recv, 7 + a->idx, m, n, a->seed,
+                       id, 1, MAX_INFLIGHT) == 0;
+      s[k].phandle = &phandle_dummy; /* NCCL passes profiler handles from v10 on */
     }
+    if (!ok) ctl_abort(&a->ctl);
     if (ok) run_streams(s, 2, DATA_DEADLINE_S);
     stream_fini(&s[0]);
     stream_fini(&s[1]);
@@ -1615,6 +1895,27 @@ static void test_bad_input_more(void* ctx, test_t* t) {
   CHECK(t, is_arg_error(r), "regMr(NULL comm) = %d, expected 4 or 3", r);
 }
 
+/* NCCL dlcloses the library after the last finalize and opens it again for the next
+ * communicator: everything must work a second time. */
+static void test_reload(const char* so, test_t* t) {
+  int ndev = P.ndev;
+  if (load_plugin(so, t) != 0) return;
+  void* ctx = NULL;
+  ncclResult_t r = net_init(&ctx, 0xC0FFEE + 1, NULL);
+  if (!CHECK(t, r == ncclSuccess && ctx != NULL, "init after reload = %d, ctx %p", r, ctx)) return;
+  int n = -1;
+  r = net_devices(&n);
+  CHECK(t, r == ncclSuccess && n == ndev, "devices after reload = %d, %d devices (before: %d)", r,
+        n, ndev);
+  any_props_t pr;
+  r = get_props(0, &pr, 0xAB);
+  CHECK(t, r == ncclSuccess, "getProperties(0) after reload = %d", r);
+  test_loopback_one_thread(ctx, t);
+  r = net_finalize(ctx);
+  CHECK(t, r == ncclSuccess, "finalize after reload = %d", r);
+  CHECK(t, dlclose(P.dl) == 0, "second dlclose: %s", dlerror());
+}
+
 /* ------------------------------------------------------------ one process */
 
 static int run(const char* so, int is_recv, uint64_t seed, ctl_t* ctl, ctl_t thr[2]) {
@@ -1654,7 +1955,8 @@ static int run(const char* so, int is_recv, uint64_t seed, ctl_t* ctl, ctl_t thr
   test_end(&t);
 
   test_begin(&t, "connect");
-  ok = (is_recv ? setup_recv(ctx, 0, &main_conn, 1, ctl, &t) : setup_send(ctx, 0, &main_conn, 1, ctl, &t)) == 0;
+  ok = (is_recv ? setup_recv(ctx, 0, &main_conn, 1, ctl, &t)
+                : setup_send(ctx, 0, &main_conn, 1, ctl, &t)) == 0;
   test_end(&t);
   if (!ok) {
     ctl_abort(ctl);
@@ -1671,9 +1973,33 @@ static int run(const char* so, int is_recv, uint64_t seed, ctl_t* ctl, ctl_t thr
   test_end(&t);
   if (!ok) return -1;
 
+  test_begin(&t, "send_before_recv");
+  test_send_before_recv(main_conn.comm, !is_recv, seed, ctl, &t);
+  ok = barrier(ctl, 10, &t) == 0;
+  test_end(&t);
+  if (!ok) return -1;
+
+  test_begin(&t, "recv_before_send");
+  test_recv_before_send(main_conn.comm, !is_recv, seed, ctl, &t);
+  ok = barrier(ctl, 11, &t) == 0;
+  test_end(&t);
+  if (!ok) return -1;
+
+  test_begin(&t, "depth32");
+  test_depth32(main_conn.comm, !is_recv, seed, ctl, &t);
+  ok = barrier(ctl, 12, &t) == 0;
+  test_end(&t);
+  if (!ok) return -1;
+
   test_begin(&t, "truncation");
   test_truncation(ctx, is_recv, ctl, &t);
   ok = barrier(ctl, 2, &t) == 0;
+  test_end(&t);
+  if (!ok) return -1;
+
+  test_begin(&t, "close_pending");
+  test_close_pending(ctx, is_recv, seed, ctl, &t);
+  ok = barrier(ctl, 13, &t) == 0;
   test_end(&t);
   if (!ok) return -1;
 
@@ -1716,6 +2042,9 @@ static int run(const char* so, int is_recv, uint64_t seed, ctl_t* ctl, ctl_t thr
     CHECK(&t, dr == 0, "dlclose: %s", dlerror());
     struct timespec ts = {0, 300 * 1000 * 1000};
     nanosleep(&ts, NULL);
+    test_end(&t);
+    test_begin(&t, "reload");
+    test_reload(so, &t);
     test_end(&t);
   } else {
     note("finalize: v%d has no finalize; library stays loaded", P.v);
