@@ -137,15 +137,15 @@ fn a_send_larger_than_its_receive_fails_both_sides_without_overrun() {
 #[test]
 fn bad_handles_are_invalid_argument_not_crashes() {
     let ctx = setup();
-    let mut junk = [0u64; 4];
-    let bogus = junk.as_mut_ptr().cast();
-    assert_eq!(driver::test_raw(std::ptr::null_mut()), 4);
+    let junk = [0u64; 4];
+    let bogus = junk.as_ptr() as usize;
+    assert_eq!(driver::test_raw(0), 4);
     assert_eq!(driver::test_raw(bogus), 4);
-    assert_eq!(driver::close_send_raw(std::ptr::null_mut()), 4);
+    assert_eq!(driver::close_send_raw(0), 4);
     assert_eq!(driver::close_recv_raw(bogus), 4);
     let (r, req) = driver::isend_raw(bogus);
     assert_eq!(r, 4);
-    assert!(req.is_null(), "*request must be written even on error");
+    assert_eq!(req, 0, "*request must be written even on error");
     let (s, rc, _l) = pair(&ctx);
     let raw = s.raw();
     s.close().unwrap();

@@ -88,9 +88,11 @@ impl Ctx {
         check(unsafe { (table().get_properties)(dev, p.as_mut_ptr()) })?;
         // SAFETY: initialised by the successful call above.
         let p = unsafe { p.assume_init() };
-        // SAFETY: the plugin's strings are static and NUL-terminated, or NULL.
         let s = |c: *const std::ffi::c_char| {
-            (!c.is_null()).then(|| unsafe { CStr::from_ptr(c) }.to_string_lossy().into_owned())
+            (!c.is_null()).then(|| {
+                // SAFETY: the plugin's strings are static and NUL-terminated.
+                unsafe { CStr::from_ptr(c) }.to_string_lossy().into_owned()
+            })
         };
         Ok(Props {
             name: s(p.name).unwrap_or_default(),
@@ -129,8 +131,9 @@ impl Ctx {
     }
 
     /// The raw context pointer, for tests of bad input.
-    pub fn raw(&self) -> *mut c_void {
-        self.raw
+    /// The context's address, for bad-input tests.
+    pub fn raw(&self) -> usize {
+        self.raw as usize
     }
 
     pub fn finalize(self) -> Result<(), Code> {
@@ -339,8 +342,9 @@ impl SendComm {
         self.0.close(table().close_send)
     }
 
-    pub fn raw(&self) -> *mut c_void {
-        self.0.raw
+    /// The comm's address, for bad-input tests.
+    pub fn raw(&self) -> usize {
+        self.0.raw as usize
     }
 }
 
@@ -395,8 +399,9 @@ impl RecvComm {
         self.0.close(table().close_recv)
     }
 
-    pub fn raw(&self) -> *mut c_void {
-        self.0.raw
+    /// The comm's address, for bad-input tests.
+    pub fn raw(&self) -> usize {
+        self.0.raw as usize
     }
 }
 
@@ -406,32 +411,33 @@ impl Drop for RecvComm {
     }
 }
 
-/// Calls `test` with arbitrary pointers: for bad-input tests.
-pub fn test_raw(request: *mut c_void) -> c_int {
+/// Calls `test` with an arbitrary address as the request: for bad-input tests.
+pub fn test_raw(request: usize) -> c_int {
     let mut done = 0;
-    // SAFETY: the plugin only looks the pointer up in its registry, never dereferences it.
-    unsafe { (table().test)(request, &mut done, std::ptr::null_mut()) }
+    // SAFETY: the plugin only looks the address up in its registry, never dereferences it.
+    unsafe { (table().test)(request as *mut c_void, &mut done, std::ptr::null_mut()) }
 }
 
-/// Calls `closeSend` with an arbitrary pointer: for bad-input tests.
-pub fn close_send_raw(comm: *mut c_void) -> c_int {
+/// Calls `closeSend` with an arbitrary address: for bad-input tests.
+pub fn close_send_raw(comm: usize) -> c_int {
     // SAFETY: as for `test_raw`.
-    unsafe { (table().close_send)(comm) }
+    unsafe { (table().close_send)(comm as *mut c_void) }
 }
 
-/// Calls `closeRecv` with an arbitrary pointer: for bad-input tests.
-pub fn close_recv_raw(comm: *mut c_void) -> c_int {
+/// Calls `closeRecv` with an arbitrary address: for bad-input tests.
+pub fn close_recv_raw(comm: usize) -> c_int {
     // SAFETY: as for `test_raw`.
-    unsafe { (table().close_recv)(comm) }
+    unsafe { (table().close_recv)(comm as *mut c_void) }
 }
 
-/// Calls `isend` on an arbitrary comm pointer with no buffer: for bad-input tests.
-pub fn isend_raw(comm: *mut c_void) -> (c_int, *mut c_void) {
+/// Calls `isend` on an arbitrary comm address with no buffer: for bad-input tests.
+/// Returns the result and the address the plugin wrote into `*request`.
+pub fn isend_raw(comm: usize) -> (c_int, usize) {
     let mut req = 0x1 as *mut c_void;
     // SAFETY: as for `test_raw`; zero bytes from a NULL buffer.
     let r = unsafe {
         (table().isend)(
-            comm,
+            comm as *mut c_void,
             std::ptr::null_mut(),
             0,
             0,
@@ -440,5 +446,5 @@ pub fn isend_raw(comm: *mut c_void) -> (c_int, *mut c_void) {
             &mut req,
         )
     };
-    (r, req)
+    (r, req as usize)
 }

@@ -66,8 +66,8 @@ pub static COMMS: Registry<CommShared> = Registry::new("comm");
 pub static MRS: Registry<MemoryRegion> = Registry::new("memory handle");
 pub static REQUESTS: Registry<Request> = Registry::new("request");
 
-/// Writes through an out-pointer after a NULL check.
-pub fn write<T>(p: *mut T, v: T, what: &str) -> Result<(), Error> {
+/// Writes through an out-pointer after a NULL check. Only for pointers NCCL passed in.
+pub(super) fn write<T>(p: *mut T, v: T, what: &str) -> Result<(), Error> {
     if p.is_null() {
         return Err(Error::InvalidArgument(format!("NULL {what}")));
     }
@@ -77,7 +77,7 @@ pub fn write<T>(p: *mut T, v: T, what: &str) -> Result<(), Error> {
 }
 
 /// Writes through an out-pointer NCCL may legally pass as NULL.
-pub fn write_opt<T>(p: *mut T, v: T) {
+pub(super) fn write_opt<T>(p: *mut T, v: T) {
     if !p.is_null() {
         // SAFETY: as in `write`.
         unsafe { p.write(v) };
@@ -85,7 +85,7 @@ pub fn write_opt<T>(p: *mut T, v: T) {
 }
 
 /// Reads element `i` of an array NCCL passed, after a NULL check.
-pub fn read_at<T: Copy>(p: *const T, i: usize, what: &str) -> Result<T, Error> {
+pub(super) fn read_at<T: Copy>(p: *const T, i: usize, what: &str) -> Result<T, Error> {
     if p.is_null() {
         return Err(Error::InvalidArgument(format!("NULL {what}")));
     }
@@ -94,7 +94,7 @@ pub fn read_at<T: Copy>(p: *const T, i: usize, what: &str) -> Result<T, Error> {
 }
 
 /// The 128-byte handle buffer NCCL passes to `listen`/`connect`.
-pub fn handle_mut<'a>(p: *mut c_void) -> Result<&'a mut [u8; 128], Error> {
+pub(super) fn handle_mut<'a>(p: *mut c_void) -> Result<&'a mut [u8; 128], Error> {
     if p.is_null() {
         return Err(Error::InvalidArgument("NULL handle".into()));
     }

@@ -280,6 +280,10 @@ impl Reactor {
             let now = Instant::now();
             if !events.is_empty() {
                 self.budget.progress(now);
+            } else if timeout == Some(Duration::ZERO) && self.again.is_empty() {
+                // An empty spin turn: let other runnable threads (NCCL's own) have the
+                // core, as NCCL's proxy loop does.
+                std::thread::yield_now();
             }
             for ev in events.iter() {
                 match ev.token() {

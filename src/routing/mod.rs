@@ -1,1 +1,385 @@
-//! routing
+//! Routing: the policy half of the failover engine. No sockets, no threads, no clock reads.
+//!
+//! [`Router`] decides which NIC pair each lane of each comm runs on. It keeps a health table
+//! of (local NIC, remote NIC) pairs, picks backup pairs when a lane fails (DESIGN P2: rail
+//! rule, distance limit, health probe), spreads a failed NIC's lanes by load (P3), and moves
+//! lanes back to their original pair once it has passed repeated probes, with a hold-down
+//! that grows for flapping links (P7). It never touches a file descriptor: the reactor feeds
+//! it inputs (`handle_*`), carries out its outputs (`poll_*`) and publishes [`Routes`]
+//! snapshots through a [`RoutePublisher`] for lock-free readers.
+//!
+//! # Time
+//!
+//! Time is an argument: every method that depends on time takes `now: Instant`, read once per
+//! reactor turn (STYLE §4.4). `now` must never go backwards between calls. Tests build a
+//! virtual clock as one base `Instant` plus offsets, so every deadline is exact.
+//!
+//! # Call order
+//!
+//! 1. Build with [`Router::new`]; register each comm with [`Router::add_comm`] once its
+//!    connect handshake has exchanged NIC lists.
+//! 2. Feed inputs as they happen: [`Router::handle_lane_failure`], [`Router::handle_probe`]
+//!    (the answer to every [`ProbeRequest`]), [`Router::handle_nic_down`],
+//!    [`Router::handle_nic_up`], and [`Router::handle_timeout`] when the deadline from
+//!    [`Router::poll_timeout`] has passed.
+//! 3. After each input, drain [`Router::poll_move`], [`Router::poll_probe`] and
+//!    [`Router::poll_event`] until they return `None`, then re-arm the timer from
+//!    [`Router::poll_timeout`] and publish [`Router::snapshot`].
+//!
+//! The router updates its own view the moment it queues a [`Move`]: the reactor must carry
+//! out every move it polls (in order), or report the lane as failed, which selects again.
+#![deny(missing_docs, missing_debug_implementations)]
+
+mod config;
+mod rng;
+mod router;
+mod snapshot;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::topology::PathType;
+
+pub use config::{RailRule, RouterConfig};
+pub use router::Router;
+pub use snapshot::{
+    CommRoutes, LaneRoute, LaneStatus, LocalNicRoutes, RemoteNicRoutes, RoutePublisher, Routes,
+};
+
+/// How long the reactor should wait for a probe's answer before reporting it failed with
+/// `handle_probe(pair, false, now)`. The router keeps no probe timer of its own: the deadline
+/// belongs to the reactor, which owns the probe connection.
+pub const DEFAULT_PROBE_DEADLINE: Duration = Duration::from_millis(200);
+
+/// A communicator, as the reactor numbers it (a slab key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct CommId(pub usize);
+
+/// A lane of one comm: its index in the comm's lane list given to [`Router::add_comm`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct LaneId(pub usize);
+
+/// A NIC on one node. Local NIC ids are shared by all comms of this process; remote NIC ids
+/// are only meaningful together with the [`PeerId`] of the node that announced them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NicId(pub u32);
+
+/// A remote node. The reactor gives every comm to the same node the same `PeerId`, so remote
+/// NIC load and pair health are shared between those comms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PeerId(pub u32);
+
+/// One path a lane can run on: a local NIC to a NIC of a peer node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Pair {
+    /// The NIC on this node.
+    pub local: NicId,
+    /// The node at the other end.
+    pub peer: PeerId,
+    /// The NIC on that node.
+    pub remote: NicId,
+}
+
+impl fmt::Display for Pair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "nic{} -> peer{}/nic{}",
+            self.local.0, self.peer.0, self.remote.0
+        )
+    }
+}
+
+/// A NIC of this node as one comm sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalNic {
+    /// The NIC.
+    pub id: NicId,
+    /// Its rail, if known.
+    pub rail: Option<u32>,
+    /// Its PCIe path type to the GPU this comm serves; `None` when the topology is unknown
+    /// (the distance limit then counts as met, and [`Event::TopologyUnknown`] says so once).
+    pub distance: Option<PathType>,
+}
+
+/// A NIC of the peer node, as announced in the connect handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteNic {
+    /// The NIC, numbered by the peer.
+    pub id: NicId,
+    /// Its rail, if known.
+    pub rail: Option<u32>,
+}
+
+/// What [`Router::add_comm`] needs to know about a comm.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommSpec {
+    /// The node at the other end.
+    pub peer: PeerId,
+    /// This node's NICs that the comm may use, with their distance to the comm's GPU.
+    pub local_nics: Vec<LocalNic>,
+    /// The peer's NICs from the handshake.
+    pub remote_nics: Vec<RemoteNic>,
+    /// The (local, remote) NIC of each lane as NCCL set it up; lane `i` is `LaneId(i)`.
+    /// These are the original pairs that fail-back returns to; they are not checked against
+    /// the rail rule or distance limit (P8: NCCL's choice stays while nothing fails).
+    pub lanes: Vec<(NicId, NicId)>,
+}
+
+/// Why a lane failed (an input to [`Router::handle_lane_failure`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum FailReason {
+    /// A posted request made no progress within the completion timeout (P1).
+    Timeout,
+    /// An error completion, async port/device event or socket error.
+    NicError,
+    /// Carrier lost on the local NIC.
+    LinkDown,
+    /// A probe of the lane's pair failed.
+    Probe,
+}
+
+impl FailReason {
+    /// All reasons, in counter order.
+    pub const ALL: [FailReason; 4] = [
+        FailReason::Timeout,
+        FailReason::NicError,
+        FailReason::LinkDown,
+        FailReason::Probe,
+    ];
+
+    /// A short lowercase name, fit for a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailReason::Timeout => "timeout",
+            FailReason::NicError => "nic_error",
+            FailReason::LinkDown => "link_down",
+            FailReason::Probe => "probe",
+        }
+    }
+}
+
+/// Why the router moves a lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoveReason {
+    /// The lane's pair failed; it moves to a backup pair.
+    Failover(FailReason),
+    /// The lane's original pair passed its fail-back test; it moves home.
+    Failback,
+}
+
+/// An order to move one lane to another pair (or, for a stranded lane whose original pair
+/// recovered, to reconnect it on that same pair: then `from == to`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub struct Move {
+    /// The comm the lane belongs to.
+    pub comm: CommId,
+    /// The lane.
+    pub lane: LaneId,
+    /// The pair the lane was on.
+    pub from: Pair,
+    /// The pair the lane must run on now.
+    pub to: Pair,
+    /// Why.
+    pub reason: MoveReason,
+}
+
+/// A request to test whether `pair` answers now. The reactor must answer every request
+/// exactly once with [`Router::handle_probe`], reporting failure when no answer came within
+/// its deadline ([`DEFAULT_PROBE_DEADLINE`]). A lane waiting for a backup waits for these
+/// answers, so an unanswered probe stalls its failover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub struct ProbeRequest {
+    /// The pair to test.
+    pub pair: Pair,
+}
+
+/// The rule that kept a candidate pair from being chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exclusion {
+    /// [`RailRule::Same`] and the two ends are on different (or unknown) rails.
+    RailMismatch {
+        /// The local NIC's rail.
+        local: Option<u32>,
+        /// The remote NIC's rail.
+        remote: Option<u32>,
+    },
+    /// The local NIC is further from the comm's GPU than the distance limit.
+    TooFar {
+        /// The local NIC's path type to the GPU.
+        distance: PathType,
+        /// The configured limit.
+        limit: PathType,
+    },
+    /// The local NIC has no carrier.
+    Down,
+    /// The pair failed recently (a lane error or a failed probe), or it is an original pair
+    /// still serving its fail-back hold-down.
+    Unhealthy,
+}
+
+impl fmt::Display for Exclusion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rail = |r: Option<u32>| r.map_or_else(|| "unknown".to_owned(), |r| r.to_string());
+        match *self {
+            Exclusion::RailMismatch { local, remote } => write!(
+                f,
+                "rail rule: local rail {} != remote rail {}",
+                rail(local),
+                rail(remote)
+            ),
+            Exclusion::TooFar { distance, limit } => {
+                write!(f, "distance limit: {distance} is further than {limit}")
+            }
+            Exclusion::Down => f.write_str("local NIC down"),
+            Exclusion::Unhealthy => f.write_str("pair unhealthy"),
+        }
+    }
+}
+
+/// Something the reactor should log or act on, from [`Router::poll_event`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum Event {
+    /// No candidate pair passed the checks for a failed lane; the comm cannot continue on
+    /// it (P5: the reactor returns an error to NCCL and logs a WARN naming each candidate
+    /// and the rule that excluded it). Reported once per failure; the lane stays stranded
+    /// and is moved if a pair becomes eligible or its original pair recovers.
+    NoEligiblePair {
+        /// The comm.
+        comm: CommId,
+        /// The stranded lane.
+        lane: LaneId,
+        /// Every candidate pair of the comm, with the first rule that excluded it (checked
+        /// in the order rail, distance, carrier, health).
+        exclusions: Vec<(Pair, Exclusion)>,
+    },
+    /// A candidate passed the distance limit only because its distance to the GPU is not
+    /// known. Reported once per local NIC for the router's lifetime.
+    TopologyUnknown {
+        /// The NIC whose distance is unknown.
+        nic: NicId,
+    },
+}
+
+impl fmt::Display for Event {
+    /// The text of the log line: for a stranded lane, every candidate and the rule that
+    /// excluded it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Event::NoEligiblePair {
+                comm,
+                lane,
+                exclusions,
+            } => {
+                write!(f, "comm {} lane {}: no eligible NIC pair", comm.0, lane.0)?;
+                for (i, (pair, why)) in exclusions.iter().enumerate() {
+                    f.write_str(if i == 0 { ": " } else { "; " })?;
+                    write!(f, "{pair} ({why})")?;
+                }
+                Ok(())
+            }
+            Event::TopologyUnknown { nic } => write!(
+                f,
+                "nic{}: PCIe distance to the GPU unknown, distance limit not applied",
+                nic.0
+            ),
+        }
+    }
+}
+
+/// Failover counts, one per [`FailReason`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReasonCounts {
+    /// [`FailReason::Timeout`].
+    pub timeout: u64,
+    /// [`FailReason::NicError`].
+    pub nic_error: u64,
+    /// [`FailReason::LinkDown`].
+    pub link_down: u64,
+    /// [`FailReason::Probe`].
+    pub probe: u64,
+}
+
+impl ReasonCounts {
+    /// The count for one reason.
+    pub fn get(&self, reason: FailReason) -> u64 {
+        match reason {
+            FailReason::Timeout => self.timeout,
+            FailReason::NicError => self.nic_error,
+            FailReason::LinkDown => self.link_down,
+            FailReason::Probe => self.probe,
+        }
+    }
+
+    /// The sum over all reasons.
+    pub fn total(&self) -> u64 {
+        FailReason::ALL.iter().map(|&r| self.get(r)).sum()
+    }
+
+    fn bump(&mut self, reason: FailReason) {
+        let slot = match reason {
+            FailReason::Timeout => &mut self.timeout,
+            FailReason::NicError => &mut self.nic_error,
+            FailReason::LinkDown => &mut self.link_down,
+            FailReason::Probe => &mut self.probe,
+        };
+        *slot += 1;
+    }
+}
+
+/// Plain counters kept by the router (STYLE §2.7); `telemetry` gives them metric names.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Lanes moved to a backup pair, by the reason their pair failed.
+    pub failovers: ReasonCounts,
+    /// Lanes moved back to their original pair.
+    pub failbacks: u64,
+    /// Probe requests queued.
+    pub probes_requested: u64,
+    /// Probe answers that said the pair works.
+    pub probes_ok: u64,
+    /// Probe answers that said it does not (or came too late).
+    pub probes_failed: u64,
+    /// [`Event::NoEligiblePair`] events queued.
+    pub no_eligible_pair: u64,
+}
+
+/// A request the router refused, naming what was wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouterError {
+    /// `add_comm` with an id that is already registered.
+    #[error("comm {0:?} is already registered")]
+    DuplicateComm(CommId),
+    /// The comm is not registered (never added, or removed).
+    #[error("comm {0:?} is not registered")]
+    UnknownComm(CommId),
+    /// The comm has no such lane.
+    #[error("comm {comm:?} has no lane {lane:?}")]
+    UnknownLane {
+        /// The comm.
+        comm: CommId,
+        /// The lane asked for.
+        lane: LaneId,
+    },
+    /// `add_comm` with no lanes.
+    #[error("comm {0:?} has no lanes")]
+    NoLanes(CommId),
+    /// A lane names a NIC missing from the comm's NIC lists.
+    #[error("comm {comm:?} lane {lane:?} uses NIC {nic:?}, which is not in its {side} NIC list")]
+    UnknownNic {
+        /// The comm.
+        comm: CommId,
+        /// The lane.
+        lane: LaneId,
+        /// The NIC it names.
+        nic: NicId,
+        /// "local" or "remote".
+        side: &'static str,
+    },
+}

@@ -1,0 +1,22 @@
+# Sourced by the scripts in this folder: installs what a fresh Debian machine with only
+# Rust lacks, using apt-get when run as root.
+
+apt_updated=0
+need() {
+    # need <command> <debian package>
+    command -v "$1" >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "railover: '$1' is missing; install the Debian package '$2' (apt-get install $2) and run again" >&2
+        exit 1
+    fi
+    if [ "$apt_updated" -eq 0 ]; then
+        apt-get update -qq >/dev/null
+        apt_updated=1
+    fi
+    echo "railover: installing $2 (for $1)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$2" >/dev/null
+}
+
+need cc gcc
+need nm binutils
+need ip iproute2

@@ -1,0 +1,420 @@
+//! `railover sim`: what one NIC failure costs an all-reduce, by a simple model.
+//!
+//! # The model
+//! P nodes, N NICs per node, each NIC at rate r (bytes/s), so a node's network bandwidth is
+//! B = N·r. An all-reduce of S bytes takes, per NCCL's usual cost model:
+//!
+//! * ring: `2(P−1)/P · S/B · f + 2(P−1)·α`
+//! * tree (double binary tree, pipelined; wins for small messages through its log-depth
+//!   latency): `2 · S/B · f + 2⌈log2 P⌉·α`
+//!
+//! where α is the per-step latency and `f` the load factor of the busiest NIC relative to
+//! its healthy share S/N. The algorithm is the one faster in the healthy state: NCCL tunes
+//! once at start-up and does not re-tune after a failure. The three states differ only in f:
+//!
+//! * healthy: f = 1, every NIC carries 1/N of the data;
+//! * NCCL native failover: the failed member's whole share moves to one survivor, which
+//!   carries 2/N: f = 2;
+//! * railover spread: the share is split over the N−1 survivors, each carrying 1/(N−1):
+//!   f = N/(N−1).
+//!
+//! With N = 1 there is no survivor: the job fails in both failure states.
+//!
+//! # Assumptions
+//! The network is the bottleneck (not PCIe, NVLink or the GPU reduction); links are
+//! full-duplex and uncongested; all NICs run at the same rate; one NIC of one node fails,
+//! and since every collective step waits for the slowest node, that node's busiest NIC sets
+//! the pace for everyone; α is the same on every path; failure detection and migration time
+//! are not counted (this is the steady state after failover).
+
+use std::fmt::Write as _;
+
+/// The inputs of the model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Params {
+    /// NICs per node (N ≥ 1).
+    pub nics: u32,
+    /// Nodes (P ≥ 2).
+    pub nodes: u32,
+    /// Message size S, bytes.
+    pub bytes: f64,
+    /// Rate of one NIC, Gb/s.
+    pub nic_gbps: f64,
+    /// Per-step latency α, seconds.
+    pub latency_s: f64,
+}
+
+/// The three states the model compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Healthy,
+    NativeFailover,
+    Spread,
+}
+
+impl State {
+    pub const ALL: [State; 3] = [State::Healthy, State::NativeFailover, State::Spread];
+
+    fn label(self) -> &'static str {
+        match self {
+            State::Healthy => "healthy",
+            State::NativeFailover => "NCCL native failover",
+            State::Spread => "railover spread",
+        }
+    }
+
+    /// The busiest NIC's load relative to its healthy share; `None` when no NIC survives.
+    pub fn load_factor(self, nics: u32) -> Option<f64> {
+        let n = f64::from(nics);
+        match self {
+            State::Healthy => Some(1.0),
+            _ if nics < 2 => None,
+            State::NativeFailover => Some(2.0),
+            State::Spread => Some(n / (n - 1.0)),
+        }
+    }
+}
+
+/// The all-reduce algorithm the model picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    Ring,
+    Tree,
+}
+
+impl Params {
+    fn node_bytes_per_s(&self) -> f64 {
+        f64::from(self.nics) * self.nic_gbps * 1e9 / 8.0
+    }
+
+    /// Ring all-reduce time with load factor `f`, seconds.
+    pub fn ring_time(&self, f: f64) -> f64 {
+        let p = f64::from(self.nodes);
+        2.0 * (p - 1.0) / p * self.bytes / self.node_bytes_per_s() * f
+            + 2.0 * (p - 1.0) * self.latency_s
+    }
+
+    /// Tree all-reduce time with load factor `f`, seconds.
+    pub fn tree_time(&self, f: f64) -> f64 {
+        let depth = f64::from(self.nodes).log2().ceil();
+        2.0 * self.bytes / self.node_bytes_per_s() * f + 2.0 * depth * self.latency_s
+    }
+
+    /// The algorithm faster in the healthy state.
+    pub fn algorithm(&self) -> Algorithm {
+        if self.tree_time(1.0) < self.ring_time(1.0) {
+            Algorithm::Tree
+        } else {
+            Algorithm::Ring
+        }
+    }
+
+    /// Predicted time in `state`, seconds; `None` when the job cannot survive it.
+    pub fn time(&self, state: State) -> Option<f64> {
+        let f = state.load_factor(self.nics)?;
+        Some(match self.algorithm() {
+            Algorithm::Ring => self.ring_time(f),
+            Algorithm::Tree => self.tree_time(f),
+        })
+    }
+
+    /// `time(state) / time(Healthy)`.
+    pub fn slowdown(&self, state: State) -> Option<f64> {
+        Some(self.time(state)? / self.time(State::Healthy)?)
+    }
+}
+
+const USAGE: &str = "usage: railover sim [--nics N] [--nodes P] [--size BYTES] [--rate GBPS] \
+[--latency-us US]
+  --nics N        NICs per node (default 8)
+  --nodes P       nodes, at least 2 (default 16)
+  --size BYTES    message size; suffixes K/M/G are powers of 1024, KB/MB/GB powers of 1000
+                  (default 1G)
+  --rate GBPS     rate of one NIC in Gb/s (default 400)
+  --latency-us US per-step latency in microseconds (default 5)";
+
+/// Runs `railover sim` with the arguments after `sim`; returns the exit code (0, or 2 on a
+/// bad argument).
+pub fn run(args: &[String]) -> i32 {
+    match parse_args(args) {
+        Ok(Some(p)) => {
+            emit(&render(&p));
+            0
+        }
+        Ok(None) => {
+            emit(&format!("{USAGE}\n"));
+            0
+        }
+        Err(e) => {
+            eprintln!("railover sim: {e}\n{USAGE}");
+            2
+        }
+    }
+}
+
+/// Writes to stdout; a closed pipe (`railover sim | head`) is not an error worth a panic.
+fn emit(text: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+}
+
+/// Parses the arguments; `Ok(None)` for `--help`.
+fn parse_args(args: &[String]) -> Result<Option<Params>, String> {
+    let mut p = Params {
+        nics: 8,
+        nodes: 16,
+        bytes: 1024.0 * 1024.0 * 1024.0,
+        nic_gbps: 400.0,
+        latency_s: 5e-6,
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        if flag == "-h" || flag == "--help" {
+            return Ok(None);
+        }
+        let value = it
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value"))?
+            .as_str();
+        let bad = |what: &str| format!("{flag} {value:?} is not valid; accepted: {what}");
+        match flag.as_str() {
+            "--nics" => {
+                p.nics = value
+                    .parse()
+                    .ok()
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| bad("an integer from 1"))?
+            }
+            "--nodes" => {
+                p.nodes = value
+                    .parse()
+                    .ok()
+                    .filter(|&n| n >= 2)
+                    .ok_or_else(|| bad("an integer from 2"))?
+            }
+            "--size" => {
+                p.bytes = parse_size(value)
+                    .ok_or_else(|| bad("a positive byte count, e.g. 4096, 64K, 1G or 1GB"))?
+            }
+            "--rate" => p.nic_gbps = positive(value).ok_or_else(|| bad("Gb/s above 0"))?,
+            "--latency-us" => {
+                p.latency_s = value
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|l| l.is_finite() && *l >= 0.0)
+                    .ok_or_else(|| bad("microseconds, 0 or more"))?
+                    * 1e-6
+            }
+            _ => return Err(format!("unknown argument {flag:?}")),
+        }
+    }
+    Ok(Some(p))
+}
+
+fn positive(s: &str) -> Option<f64> {
+    s.parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0)
+}
+
+/// `4096`, `64K`/`64KiB` (×1024), `64KB` (×1000), likewise M and G.
+fn parse_size(s: &str) -> Option<f64> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1.0,
+        "K" | "KIB" => 1024.0,
+        "M" | "MIB" => 1024.0 * 1024.0,
+        "G" | "GIB" => 1024.0 * 1024.0 * 1024.0,
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        _ => return None,
+    };
+    positive(num).map(|n| n * mult)
+}
+
+fn render(p: &Params) -> String {
+    let mut o = String::new();
+    let algo = match p.algorithm() {
+        Algorithm::Ring => "ring",
+        Algorithm::Tree => "tree",
+    };
+    let _ = writeln!(
+        o,
+        "all-reduce of {} over {} nodes x {} NICs at {} Gb/s per NIC, per-step latency {} us",
+        fmt_bytes(p.bytes),
+        p.nodes,
+        p.nics,
+        p.nic_gbps,
+        p.latency_s * 1e6
+    );
+    let _ = writeln!(
+        o,
+        "algorithm: {algo} (healthy: ring {}, tree {})\n",
+        fmt_time(p.ring_time(1.0)),
+        fmt_time(p.tree_time(1.0))
+    );
+    let _ = writeln!(
+        o,
+        "{:<22} {:>12} {:>10}  busiest NIC carries",
+        "state", "time", "slowdown"
+    );
+    for s in State::ALL {
+        match (p.time(s), p.slowdown(s), s.load_factor(p.nics)) {
+            (Some(t), Some(x), Some(f)) => {
+                let _ = writeln!(
+                    o,
+                    "{:<22} {:>12} {:>9.3}x  {:.3} of the node's traffic",
+                    s.label(),
+                    fmt_time(t),
+                    x,
+                    f / f64::from(p.nics)
+                );
+            }
+            _ => {
+                let _ = writeln!(
+                    o,
+                    "{:<22} {:>12} {:>10}  no surviving NIC: the job fails",
+                    s.label(),
+                    "-",
+                    "-"
+                );
+            }
+        }
+    }
+    let _ = writeln!(
+        o,
+        "\nmodel: ring 2(P-1)/P*S/B*f + 2(P-1)*a, tree 2*S/B*f + 2*ceil(log2 P)*a, B = N x rate,\n\
+         f = busiest NIC's load / healthy share (healthy 1, native 2, spread N/(N-1)); the\n\
+         algorithm is fixed by the healthy state. Assumes the network is the bottleneck, equal\n\
+         uncongested full-duplex NICs, one failed NIC on one node pacing every step, and\n\
+         excludes detection and migration time."
+    );
+    o
+}
+
+fn fmt_bytes(b: f64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = b;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.2} {}", UNITS[u])
+}
+
+fn fmt_time(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.2} us", s * 1e6)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f64, b: f64) {
+        assert!((a - b).abs() <= 1e-9 * b.abs().max(1e-12), "{a} != {b}");
+    }
+
+    /// N=4, P=4, S=1e9 B, 100 Gb/s, α=5 µs. B = 4 × 12.5e9 = 5e10 B/s.
+    /// ring: 1.5 × 1e9/5e10 = 0.03 s, + 6α = 30 µs → 0.03003 s.
+    /// tree: 2 × 0.02 = 0.04 s + 4α → 0.04002 s. Ring wins.
+    #[test]
+    fn large_message_ring_by_hand() {
+        let p = Params {
+            nics: 4,
+            nodes: 4,
+            bytes: 1e9,
+            nic_gbps: 100.0,
+            latency_s: 5e-6,
+        };
+        assert_eq!(p.algorithm(), Algorithm::Ring);
+        close(p.time(State::Healthy).unwrap(), 0.03003);
+        close(p.tree_time(1.0), 0.04002);
+        close(p.time(State::NativeFailover).unwrap(), 0.06003);
+        close(p.time(State::Spread).unwrap(), 0.04003);
+        close(
+            p.slowdown(State::NativeFailover).unwrap(),
+            0.06003 / 0.03003,
+        );
+        close(p.slowdown(State::Spread).unwrap(), 0.04003 / 0.03003);
+    }
+
+    /// N=8, P=16, S=8192 B, 400 Gb/s, α=5 µs. B = 4e11 B/s.
+    /// ring: 1.875 × 2.048e-8 + 30α = 1.500384e-4 s; tree: 4.096e-8 + 8α = 4.004096e-5 s.
+    #[test]
+    fn small_message_tree_by_hand() {
+        let p = Params {
+            nics: 8,
+            nodes: 16,
+            bytes: 8192.0,
+            nic_gbps: 400.0,
+            latency_s: 5e-6,
+        };
+        close(p.ring_time(1.0), 1.500384e-4);
+        assert_eq!(p.algorithm(), Algorithm::Tree);
+        close(p.time(State::Healthy).unwrap(), 4.004096e-5);
+        close(p.time(State::NativeFailover).unwrap(), 4.008192e-5);
+        close(p.time(State::Spread).unwrap(), 4.096e-8 * 8.0 / 7.0 + 4e-5);
+    }
+
+    /// With no latency the slowdowns are exactly the load factors: 2 and N/(N−1).
+    #[test]
+    fn bandwidth_bound_slowdowns_are_the_load_factors() {
+        let p = Params {
+            nics: 8,
+            nodes: 2,
+            bytes: 1e9,
+            nic_gbps: 400.0,
+            latency_s: 0.0,
+        };
+        close(p.slowdown(State::NativeFailover).unwrap(), 2.0);
+        close(p.slowdown(State::Spread).unwrap(), 8.0 / 7.0);
+        // P=2 ring: 2 × 1/2 × 1e9 / 4e11 = 2.5 ms.
+        close(p.time(State::Healthy).unwrap(), 2.5e-3);
+    }
+
+    #[test]
+    fn a_single_nic_has_no_survivor() {
+        let p = Params {
+            nics: 1,
+            nodes: 2,
+            bytes: 1e6,
+            nic_gbps: 100.0,
+            latency_s: 5e-6,
+        };
+        assert!(p.time(State::Healthy).is_some());
+        assert_eq!(p.time(State::NativeFailover), None);
+        assert_eq!(p.time(State::Spread), None);
+        assert!(render(&p).contains("the job fails"));
+    }
+
+    #[test]
+    fn sizes_and_argument_errors() {
+        assert_eq!(parse_size("4096"), Some(4096.0));
+        assert_eq!(parse_size("64K"), Some(65536.0));
+        assert_eq!(parse_size("1GB"), Some(1e9));
+        assert_eq!(parse_size("2MiB"), Some(2.0 * 1024.0 * 1024.0));
+        assert_eq!(parse_size("1X"), None);
+        assert_eq!(parse_size("0"), None);
+        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let e = parse_args(&args(&["--nodes", "1"])).unwrap_err();
+        assert!(
+            e.contains("--nodes") && e.contains("\"1\"") && e.contains("from 2"),
+            "{e}"
+        );
+        assert!(parse_args(&args(&["--bogus", "1"])).is_err());
+        let p = parse_args(&args(&["--nics", "4", "--size", "1M", "--rate", "200"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!((p.nics, p.bytes, p.nic_gbps), (4, 1048576.0, 200.0));
+    }
+}

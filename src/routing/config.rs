@@ -1,0 +1,72 @@
+//! The router's knobs, already parsed into types (the `config` module maps `RAILOVER_*`
+//! variables onto them).
+
+use std::time::Duration;
+
+use crate::topology::PathType;
+
+/// Which rails a candidate pair's two ends may sit on (P2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RailRule {
+    /// Both ends must be on the same rail, and both rails must be known.
+    #[default]
+    Same,
+    /// Any local NIC may reach any remote NIC.
+    Any,
+}
+
+/// Policy settings of a [`Router`](super::Router).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouterConfig {
+    /// Which rails a backup pair may connect. Default [`RailRule::Same`].
+    pub rail_rule: RailRule,
+    /// The furthest PCIe path type from the comm's GPU a backup pair's local NIC may have.
+    /// Default [`PathType::Phb`].
+    pub distance_limit: PathType,
+    /// How often a displaced lane's original pair is probed. Default 1000 ms; a zero value
+    /// is treated as 1 ms so the timer cannot spin.
+    pub failback_interval: Duration,
+    /// How many consecutive good probes the original pair must answer before lanes move
+    /// back. Default 3; zero is treated as 1.
+    pub failback_probes_k: u32,
+    /// The hold-down after the first flap: an original pair that fails again within
+    /// `holddown_max` of a fail-back must then stay quiet (no failure, no failed probe) this
+    /// long before the next fail-back; each further flap doubles it. Default 5 s.
+    pub holddown_base: Duration,
+    /// The cap on the hold-down, also the window that makes a failure a flap and the stable
+    /// period after which the hold-down halves (below `holddown_base` it drops to zero).
+    /// Default 60 s.
+    pub holddown_max: Duration,
+    /// How long a probe result (good or bad) stays valid for a pair that carries no lanes;
+    /// after that the pair is probed again before use. Default 1000 ms.
+    pub health_ttl: Duration,
+    /// Seed of the tie-break RNG. Tests and `railover sim` fix it; production seeds it from
+    /// the OS once.
+    pub seed: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            rail_rule: RailRule::Same,
+            distance_limit: PathType::Phb,
+            failback_interval: Duration::from_millis(1000),
+            failback_probes_k: 3,
+            holddown_base: Duration::from_secs(5),
+            holddown_max: Duration::from_secs(60),
+            health_ttl: Duration::from_millis(1000),
+            seed: 0,
+        }
+    }
+}
+
+impl RouterConfig {
+    /// The same settings with values that would stall or spin the router replaced by the
+    /// nearest safe ones (see each field).
+    pub(super) fn normalized(mut self) -> Self {
+        self.failback_interval = self.failback_interval.max(Duration::from_millis(1));
+        self.failback_probes_k = self.failback_probes_k.max(1);
+        self.holddown_max = self.holddown_max.max(self.holddown_base);
+        self
+    }
+}

@@ -1,0 +1,851 @@
+//! The router state machine: health table, selection, spreading, fail-back.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::config::{RailRule, RouterConfig};
+use super::rng::SplitMix64;
+use super::snapshot::{CommRoutes, LaneRoute, LaneStatus, LocalNicRoutes, RemoteNicRoutes, Routes};
+use super::{
+    CommId, CommSpec, Event, Exclusion, FailReason, LaneId, LocalNic, Move, MoveReason, NicId,
+    Pair, PeerId, ProbeRequest, RemoteNic, RouterError, Stats,
+};
+
+/// Chooses the NIC pair of every lane of every comm of this process, and moves lanes when
+/// pairs fail and recover. Sans-IO: see the [module docs](super) for the call order.
+///
+/// # Selection (P2, P3)
+///
+/// When a lane's pair fails, every other (local, remote) pair of its comm is a candidate.
+/// A candidate must pass, in order, the rail rule, the distance limit, the local NIC's
+/// carrier and the health check. Health is "good" when the pair carries lanes without a
+/// reported failure, or answered a probe within `health_ttl`; "bad" after a failure within
+/// `health_ttl`, or while it is an original pair serving its fail-back test; otherwise
+/// "unknown". Unknown candidates are probed first ([`Router::poll_probe`]), and the lane
+/// waits until none of its candidates is unknown, so that it is spread over every pair that
+/// works rather than over the first to answer. It then goes to the good candidate with the
+/// least load (the larger of the lanes on its local NIC and on its remote NIC, across all
+/// comms, then their sum, then the nearer local NIC); the seeded RNG breaks remaining ties.
+/// Every other lane on a failed pair moves at once too, because they share its path.
+///
+/// # Fail-back (P7)
+///
+/// While any lane is away from its original pair, that pair is probed every
+/// `failback_interval` (first probe one interval after it failed). After
+/// `failback_probes_k` consecutive good answers, and once the pair has been quiet (no
+/// failure, no failed probe) for its hold-down, all its lanes move back. The hold-down is
+/// zero until the pair fails within `holddown_max` of a fail-back (a flap); then it is
+/// `holddown_base`, doubling with each further flap up to `holddown_max`, and halving for
+/// every `holddown_max` the pair then stays in service without failing. Probing never
+/// stops while a lane is away.
+///
+/// # Implementation notes
+///
+/// The only timers are the fail-back probes, one per original pair with lanes away, each
+/// due one interval after the previous probe was sent (or after the pair failed). The
+/// hold-down needs no timer of its own: it is checked when a good answer arrives, so a
+/// fail-back lands on the first probe answered once the hold-down has passed. Probe
+/// deadlines belong to the reactor ([`DEFAULT_PROBE_DEADLINE`](super::DEFAULT_PROBE_DEADLINE)).
+/// Every collection is ordered, so the same inputs and seed give the same outputs.
+#[derive(Debug)]
+pub struct Router {
+    config: RouterConfig,
+    rng: SplitMix64,
+    comms: BTreeMap<CommId, Comm>,
+    pairs: BTreeMap<Pair, PairState>,
+    down: BTreeSet<NicId>,
+    topology_reported: BTreeSet<NicId>,
+    moves: VecDeque<Move>,
+    probes: VecDeque<ProbeRequest>,
+    events: VecDeque<Event>,
+    stats: Stats,
+    /// The latest `now` seen, to catch a clock that goes backwards in debug builds.
+    last_now: Option<Instant>,
+}
+
+#[derive(Debug)]
+struct Comm {
+    peer: PeerId,
+    local: Vec<LocalNic>,
+    remote: Vec<RemoteNic>,
+    lanes: Vec<Lane>,
+}
+
+#[derive(Debug)]
+struct Lane {
+    original: Pair,
+    current: Pair,
+    state: LaneState,
+}
+
+impl Lane {
+    /// Away from home: on another pair, or waiting for one.
+    fn displaced(&self) -> bool {
+        self.current != self.original || self.state != LaneState::Active
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LaneState {
+    Active,
+    /// Its pair failed; it waits for a backup. `reported` once `NoEligiblePair` went out.
+    Pending {
+        reason: FailReason,
+        reported: bool,
+    },
+}
+
+#[derive(Debug, Default)]
+struct PairState {
+    health: Health,
+    probing: bool,
+    /// Present while lanes whose original pair this is are away from it.
+    watch: Option<Watch>,
+    holddown: Duration,
+    last_failure: Option<Instant>,
+    last_failback: Option<Instant>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+enum Health {
+    #[default]
+    Unknown,
+    Good(Instant),
+    Bad(Instant),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Watch {
+    next_probe: Instant,
+    streak: u32,
+}
+
+/// Lanes on each NIC and pair, counting only lanes running (not waiting for a backup).
+#[derive(Debug, Default)]
+struct Loads {
+    local: BTreeMap<NicId, u32>,
+    remote: BTreeMap<(PeerId, NicId), u32>,
+    pair: BTreeMap<Pair, u32>,
+}
+
+impl Loads {
+    fn add(&mut self, pair: Pair) {
+        *self.local.entry(pair.local).or_default() += 1;
+        *self.remote.entry((pair.peer, pair.remote)).or_default() += 1;
+        *self.pair.entry(pair).or_default() += 1;
+    }
+
+    fn cost(&self, pair: Pair) -> (u32, u32) {
+        let l = self.local.get(&pair.local).copied().unwrap_or(0);
+        let r = self
+            .remote
+            .get(&(pair.peer, pair.remote))
+            .copied()
+            .unwrap_or(0);
+        (l.max(r), l + r)
+    }
+}
+
+enum Verdict {
+    Excluded(Exclusion),
+    Unknown {
+        probing: bool,
+    },
+    /// Passes every check; the key orders candidates by load, then distance.
+    Eligible {
+        key: (u32, u32, u8),
+    },
+}
+
+struct Candidate {
+    pair: Pair,
+    verdict: Verdict,
+    /// Passed the distance limit only because the distance is unknown.
+    topology_unknown: bool,
+}
+
+impl Router {
+    /// A router with no comms, every NIC up and the RNG seeded from `config.seed`.
+    pub fn new(config: RouterConfig) -> Self {
+        let config = config.normalized();
+        Router {
+            rng: SplitMix64::new(config.seed),
+            config,
+            comms: BTreeMap::new(),
+            pairs: BTreeMap::new(),
+            down: BTreeSet::new(),
+            topology_reported: BTreeSet::new(),
+            moves: VecDeque::new(),
+            probes: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: Stats::default(),
+            last_now: None,
+        }
+    }
+
+    /// The settings in force (after [`RouterConfig`]'s safe replacements).
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// The pair a lane runs on now (or, while it waits for a backup, the pair that failed).
+    pub fn current_pair(&self, comm: CommId, lane: LaneId) -> Option<Pair> {
+        self.comms.get(&comm)?.lanes.get(lane.0).map(|l| l.current)
+    }
+
+    /// The hold-down an original pair would have to serve if it failed at `now` (zero for a
+    /// pair that never flapped). For logs and tests.
+    pub fn holddown(&self, pair: Pair, now: Instant) -> Duration {
+        self.pairs
+            .get(&pair)
+            .map_or(Duration::ZERO, |ps| self.decayed_holddown(ps, now))
+    }
+
+    /// Registers a comm once its handshake has exchanged NIC lists, with each lane on the
+    /// pair NCCL chose. Those pairs count as healthy from `now` (the connect just worked).
+    /// A lane whose local NIC is already down fails over at once.
+    ///
+    /// # Errors
+    ///
+    /// The id is taken, there are no lanes, or a lane names a NIC missing from the lists;
+    /// nothing is registered then.
+    pub fn add_comm(
+        &mut self,
+        comm: CommId,
+        spec: CommSpec,
+        now: Instant,
+    ) -> Result<(), RouterError> {
+        self.tick(now);
+        if self.comms.contains_key(&comm) {
+            return Err(RouterError::DuplicateComm(comm));
+        }
+        if spec.lanes.is_empty() {
+            return Err(RouterError::NoLanes(comm));
+        }
+        for (i, &(local, remote)) in spec.lanes.iter().enumerate() {
+            let unknown = |nic, side| RouterError::UnknownNic {
+                comm,
+                lane: LaneId(i),
+                nic,
+                side,
+            };
+            if !spec.local_nics.iter().any(|n| n.id == local) {
+                return Err(unknown(local, "local"));
+            }
+            if !spec.remote_nics.iter().any(|n| n.id == remote) {
+                return Err(unknown(remote, "remote"));
+            }
+        }
+        let mut lanes = Vec::with_capacity(spec.lanes.len());
+        for &(local, remote) in &spec.lanes {
+            let pair = Pair {
+                local,
+                peer: spec.peer,
+                remote,
+            };
+            let state = if self.down.contains(&local) {
+                LaneState::Pending {
+                    reason: FailReason::LinkDown,
+                    reported: false,
+                }
+            } else {
+                let ps = self.pairs.entry(pair).or_default();
+                if ps.watch.is_none() {
+                    ps.health = Health::Good(now);
+                }
+                LaneState::Active
+            };
+            lanes.push(Lane {
+                original: pair,
+                current: pair,
+                state,
+            });
+        }
+        let displaced: Vec<Pair> = lanes
+            .iter()
+            .filter(|l| l.displaced())
+            .map(|l| l.original)
+            .collect();
+        self.comms.insert(
+            comm,
+            Comm {
+                peer: spec.peer,
+                local: spec.local_nics,
+                remote: spec.remote_nics,
+                lanes,
+            },
+        );
+        for pair in displaced {
+            self.watch(pair, now);
+        }
+        self.settle(now);
+        Ok(())
+    }
+
+    /// Forgets a comm (NCCL closed it, or the reactor failed it after
+    /// [`Event::NoEligiblePair`]). Its queued moves and events are dropped. Returns whether
+    /// it was registered.
+    pub fn remove_comm(&mut self, comm: CommId) -> bool {
+        if self.comms.remove(&comm).is_none() {
+            return false;
+        }
+        self.moves.retain(|m| m.comm != comm);
+        self.events.retain(|e| match e {
+            Event::NoEligiblePair { comm: c, .. } => *c != comm,
+            Event::TopologyUnknown { .. } => true,
+        });
+        let away: BTreeSet<Pair> = self.displaced_originals();
+        for (pair, ps) in &mut self.pairs {
+            if !away.contains(pair) {
+                ps.watch = None;
+            }
+        }
+        true
+    }
+
+    /// Reports that a lane's current pair failed: no progress within the completion timeout,
+    /// an error completion, a socket error. The pair is marked unhealthy and every running
+    /// lane on it, of any comm, is moved (they share its path). A report for a lane that is
+    /// already waiting for a backup, or whose move is queued but not yet polled, is ignored:
+    /// it describes a pair the lane is leaving.
+    ///
+    /// # Errors
+    ///
+    /// The comm or lane is not registered.
+    pub fn handle_lane_failure(
+        &mut self,
+        comm: CommId,
+        lane: LaneId,
+        reason: FailReason,
+        now: Instant,
+    ) -> Result<(), RouterError> {
+        self.tick(now);
+        let c = self
+            .comms
+            .get(&comm)
+            .ok_or(RouterError::UnknownComm(comm))?;
+        let l = c
+            .lanes
+            .get(lane.0)
+            .ok_or(RouterError::UnknownLane { comm, lane })?;
+        if l.state != LaneState::Active
+            || self.moves.iter().any(|m| m.comm == comm && m.lane == lane)
+        {
+            return Ok(());
+        }
+        let pair = l.current;
+        self.fail_pair(pair, reason, now);
+        self.settle(now);
+        Ok(())
+    }
+
+    /// The answer to a [`ProbeRequest`]: `ok` when the pair answered within the reactor's
+    /// deadline. A failed probe marks the pair unhealthy (moving any lanes on it, reason
+    /// [`FailReason::Probe`]); a good one may complete a fail-back and lets waiting lanes
+    /// choose their backup. An answer nobody asked for is still recorded, except a good one
+    /// through a local NIC that is down: it was sent before the carrier went, so it proves
+    /// nothing and does not count towards fail-back.
+    pub fn handle_probe(&mut self, pair: Pair, ok: bool, now: Instant) {
+        self.tick(now);
+        let stale = self.down.contains(&pair.local);
+        let ps = self.pairs.entry(pair).or_default();
+        ps.probing = false;
+        if ok {
+            self.stats.probes_ok += 1;
+            if !stale {
+                ps.health = Health::Good(now);
+                if let Some(w) = &mut ps.watch {
+                    w.streak += 1;
+                }
+                self.try_failback(pair, now);
+            }
+        } else {
+            self.stats.probes_failed += 1;
+            self.fail_pair(pair, FailReason::Probe, now);
+        }
+        self.settle(now);
+    }
+
+    /// Carrier lost on a local NIC: every pair using it fails and its lanes move now, with
+    /// [`FailReason::LinkDown`]. Until [`Router::handle_nic_up`], no pair using it is a
+    /// candidate ([`Exclusion::Down`]) and fail-back onto it waits. Repeats are ignored.
+    pub fn handle_nic_down(&mut self, nic: NicId, now: Instant) {
+        self.tick(now);
+        if !self.down.insert(nic) {
+            return;
+        }
+        let pairs: Vec<Pair> = self
+            .pairs
+            .keys()
+            .filter(|p| p.local == nic)
+            .copied()
+            .collect();
+        for pair in pairs {
+            self.fail_pair(pair, FailReason::LinkDown, now);
+        }
+        self.settle(now);
+    }
+
+    /// Carrier back on a local NIC. Pairs using it become "unknown" (probed before use);
+    /// fail-back onto it resumes at the next scheduled probe. Repeats are ignored.
+    pub fn handle_nic_up(&mut self, nic: NicId, now: Instant) {
+        self.tick(now);
+        if !self.down.remove(&nic) {
+            return;
+        }
+        for (_, ps) in self.pairs.iter_mut().filter(|(p, _)| p.local == nic) {
+            if matches!(ps.health, Health::Bad(_)) {
+                ps.health = Health::Unknown;
+            }
+        }
+        self.settle(now);
+    }
+
+    /// Fires the timers due at `now`: the fail-back probes of original pairs (skipped, and
+    /// the good streak reset, while their local NIC is down). Calling it early, or twice,
+    /// does nothing.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.tick(now);
+        let due: Vec<Pair> = self
+            .pairs
+            .iter()
+            .filter(|(_, ps)| ps.watch.is_some_and(|w| w.next_probe <= now))
+            .map(|(p, _)| *p)
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let away = self.displaced_originals();
+        let interval = self.config.failback_interval;
+        for pair in due {
+            let down = self.down.contains(&pair.local);
+            let ps = self
+                .pairs
+                .get_mut(&pair)
+                .expect("due pairs come from the map");
+            if !away.contains(&pair) {
+                ps.watch = None;
+                continue;
+            }
+            let w = ps.watch.as_mut().expect("due pairs have a watch");
+            w.next_probe = now + interval;
+            if down {
+                w.streak = 0;
+            } else if !ps.probing {
+                self.request_probe(pair);
+            }
+        }
+        // Time has passed, so old verdicts may have expired; stranded lanes look again.
+        self.settle(now);
+    }
+
+    /// The earliest instant at which [`Router::handle_timeout`] has work, if any.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.pairs
+            .values()
+            .filter_map(|ps| ps.watch.map(|w| w.next_probe))
+            .min()
+    }
+
+    /// The next lane to move, oldest first. The router already counts the lane on `to`.
+    #[must_use]
+    pub fn poll_move(&mut self) -> Option<Move> {
+        self.moves.pop_front()
+    }
+
+    /// The next pair to probe, oldest first; answer each with [`Router::handle_probe`].
+    #[must_use]
+    pub fn poll_probe(&mut self) -> Option<ProbeRequest> {
+        self.probes.pop_front()
+    }
+
+    /// The next event to log or act on, oldest first.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// An immutable picture of every comm's lanes and every NIC's load, for the reactor to
+    /// publish through a [`RoutePublisher`](super::RoutePublisher).
+    pub fn snapshot(&self) -> Routes {
+        let loads = self.loads();
+        let comms = self
+            .comms
+            .iter()
+            .map(|(&comm, c)| CommRoutes {
+                comm,
+                peer: c.peer,
+                lanes: c
+                    .lanes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, l)| LaneRoute {
+                        lane: LaneId(i),
+                        original: l.original,
+                        current: l.current,
+                        status: match l.state {
+                            LaneState::Active => LaneStatus::Active,
+                            LaneState::Pending {
+                                reported: false, ..
+                            } => LaneStatus::Moving,
+                            LaneState::Pending { reported: true, .. } => LaneStatus::Stranded,
+                        },
+                    })
+                    .collect(),
+            })
+            .collect();
+        let mut local: BTreeSet<NicId> = self.down.clone();
+        let mut remote: BTreeSet<(PeerId, NicId)> = BTreeSet::new();
+        for c in self.comms.values() {
+            local.extend(c.local.iter().map(|n| n.id));
+            remote.extend(c.remote.iter().map(|n| (c.peer, n.id)));
+        }
+        Routes {
+            comms,
+            local_nics: local
+                .into_iter()
+                .map(|nic| LocalNicRoutes {
+                    nic,
+                    up: !self.down.contains(&nic),
+                    lanes: loads.local.get(&nic).copied().unwrap_or(0),
+                })
+                .collect(),
+            remote_nics: remote
+                .into_iter()
+                .map(|(peer, nic)| RemoteNicRoutes {
+                    peer,
+                    nic,
+                    lanes: loads.remote.get(&(peer, nic)).copied().unwrap_or(0),
+                })
+                .collect(),
+            stats: self.stats,
+        }
+    }
+
+    // ---- internals ----
+
+    /// Enforces "time never goes backwards" in debug builds.
+    fn tick(&mut self, now: Instant) {
+        debug_assert!(
+            self.last_now.map_or(true, |t| now >= t),
+            "routing: time went backwards"
+        );
+        self.last_now = Some(now);
+    }
+
+    /// Marks `pair` failed at `now` and sends every running lane on it to wait for a backup.
+    fn fail_pair(&mut self, pair: Pair, reason: FailReason, now: Instant) {
+        let (base, max) = (self.config.holddown_base, self.config.holddown_max);
+        let decayed = self
+            .pairs
+            .get(&pair)
+            .map_or(Duration::ZERO, |ps| self.decayed_holddown(ps, now));
+        let ps = self.pairs.entry(pair).or_default();
+        if let Some(fb) = ps.last_failback.filter(|_| in_service(ps)) {
+            ps.holddown = if now.saturating_duration_since(fb) < max {
+                // A flap: it failed soon after being trusted again.
+                if decayed.is_zero() {
+                    base
+                } else {
+                    (decayed * 2).min(max)
+                }
+            } else {
+                decayed
+            };
+        }
+        ps.health = Health::Bad(now);
+        ps.last_failure = Some(now);
+        if let Some(w) = &mut ps.watch {
+            w.streak = 0;
+        }
+        let mut originals = Vec::new();
+        for c in self.comms.values_mut() {
+            for l in &mut c.lanes {
+                if l.state == LaneState::Active && l.current == pair {
+                    l.state = LaneState::Pending {
+                        reason,
+                        reported: false,
+                    };
+                    originals.push(l.original);
+                }
+            }
+        }
+        for original in originals {
+            self.watch(original, now);
+        }
+    }
+
+    /// The hold-down of `ps`, halved for every `holddown_max` it has been in service since
+    /// its last fail-back, and dropped to zero once below `holddown_base`.
+    fn decayed_holddown(&self, ps: &PairState, now: Instant) -> Duration {
+        let Some(fb) = ps.last_failback.filter(|_| in_service(ps)) else {
+            return ps.holddown;
+        };
+        let periods = now.saturating_duration_since(fb).as_nanos()
+            / self.config.holddown_max.as_nanos().max(1);
+        let h = u32::try_from(periods)
+            .ok()
+            .and_then(|p| ps.holddown.checked_div(2u32.checked_pow(p.min(31))?))
+            .unwrap_or(Duration::ZERO);
+        if h < self.config.holddown_base {
+            Duration::ZERO
+        } else {
+            h
+        }
+    }
+
+    /// Starts fail-back probing of an original pair, unless it is already under way.
+    fn watch(&mut self, original: Pair, now: Instant) {
+        let next_probe = now + self.config.failback_interval;
+        let ps = self.pairs.entry(original).or_default();
+        ps.watch.get_or_insert(Watch {
+            next_probe,
+            streak: 0,
+        });
+    }
+
+    /// Moves every displaced lane home to `pair` if it has passed its fail-back test.
+    fn try_failback(&mut self, pair: Pair, now: Instant) {
+        let Some(ps) = self.pairs.get(&pair) else {
+            return;
+        };
+        let Some(w) = ps.watch else {
+            return;
+        };
+        let quiet_until = ps.last_failure.map_or(now, |f| f + ps.holddown);
+        if w.streak < self.config.failback_probes_k
+            || self.down.contains(&pair.local)
+            || now < quiet_until
+        {
+            return;
+        }
+        let mut moved = 0;
+        for (&comm, c) in &mut self.comms {
+            for (i, l) in c.lanes.iter_mut().enumerate() {
+                if l.original == pair && l.displaced() {
+                    self.moves.push_back(Move {
+                        comm,
+                        lane: LaneId(i),
+                        from: l.current,
+                        to: pair,
+                        reason: MoveReason::Failback,
+                    });
+                    l.current = pair;
+                    l.state = LaneState::Active;
+                    moved += 1;
+                }
+            }
+        }
+        self.stats.failbacks += moved;
+        let ps = self.pairs.get_mut(&pair).expect("checked above");
+        ps.watch = None;
+        if moved > 0 {
+            ps.last_failback = Some(now);
+        }
+    }
+
+    /// Chooses a backup for every lane that waits for one and can be decided now.
+    fn settle(&mut self, now: Instant) {
+        let waiting: Vec<(CommId, usize, FailReason, bool)> = self
+            .comms
+            .iter()
+            .flat_map(|(&comm, c)| {
+                c.lanes
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(i, l)| match l.state {
+                        LaneState::Pending { reason, reported } => {
+                            Some((comm, i, reason, reported))
+                        }
+                        LaneState::Active => None,
+                    })
+            })
+            .collect();
+        if waiting.is_empty() {
+            return;
+        }
+        let mut loads = self.loads();
+        for (comm, lane, reason, reported) in waiting {
+            let candidates = self.candidates(&self.comms[&comm], &loads, now);
+            for c in &candidates {
+                if c.topology_unknown && self.topology_reported.insert(c.pair.local) {
+                    self.events
+                        .push_back(Event::TopologyUnknown { nic: c.pair.local });
+                }
+            }
+            let mut unknown = false;
+            for c in &candidates {
+                if let Verdict::Unknown { probing } = c.verdict {
+                    unknown = true;
+                    if !probing {
+                        self.request_probe(c.pair);
+                    }
+                }
+            }
+            if unknown {
+                continue; // decide once every candidate has answered
+            }
+            match self.pick(&candidates) {
+                Some(to) => {
+                    let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];
+                    self.moves.push_back(Move {
+                        comm,
+                        lane: LaneId(lane),
+                        from: l.current,
+                        to,
+                        reason: MoveReason::Failover(reason),
+                    });
+                    l.current = to;
+                    l.state = LaneState::Active;
+                    self.stats.failovers.bump(reason);
+                    loads.add(to);
+                }
+                None if !reported => {
+                    let exclusions = candidates
+                        .iter()
+                        .filter_map(|c| match c.verdict {
+                            Verdict::Excluded(e) => Some((c.pair, e)),
+                            _ => None,
+                        })
+                        .collect();
+                    self.events.push_back(Event::NoEligiblePair {
+                        comm,
+                        lane: LaneId(lane),
+                        exclusions,
+                    });
+                    self.stats.no_eligible_pair += 1;
+                    let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];
+                    l.state = LaneState::Pending {
+                        reason,
+                        reported: true,
+                    };
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// Every pair of `comm`, with the verdict of the checks in the documented order.
+    fn candidates(&self, comm: &Comm, loads: &Loads, now: Instant) -> Vec<Candidate> {
+        let limit = self.config.distance_limit;
+        let mut out = Vec::with_capacity(comm.local.len() * comm.remote.len());
+        for x in &comm.local {
+            for y in &comm.remote {
+                let pair = Pair {
+                    local: x.id,
+                    peer: comm.peer,
+                    remote: y.id,
+                };
+                let rail_ok = match self.config.rail_rule {
+                    RailRule::Any => true,
+                    RailRule::Same => x.rail.is_some() && x.rail == y.rail,
+                };
+                let topology_unknown = rail_ok && x.distance.is_none();
+                let verdict = if !rail_ok {
+                    Verdict::Excluded(Exclusion::RailMismatch {
+                        local: x.rail,
+                        remote: y.rail,
+                    })
+                } else if let Some(d) = x.distance.filter(|&d| d > limit) {
+                    Verdict::Excluded(Exclusion::TooFar { distance: d, limit })
+                } else if self.down.contains(&x.id) {
+                    Verdict::Excluded(Exclusion::Down)
+                } else {
+                    match self.health(pair, loads, now) {
+                        Health::Bad(_) => Verdict::Excluded(Exclusion::Unhealthy),
+                        Health::Unknown => Verdict::Unknown {
+                            probing: self.pairs.get(&pair).is_some_and(|ps| ps.probing),
+                        },
+                        Health::Good(_) => {
+                            let (max, sum) = loads.cost(pair);
+                            // Unknown distance ranks as the limit itself: allowed, not preferred.
+                            let rank = x.distance.unwrap_or(limit) as u8;
+                            Verdict::Eligible {
+                                key: (max, sum, rank),
+                            }
+                        }
+                    }
+                };
+                out.push(Candidate {
+                    pair,
+                    verdict,
+                    topology_unknown,
+                });
+            }
+        }
+        out
+    }
+
+    /// The pair's health as selection sees it at `now`.
+    fn health(&self, pair: Pair, loads: &Loads, now: Instant) -> Health {
+        let Some(ps) = self.pairs.get(&pair) else {
+            return Health::Unknown;
+        };
+        if ps.watch.is_some() {
+            // An original pair earns lanes back only through its fail-back test.
+            return Health::Bad(now);
+        }
+        let ttl = self.config.health_ttl;
+        match ps.health {
+            Health::Good(at) if loads.pair.contains_key(&pair) || now < at + ttl => ps.health,
+            Health::Bad(at) if now < at + ttl => ps.health,
+            _ => Health::Unknown,
+        }
+    }
+
+    /// The least-loaded eligible candidate; ties broken by the seeded RNG.
+    fn pick(&mut self, candidates: &[Candidate]) -> Option<Pair> {
+        let key = |c: &Candidate| match c.verdict {
+            Verdict::Eligible { key } => Some(key),
+            _ => None,
+        };
+        let best = candidates.iter().filter_map(key).min()?;
+        let ties: Vec<Pair> = candidates
+            .iter()
+            .filter(|c| key(c) == Some(best))
+            .map(|c| c.pair)
+            .collect();
+        Some(ties[self.rng.below(ties.len())])
+    }
+
+    fn request_probe(&mut self, pair: Pair) {
+        self.pairs.entry(pair).or_default().probing = true;
+        self.probes.push_back(ProbeRequest { pair });
+        self.stats.probes_requested += 1;
+    }
+
+    fn loads(&self) -> Loads {
+        let mut loads = Loads::default();
+        for c in self.comms.values() {
+            for l in &c.lanes {
+                if l.state == LaneState::Active {
+                    loads.add(l.current);
+                }
+            }
+        }
+        loads
+    }
+
+    fn displaced_originals(&self) -> BTreeSet<Pair> {
+        self.comms
+            .values()
+            .flat_map(|c| c.lanes.iter())
+            .filter(|l| l.displaced())
+            .map(|l| l.original)
+            .collect()
+    }
+}
+
+/// Whether the pair has carried traffic since its last fail-back without failing.
+fn in_service(ps: &PairState) -> bool {
+    match (ps.last_failback, ps.last_failure) {
+        (Some(fb), Some(f)) => f < fb,
+        (Some(_), None) => true,
+        (None, _) => false,
+    }
+}
