@@ -1598,7 +1598,107 @@ static void test_close_pending(void* ctx, int is_recv, uint64_t seed, ctl_t* ctl
         r);
   CHECK(t, dt < CLOSE_MAX_S, "close%s with requests outstanding took %.1f s",
         is_recv ? "Recv" : "Send", dt);
-  if (!is_recv) ctl_send(ctl, MSG_CLOSED, 0, 0, NULL);
+  if (!is_recv) {
+    /* NCCL frees its buffers once the comm is closed. Scribble over the send buffers
+     * instead: a plugin still reading them makes the receiver see a bad payload. */
+    memset(s.staging, 0xDD, s.slot_size * (size_t)s.depth);
+    ctl_send(ctl, MSG_CLOSED, 0, 0, NULL);
+    ctl_recv(ctl, MSG_RESULT, NULL, CTL_TIMEOUT_MS, t);
+  } else {
+    ctl_send(ctl, MSG_RESULT, 0, 0, NULL);
+  }
+out:
+  if (c.comm) {
+    stream_dereg(&s);
+    if (is_recv)
+      net_close_recv(c.comm);
+    else
+      net_close_send(c.comm);
+  }
+  stream_free(&s);
+}
+
+/* The receiver closes with four receives posted and nothing received, then the sender
+ * sends into the closed comm. After closeRecv returns the plugin owns none of the receive
+ * buffers any more (NCCL frees them): they are filled with a canary that must survive. */
+static void test_close_recv_pending(void* ctx, int is_recv, uint64_t seed, ctl_t* ctl,
+                                    test_t* t) {
+  enum { N = 4 };
+  static msg_spec_t msgs[N];
+  for (int i = 0; i < N; i++) msgs[i] = (msg_spec_t){1u << 20, 1u << 20};
+  conn_t c;
+  memset(&c, 0, sizeof c);
+  stream_t s;
+  memset(&s, 0, sizeof s);
+  int rc = is_recv ? setup_recv(ctx, 0, &c, 1, ctl, t) : setup_send(ctx, 0, &c, 1, ctl, t);
+  if (rc != 0 ||
+      stream_init(&s, t, ctl, c.comm, !is_recv, 0, msgs, N, seed, 6, 1, MAX_INFLIGHT) != 0) {
+    ctl_abort(ctl);
+    goto out;
+  }
+  size_t total = s.slot_size * (size_t)s.depth;
+  if (is_recv) {
+    if (stream_post_only(&s, N, now_s() + 2.0) < 0) {
+      ctl_abort(ctl);
+      goto out;
+    }
+    /* Close only once the sender has registered its buffers, as after a NCCL abort. */
+    if (ctl_recv(ctl, MSG_READY, NULL, CTL_TIMEOUT_MS, t) != 0) goto out;
+    stream_dereg(&s);
+    double t0 = now_s();
+    ncclResult_t r = net_close_recv(c.comm);
+    double dt = now_s() - t0;
+    c.comm = NULL;
+    CHECK(t, r == ncclSuccess, "closeRecv with %d receives posted = %d", s.posted, r);
+    CHECK(t, dt < CLOSE_MAX_S, "closeRecv with receives posted took %.1f s", dt);
+    memset(s.staging, 0xDD, total);
+    ctl_send(ctl, MSG_CLOSED, 0, 0, NULL);
+    if (ctl_recv(ctl, MSG_RESULT, NULL, CTL_TIMEOUT_MS, t) != 0) goto out;
+    struct timespec ts = {0, 200 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    long long bad = check_bytes(s.staging, total, 0xDD);
+    CHECK(t, bad < 0,
+          "the plugin wrote into receive buffer memory after closeRecv returned (byte %lld of "
+          "%zu, receive %lld)", bad, total, bad / (long long)s.slot_size);
+  } else {
+    ctl_send(ctl, MSG_READY, 0, 0, NULL);
+    if (ctl_recv(ctl, MSG_CLOSED, NULL, CTL_TIMEOUT_MS, t) != 0) goto out;
+    /* The peer is gone: errors are fine here, blocking and crashing are not. */
+    int posted = 0, completed = 0;
+    ncclResult_t err = ncclSuccess;
+    void* reqs[N] = {0};
+    double end = now_s() + 2.0;
+    while (err == ncclSuccess && completed < N && now_s() < end) {
+      double t0 = now_s();
+      ncclResult_t r;
+      if (posted < N) {
+        void* req = STALE;
+        unsigned char* buf = s.staging + (size_t)posted * s.slot_size;
+        fill_pattern(buf, msgs[posted].size, msg_key(seed, 6, (uint32_t)posted));
+        r = net_isend(c.comm, buf, msgs[posted].size, 0, s.staging_mh, NULL, &req);
+        if (r == ncclSuccess && req) reqs[posted++] = req;
+      } else {
+        int done = 0;
+        r = net_test(reqs[completed], &done, NULL);
+        if (r == ncclSuccess && done) completed++;
+      }
+      CHECK(t, now_s() - t0 < TEST_MAX_S, "a data call on a comm whose peer closed took %.2f s",
+            now_s() - t0);
+      if (r != ncclSuccess) err = r;
+      sched_yield();
+    }
+    note("close_recv_pending: after the receiver closed, %d sends posted, %d completed, "
+         "%s (code %d)", posted, completed,
+         err != ncclSuccess ? "then an error" : "no error within 2 s", err);
+    stream_dereg(&s);
+    double t0 = now_s();
+    ncclResult_t r = net_close_send(c.comm);
+    c.comm = NULL;
+    CHECK(t, r == ncclSuccess, "closeSend after the peer closed = %d", r);
+    CHECK(t, now_s() - t0 < CLOSE_MAX_S, "closeSend after the peer closed took %.1f s",
+          now_s() - t0);
+    ctl_send(ctl, MSG_RESULT, 0, 0, NULL);
+  }
 out:
   if (c.comm) {
     stream_dereg(&s);
@@ -2000,6 +2100,12 @@ static int run(const char* so, int is_recv, uint64_t seed, ctl_t* ctl, ctl_t thr
   test_begin(&t, "close_pending");
   test_close_pending(ctx, is_recv, seed, ctl, &t);
   ok = barrier(ctl, 13, &t) == 0;
+  test_end(&t);
+  if (!ok) return -1;
+
+  test_begin(&t, "close_recv_pending");
+  test_close_recv_pending(ctx, is_recv, seed, ctl, &t);
+  ok = barrier(ctl, 14, &t) == 0;
   test_end(&t);
   if (!ok) return -1;
 
