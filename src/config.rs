@@ -5,7 +5,12 @@
 //! accepted, so the WARN NCCL prints is enough to fix it.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
+
+use crate::routing::{RailRule, RouterConfig};
+use crate::topology::rails::RailMap;
+use crate::topology::PathType;
 
 /// A rejected environment value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -102,6 +107,18 @@ pub struct Config {
     pub spin: Duration,
     /// `RAILOVER_LOG`: stderr log level (NCCL's own logger ignores it).
     pub log: LogLevel,
+    /// `RAILOVER_COMPLETION_TIMEOUT_MS`: a lane that receives nothing for this long (its
+    /// peer sends keepalives at a quarter of it) is dead.
+    pub completion_timeout: Duration,
+    /// `RAILOVER_PROBE_TIMEOUT_MS`: how long a candidate pair has to answer a probe.
+    pub probe_timeout: Duration,
+    /// `RAILOVER_SYSFS_ROOT`: where topology is read from.
+    pub sysfs_root: PathBuf,
+    /// `RAILOVER_RAILS`: explicit NIC → rail map.
+    pub rails: Option<RailMap>,
+    /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
+    /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`.
+    pub router: RouterConfig,
 }
 
 impl Default for Config {
@@ -110,6 +127,11 @@ impl Default for Config {
             ifname: IfFilter::default(),
             spin: Duration::from_micros(200),
             log: LogLevel::Warn,
+            completion_timeout: Duration::from_millis(1000),
+            probe_timeout: Duration::from_millis(200),
+            sysfs_root: PathBuf::from("/sys"),
+            rails: None,
+            router: RouterConfig::default(),
         }
     }
 }
@@ -183,6 +205,92 @@ impl Config {
                 }
             };
         }
+        let ms = |var: &'static str,
+                  min: u64,
+                  max: u64,
+                  accepted: &'static str|
+         -> Result<Option<Duration>, ConfigError> {
+            match get(var) {
+                None => Ok(None),
+                Some(v) => parse_u64(&v, min, max)
+                    .map(|n| Some(Duration::from_millis(n)))
+                    .ok_or(ConfigError {
+                        var,
+                        value: v,
+                        accepted,
+                    }),
+            }
+        };
+        if let Some(d) = ms(
+            "RAILOVER_COMPLETION_TIMEOUT_MS",
+            10,
+            600_000,
+            "an integer number of milliseconds from 10 to 600000",
+        )? {
+            cfg.completion_timeout = d;
+        }
+        if let Some(d) = ms(
+            "RAILOVER_PROBE_TIMEOUT_MS",
+            1,
+            60_000,
+            "an integer number of milliseconds from 1 to 60000",
+        )? {
+            cfg.probe_timeout = d;
+        }
+        if let Some(d) = ms(
+            "RAILOVER_FAILBACK_INTERVAL_MS",
+            10,
+            3_600_000,
+            "an integer number of milliseconds from 10 to 3600000",
+        )? {
+            cfg.router.failback_interval = d;
+        }
+        if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
+            cfg.router.failback_probes_k = parse_u64(&v, 1, 1000).ok_or(ConfigError {
+                var: "RAILOVER_FAILBACK_PROBES",
+                value: v.clone(),
+                accepted: "an integer from 1 to 1000",
+            })? as u32;
+        }
+        if let Some(v) = get("RAILOVER_RAIL_RULE") {
+            cfg.router.rail_rule = match v.trim().to_ascii_lowercase().as_str() {
+                "same" => RailRule::Same,
+                "any" => RailRule::Any,
+                _ => {
+                    return Err(ConfigError {
+                        var: "RAILOVER_RAIL_RULE",
+                        value: v,
+                        accepted: "same or any",
+                    })
+                }
+            };
+        }
+        if let Some(v) = get("RAILOVER_DISTANCE_LIMIT") {
+            cfg.router.distance_limit = PathType::parse(&v).ok_or(ConfigError {
+                var: "RAILOVER_DISTANCE_LIMIT",
+                value: v.clone(),
+                accepted: "one of PIX, PXB, PHB, SYS",
+            })?;
+        }
+        if let Some(v) = get("RAILOVER_RAILS") {
+            let map = RailMap::parse("RAILOVER_RAILS", &v).map_err(|_| ConfigError {
+                var: "RAILOVER_RAILS",
+                value: v.clone(),
+                accepted:
+                    "a comma-separated list of NIC:RAIL entries, e.g. eth0:0,eth1:1, each NIC once",
+            })?;
+            cfg.rails = (!map.is_empty()).then_some(map);
+        }
+        if let Some(v) = get("RAILOVER_SYSFS_ROOT") {
+            if v.trim().is_empty() {
+                return Err(ConfigError {
+                    var: "RAILOVER_SYSFS_ROOT",
+                    value: v,
+                    accepted: "a directory laid out like /sys",
+                });
+            }
+            cfg.sysfs_root = PathBuf::from(v);
+        }
         Ok(cfg)
     }
 }
@@ -235,6 +343,15 @@ mod tests {
             ("RAILOVER_SPIN_US", "-1"),
             ("RAILOVER_SPIN_US", "1000001"),
             ("RAILOVER_LOG", "loud"),
+            ("RAILOVER_COMPLETION_TIMEOUT_MS", "5"),
+            ("RAILOVER_PROBE_TIMEOUT_MS", "soon"),
+            ("RAILOVER_FAILBACK_INTERVAL_MS", "0"),
+            ("RAILOVER_FAILBACK_PROBES", "0"),
+            ("RAILOVER_RAIL_RULE", "nearest"),
+            ("RAILOVER_DISTANCE_LIMIT", "NVL"),
+            ("RAILOVER_RAILS", "eth0"),
+            ("RAILOVER_RAILS", "eth0:0,eth0:1"),
+            ("RAILOVER_SYSFS_ROOT", " "),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();
             assert_eq!(err.var, var);
@@ -258,5 +375,21 @@ mod tests {
         assert_eq!(c.spin, Duration::ZERO);
         assert_eq!(c.log, LogLevel::Info);
         assert_eq!(c.ifname.names, vec!["lo".to_string()]);
+        let c = cfg(&[
+            ("RAILOVER_COMPLETION_TIMEOUT_MS", "250"),
+            ("RAILOVER_RAIL_RULE", "any"),
+            ("RAILOVER_DISTANCE_LIMIT", "sys"),
+            ("RAILOVER_FAILBACK_PROBES", "5"),
+            ("RAILOVER_RAILS", "rv0:1,rv1:0"),
+        ])
+        .unwrap();
+        assert_eq!(c.completion_timeout, Duration::from_millis(250));
+        assert_eq!(c.router.rail_rule, RailRule::Any);
+        assert_eq!(c.router.distance_limit, PathType::Sys);
+        assert_eq!(c.router.failback_probes_k, 5);
+        assert_eq!(
+            c.rails.unwrap().entries(),
+            &[("rv0".to_string(), 1), ("rv1".to_string(), 0)]
+        );
     }
 }

@@ -40,6 +40,9 @@ pub enum Kind {
     Truncated,
     /// Either side: orderly close of the comm.
     Close,
+    /// Either side: "this lane is alive", sent when it has had nothing else to send for a
+    /// quarter of the completion timeout.
+    Keepalive,
 }
 
 impl Kind {
@@ -53,6 +56,7 @@ impl Kind {
             Kind::Ack => 6,
             Kind::Truncated => 7,
             Kind::Close => 8,
+            Kind::Keepalive => 9,
         }
     }
 
@@ -66,6 +70,7 @@ impl Kind {
             6 => Kind::Ack,
             7 => Kind::Truncated,
             8 => Kind::Close,
+            9 => Kind::Keepalive,
             _ => return None,
         })
     }
@@ -339,6 +344,7 @@ mod tests {
             Kind::Ack,
             Kind::Truncated,
             Kind::Close,
+            Kind::Keepalive,
         ] {
             let h = Header {
                 kind,

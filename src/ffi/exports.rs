@@ -157,7 +157,10 @@ unsafe extern "C" fn get_properties_v12(dev: c_int, props: *mut PropertiesV12) -
             max_p2p_bytes: MAX_P2P_BYTES,
             max_coll_bytes: MAX_COLL_BYTES,
             max_multi_request_size: 1,
-            rail_id: NCCL_NET_ID_UNDEF,
+            rail_id: n
+                .rail
+                .and_then(|r| i16::try_from(r).ok())
+                .unwrap_or(NCCL_NET_ID_UNDEF),
             plane_id: NCCL_NET_ID_UNDEF,
         };
         write(props, p, "props")

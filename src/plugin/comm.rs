@@ -3,8 +3,8 @@
 //! immutable, atomic, or behind a short lock.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
 
@@ -31,10 +31,14 @@ pub struct CommShared {
     /// Set once the comm can no longer carry data; later requests fail with it.
     failed: Mutex<Option<Error>>,
     closed: AtomicBool,
+    /// The local NIC the comm's lane uses now (the reactor moves it on failover).
+    nic: AtomicUsize,
+    /// Registrations made on this comm, so a move to another NIC can register them there.
+    regions: Mutex<Vec<Weak<MemoryRegion>>>,
 }
 
 impl CommShared {
-    pub(crate) fn new(side: Side, key: usize, queue: Arc<CommandQueue>) -> CommShared {
+    pub(crate) fn new(side: Side, key: usize, queue: Arc<CommandQueue>, nic: usize) -> CommShared {
         CommShared {
             side,
             key,
@@ -42,7 +46,31 @@ impl CommShared {
             inflight: AtomicUsize::new(0),
             failed: Mutex::new(None),
             closed: AtomicBool::new(false),
+            nic: AtomicUsize::new(nic),
+            regions: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The local NIC the comm uses now.
+    pub fn nic(&self) -> usize {
+        self.nic.load(Ordering::Acquire)
+    }
+
+    /// Reactor side: the comm now runs on local NIC `nic`. Registrations follow it lazily,
+    /// here and only here (P6). Returns how many regions had to be registered on `nic`.
+    pub(crate) fn moved_to(&self, nic: usize) -> usize {
+        self.nic.store(nic, Ordering::Release);
+        let mut regions = self.regions.lock();
+        regions.retain(|r| r.strong_count() > 0);
+        regions
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|r| r.register_on(nic))
+            .count()
+    }
+
+    pub(crate) fn remember_region(&self, r: &Arc<MemoryRegion>) {
+        self.regions.lock().push(Arc::downgrade(r));
     }
 
     /// Takes a request slot, or `false` when all [`NCCL_NET_MAX_REQUESTS`] are in use.
@@ -70,6 +98,10 @@ impl CommShared {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// Marks the comm closed; `false` if it already was.
@@ -101,9 +133,48 @@ pub struct MemoryRegion {
     pub base: usize,
     pub len: usize,
     pub ptr_type: i32,
+    /// Local NICs this region is registered on: the comm's NIC at `regMr`, then each NIC
+    /// a failover moves the comm to. For TCP this is bookkeeping; for verbs it is where
+    /// `ibv_reg_mr` runs.
+    nics: Mutex<Vec<usize>>,
 }
 
+/// Registrations made lazily on backup NICs, process-wide (P6).
+pub static LAZY_REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
+
 impl MemoryRegion {
+    pub(crate) fn new(
+        comm: Arc<CommShared>,
+        base: usize,
+        len: usize,
+        ptr_type: i32,
+    ) -> MemoryRegion {
+        let nic = comm.nic();
+        MemoryRegion {
+            comm,
+            base,
+            len,
+            ptr_type,
+            nics: Mutex::new(vec![nic]),
+        }
+    }
+
+    /// The NICs this region is registered on, in the order they were added.
+    pub fn registered_nics(&self) -> Vec<usize> {
+        self.nics.lock().clone()
+    }
+
+    /// Registers on `nic` if not yet; `true` if this call did it.
+    fn register_on(&self, nic: usize) -> bool {
+        let mut nics = self.nics.lock();
+        if nics.contains(&nic) {
+            return false;
+        }
+        nics.push(nic);
+        LAZY_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
     /// Checks that `[addr, addr + len)` lies inside this region of `comm`.
     pub(crate) fn check(
         &self,

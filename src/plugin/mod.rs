@@ -7,20 +7,19 @@
 pub mod comm;
 pub mod error;
 pub mod net_handle;
+pub mod nics;
 pub mod request;
 
 use std::ffi::{CStr, CString};
-use std::net::SocketAddr;
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
 use crate::config::Config;
-use crate::conn::wire::NicAddr;
 use crate::ffi::buffer::UserBuf;
-use crate::reactor::{Command, ReactorHandle, ReactorStats};
+use crate::reactor::{Command, LocalNic, ReactorHandle, ReactorStats, Setup};
+use crate::topology::{Fabric, Topology};
 use crate::transport::tcp::{self, TcpNic};
 pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, Side};
 pub use error::Error;
@@ -38,6 +37,8 @@ pub struct NicInfo {
     pub name: &'static CStr,
     pub pci_path: Option<&'static CStr>,
     pub guid: u64,
+    /// The NIC's rail, when known (reported as `railId` to NCCL v12).
+    pub rail: Option<u32>,
 }
 
 /// Everything alive between the first `init` and the last `finalize`.
@@ -52,31 +53,55 @@ impl Runtime {
     fn start() -> Result<Runtime, Error> {
         let config = Config::from_env()?;
         crate::telemetry::log::install(config.log);
-        let sysfs = Path::new("/sys");
-        let nics: Vec<NicInfo> = tcp::nic::discover(&config.ifname, sysfs)?
+        let tcp_nics = tcp::nic::discover(&config.ifname, &config.sysfs_root)?;
+        let topo = match Topology::discover_fabric(&config.sysfs_root, Fabric::Tcp) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::info!("railover: no PCI topology ({e}); distance limits are not applied");
+                None
+            }
+        };
+        let rails = nics::rails(&tcp_nics, &config, topo.as_ref())?;
+        let distance = nics::distances(&tcp_nics, topo.as_ref());
+        let nics: Vec<NicInfo> = tcp_nics
             .into_iter()
+            .zip(rails)
             .enumerate()
-            .map(|(i, tcp)| NicInfo {
+            .map(|(i, (tcp, rail))| NicInfo {
                 name: intern(&tcp.name),
                 pci_path: tcp.pci_path.as_deref().map(intern),
                 // Unique per device within the process; NCCL treats equal guids as one port.
                 guid: 0x7261_696c_0000_0000 | i as u64,
+                rail,
                 tcp,
             })
             .collect();
-        let wire_nics = nics
-            .iter()
-            .map(|n| NicAddr {
-                addr: SocketAddr::new(n.tcp.ip, 0),
-                rail: None,
-            })
-            .collect();
-        let reactor = ReactorHandle::spawn(wire_nics, config.spin)?;
+        let setup = Setup {
+            nics: nics
+                .iter()
+                .map(|n| LocalNic {
+                    name: n.tcp.name.clone(),
+                    ip: n.tcp.ip,
+                    rail: n.rail,
+                })
+                .collect(),
+            distance,
+            spin: config.spin,
+            completion_timeout: config.completion_timeout,
+            probe_timeout: config.probe_timeout,
+            router: config.router,
+        };
+        let reactor = ReactorHandle::spawn(setup)?;
         tracing::info!(
             "railover: {} NIC(s): {} ({config})",
             nics.len(),
             nics.iter()
-                .map(|n| format!("{}={}", n.tcp.name, n.tcp.ip))
+                .map(|n| format!(
+                    "{}={} rail {}",
+                    n.tcp.name,
+                    n.tcp.ip,
+                    n.rail.map_or("-".into(), |r| r.to_string())
+                ))
                 .collect::<Vec<_>>()
                 .join(", ")
         );
@@ -300,6 +325,8 @@ pub fn connect(
     let pending = Arc::new(PendingConnect::default());
     PENDING.lock().push((h.connect_id, pending.clone()));
     rt.reactor.queue.push(Command::Connect {
+        nic: dev as usize,
+        to: h.addr,
         stream,
         token: h.token,
         pending,
@@ -327,9 +354,16 @@ pub fn reg_mr(
     ptr_type: i32,
 ) -> Result<Arc<MemoryRegion>, Error> {
     use crate::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
-    comm.check_usable()?;
+    // Registration is local: a comm whose peer already failed may still register.
+    if comm.is_closed() {
+        return Err(Error::InvalidArgument("comm is closed".into()));
+    }
     match ptr_type {
-        NCCL_PTR_HOST => Ok(Arc::new(MemoryRegion { comm: comm.clone(), base: addr, len, ptr_type })),
+        NCCL_PTR_HOST => {
+            let r = Arc::new(MemoryRegion::new(comm.clone(), addr, len, ptr_type));
+            comm.remember_region(&r);
+            Ok(r)
+        }
         NCCL_PTR_CUDA => Err(Error::InvalidUsage(
             "GPU memory (NCCL_PTR_CUDA) cannot be registered: railover advertises host memory only until its RDMA fabric is enabled".into(),
         )),
@@ -398,6 +432,20 @@ pub fn close_comm(comm: &Arc<CommShared>) -> Result<(), Error> {
     if !comm.mark_closed() {
         return Err(Error::InvalidArgument("comm closed twice".into()));
     }
-    comm.queue.push(Command::CloseComm { comm: comm.clone() });
+    if comm.queue.is_stopped() {
+        return Ok(());
+    }
+    // Wait for our own reactor (never for the peer): once this returns, nothing in the
+    // plugin touches the comm's buffers, and NCCL may free them.
+    let done = Arc::new(crate::reactor::Done::default());
+    comm.queue.push(Command::CloseComm {
+        comm: comm.clone(),
+        done: done.clone(),
+    });
+    if !done.wait(std::time::Duration::from_secs(10)) {
+        return Err(Error::Internal(
+            "the reactor did not confirm the close within 10 s".into(),
+        ));
+    }
     Ok(())
 }

@@ -14,9 +14,11 @@
 //! `RAILOVER_SPIN_US` after its last progress while requests are in flight, then parks.
 
 pub mod budget;
+mod failover;
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,15 +36,42 @@ use crate::ffi::buffer::UserBuf;
 use crate::plugin::comm::{CommShared, ListenShared, PendingConnect, Side};
 use crate::plugin::request::Request;
 use crate::plugin::Error;
+use crate::routing::{self, FailReason, Move, Pair, RoutePublisher, Router, RouterConfig};
+use crate::topology::PathType;
+use crate::transport::tcp::netlink::LinkWatcher;
 use crate::transport::tcp::{self, stream::FrameReader, stream::FrameWriter, stream::Inbound};
 use budget::SpinBudget;
+
+/// One local NIC as the reactor needs it.
+#[derive(Debug, Clone)]
+pub struct LocalNic {
+    pub name: String,
+    pub ip: IpAddr,
+    pub rail: Option<u32>,
+}
+
+/// Everything the reactor is started with.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub nics: Vec<LocalNic>,
+    /// `distance[n][x]`: PCIe path type from NIC `n`'s GPU to NIC `x` (None: unknown).
+    pub distance: Vec<Vec<Option<PathType>>>,
+    pub spin: Duration,
+    pub completion_timeout: Duration,
+    pub probe_timeout: Duration,
+    pub router: RouterConfig,
+}
 
 /// How long a new connection may take to complete its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a closed comm's lane may keep flushing its last acks.
 const LINGER: Duration = Duration::from_secs(2);
 
+/// The reactor thread's name (Linux keeps 15 characters: this fits whole in `ps`/`top`).
+pub const REACTOR_THREAD: &str = "rlvr-reactor";
+
 const WAKER: Token = Token(usize::MAX);
+const NETLINK: Token = Token(usize::MAX - 1);
 const LISTENER_BIT: usize = 1 << (usize::BITS - 2);
 
 /// Work for the reactor.
@@ -57,6 +86,8 @@ pub enum Command {
     },
     Connect {
         stream: TcpStream,
+        nic: usize,
+        to: SocketAddr,
         token: [u8; 16],
         pending: Arc<PendingConnect>,
     },
@@ -70,10 +101,39 @@ pub enum Command {
         req: Arc<Request>,
         buf: UserBuf,
     },
+    /// Closes a comm; `done` is signalled once the reactor holds no reference to any of
+    /// the comm's buffers, so NCCL may free them as soon as `closeSend`/`closeRecv` return.
     CloseComm {
         comm: Arc<CommShared>,
+        done: Arc<Done>,
     },
     Shutdown,
+}
+
+/// A one-shot signal from the reactor to a waiting NCCL thread.
+#[derive(Debug, Default)]
+pub struct Done {
+    flag: Mutex<bool>,
+    cv: parking_lot::Condvar,
+}
+
+impl Done {
+    pub fn signal(&self) {
+        *self.flag.lock() = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits up to `limit`; `true` if signalled.
+    pub fn wait(&self, limit: Duration) -> bool {
+        let mut f = self.flag.lock();
+        let end = Instant::now() + limit;
+        while !*f {
+            if self.cv.wait_until(&mut f, end).timed_out() {
+                return *f;
+            }
+        }
+        true
+    }
 }
 
 /// The producers' side of the reactor.
@@ -83,6 +143,8 @@ pub struct CommandQueue {
     /// Commands queued and not yet taken; read without the lock by the parking check.
     len: AtomicUsize,
     parked: AtomicBool,
+    /// The reactor has exited: nothing will process commands any more.
+    stopped: AtomicBool,
     waker: Waker,
 }
 
@@ -96,6 +158,11 @@ impl CommandQueue {
         if self.parked.swap(false, Ordering::SeqCst) {
             let _ = self.waker.wake();
         }
+    }
+
+    /// The reactor thread has exited.
+    pub fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
     }
 
     fn take(&self) -> VecDeque<Command> {
@@ -116,6 +183,17 @@ pub struct ReactorStats {
     pub lane_failures: AtomicU64,
     pub bytes_sent: AtomicU64,
     pub bytes_received: AtomicU64,
+    /// Lanes moved to another NIC pair after a failure, and moved back.
+    pub failovers: AtomicU64,
+    pub failbacks: AtomicU64,
+    /// Comms that failed because no eligible NIC pair remained.
+    pub gave_up: AtomicU64,
+    /// Bytes sent again after a move.
+    pub replayed_bytes: AtomicU64,
+    /// Duplicates the receivers dropped.
+    pub duplicates: AtomicU64,
+    /// Carrier changes seen on local NICs.
+    pub link_events: AtomicU64,
 }
 
 /// Handle kept by the runtime: the queue and the thread to join.
@@ -123,28 +201,75 @@ pub struct ReactorStats {
 pub struct ReactorHandle {
     pub queue: Arc<CommandQueue>,
     pub stats: Arc<ReactorStats>,
+    /// Route snapshots the reactor publishes after every decision; readers never lock.
+    pub routes: Arc<RoutePublisher>,
+    /// This process's NICs as peers see them (their failover listeners).
+    pub wire_nics: Vec<NicAddr>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl ReactorHandle {
-    /// Starts the reactor thread. `nics` is this process's NIC list as peers should see it.
-    pub fn spawn(nics: Vec<NicAddr>, spin: Duration) -> io::Result<ReactorHandle> {
+    /// Starts the reactor thread: one failover listener per NIC, the link watcher, the
+    /// router.
+    pub fn spawn(setup: Setup) -> io::Result<ReactorHandle> {
         let poll = Poll::new()?;
         let waker = Waker::new(poll.registry(), WAKER)?;
+        let mut listeners = Slab::new();
+        let mut wire_nics = Vec::new();
+        for (i, nic) in setup.nics.iter().enumerate() {
+            let mut l = tcp::listen(nic.ip)?;
+            let addr = l.local_addr()?;
+            let key = listeners.insert(Listener {
+                sock: None,
+                shared: None,
+                nic: i,
+            });
+            poll.registry()
+                .register(&mut l, Token(key | LISTENER_BIT), Interest::READABLE)?;
+            listeners[key].sock = Some(l);
+            wire_nics.push(NicAddr {
+                addr,
+                rail: nic.rail,
+            });
+        }
+        let mut watcher = match LinkWatcher::open() {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(
+                    "railover: cannot watch link events ({e}); relying on lane timeouts"
+                );
+                None
+            }
+        };
+        if let Some(w) = watcher.as_mut() {
+            let fd = w.raw_fd();
+            poll.registry()
+                .register(&mut mio::unix::SourceFd(&fd), NETLINK, Interest::READABLE)?;
+        }
+        let routes = Arc::new(RoutePublisher::new(routing::Routes::default()));
+        let mut router_cfg = setup.router;
+        if router_cfg.seed == 0 {
+            let mut b = [0u8; 8];
+            let _ = getrandom::getrandom(&mut b);
+            router_cfg.seed = u64::from_le_bytes(b) | 1;
+        }
         let queue = Arc::new(CommandQueue {
             q: Mutex::new(VecDeque::new()),
             len: AtomicUsize::new(0),
             parked: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
             waker,
         });
         let stats = Arc::new(ReactorStats::default());
+        let now = Instant::now();
         let mut reactor = Reactor {
             poll,
             queue: queue.clone(),
             stats: stats.clone(),
-            nics,
-            budget: SpinBudget::new(spin),
-            listeners: Slab::new(),
+            wire: wire_nics.clone(),
+            nic_up: vec![true; setup.nics.len()],
+            budget: SpinBudget::new(setup.spin),
+            listeners,
             listener_ids: HashMap::new(),
             lanes: Slab::new(),
             comms: Slab::new(),
@@ -152,13 +277,23 @@ impl ReactorHandle {
             again: Vec::new(),
             next_deadline: None,
             shutdown: false,
+            router: Router::new(router_cfg),
+            routes: routes.clone(),
+            routes_dirty: false,
+            peers: Vec::new(),
+            recv_by_token: HashMap::new(),
+            watcher,
+            next_tick: now,
+            setup,
         };
         let thread = std::thread::Builder::new()
-            .name("railover-reactor".into())
+            .name(REACTOR_THREAD.into())
             .spawn(move || reactor.run())?;
         Ok(ReactorHandle {
             queue,
             stats,
+            routes,
+            wire_nics,
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -192,16 +327,41 @@ struct Comm {
     shared: Arc<CommShared>,
     lane: Option<usize>,
     machine: Machine,
+    /// The comm token from the NCCL handle; migrations and probes present it.
+    token: [u8; 16],
+    /// Send side: the comm is registered with the router.
+    route: Option<Route>,
+    /// Send side: the replacement lane being set up.
+    migrating: Option<usize>,
+    /// A failure was detected at this time and traffic has not resumed yet.
+    detected: Option<(Instant, FailReason)>,
+    /// Receive side: the lane was lost at this time and no replacement has arrived.
+    stranded: Option<Instant>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Route {
+    current: Pair,
 }
 
 #[derive(Debug)]
 enum Role {
-    /// Accepted; waiting for the connector's `Hello`.
-    Handshake { listener: u64 },
+    /// Accepted; waiting for the connector's `Hello`. `listener` is the NCCL listen id,
+    /// or `None` for a failover listener.
+    Handshake { listener: Option<u64> },
     /// Connecting; waiting for the listener's `Welcome`.
-    Connecting { pending: Arc<PendingConnect> },
+    Connecting {
+        pending: Arc<PendingConnect>,
+        nic: usize,
+        to: SocketAddr,
+        token: [u8; 16],
+    },
     /// Carrying a comm.
     Comm(usize),
+    /// Probing a candidate pair for the router.
+    Probe { pair: Pair },
+    /// Opening a comm's replacement lane.
+    Migrating { comm: usize, mv: Move },
     /// Flushing its last bytes before it closes.
     Closing,
 }
@@ -213,18 +373,27 @@ struct Lane {
     writer: FrameWriter,
     role: Role,
     deadline: Option<Instant>,
+    /// Local NIC index, when the lane's local address is one of ours.
+    nic: Option<usize>,
+    last_rx: Instant,
+    last_tx: Instant,
 }
 
 struct Listener {
-    sock: TcpListener,
-    shared: Arc<ListenShared>,
+    /// `None` only while being registered.
+    sock: Option<TcpListener>,
+    /// The NCCL listen comm, or `None` for a NIC's failover listener.
+    shared: Option<Arc<ListenShared>>,
+    nic: usize,
 }
 
 struct Reactor {
     poll: Poll,
     queue: Arc<CommandQueue>,
     stats: Arc<ReactorStats>,
-    nics: Vec<NicAddr>,
+    /// Our NICs as peers see them.
+    wire: Vec<NicAddr>,
+    nic_up: Vec<bool>,
     budget: SpinBudget,
     listeners: Slab<Listener>,
     listener_ids: HashMap<u64, usize>,
@@ -236,6 +405,16 @@ struct Reactor {
     again: Vec<usize>,
     next_deadline: Option<Instant>,
     shutdown: bool,
+    router: Router,
+    routes: Arc<RoutePublisher>,
+    routes_dirty: bool,
+    /// Remote processes' NIC lists; the index is the router's `PeerId`.
+    peers: Vec<Vec<NicAddr>>,
+    /// Receive comms by token, for migrations and probes.
+    recv_by_token: HashMap<[u8; 16], usize>,
+    watcher: Option<LinkWatcher>,
+    next_tick: Instant,
+    setup: Setup,
 }
 
 impl Reactor {
@@ -256,10 +435,19 @@ impl Reactor {
             for k in std::mem::take(&mut self.again) {
                 self.service_lane(k, now);
             }
-            self.flush_dirty();
+            self.drive_router(now);
+            self.flush_dirty(now);
 
             let busy = !self.again.is_empty() || self.requests_in_flight();
-            let mut timeout = self.budget.timeout(now, busy, self.next_deadline);
+            let deadline = [
+                self.next_deadline,
+                Some(self.next_tick),
+                self.router.poll_timeout(),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            let mut timeout = self.budget.timeout(now, busy, deadline);
             if !self.again.is_empty() {
                 timeout = Some(Duration::ZERO);
             }
@@ -288,6 +476,7 @@ impl Reactor {
             for ev in events.iter() {
                 match ev.token() {
                     WAKER => {}
+                    NETLINK => self.link_events(now),
                     Token(t) if t & LISTENER_BIT != 0 => self.accept_all(t & !LISTENER_BIT, now),
                     Token(k) => self.service_lane(k, now),
                 }
@@ -295,9 +484,23 @@ impl Reactor {
             if self.next_deadline.is_some_and(|d| d <= now) {
                 self.expire(now);
             }
-            self.flush_dirty();
+            if now >= self.next_tick {
+                self.tick(now);
+            }
+            if self.router.poll_timeout().is_some_and(|d| d <= now) {
+                self.router.handle_timeout(now);
+            }
+            self.drive_router(now);
+            self.flush_dirty(now);
         }
         self.close_everything();
+        self.queue.stopped.store(true, Ordering::Release);
+        // Anyone still waiting on a close: the comm is gone with the reactor.
+        for c in self.queue.take() {
+            if let Command::CloseComm { done, .. } = c {
+                done.signal();
+            }
+        }
     }
 
     fn requests_in_flight(&self) -> bool {
@@ -313,6 +516,11 @@ impl Reactor {
                 mut listener,
                 shared,
             } => {
+                let nic = listener
+                    .local_addr()
+                    .ok()
+                    .and_then(|a| self.nic_of(a.ip()))
+                    .unwrap_or(0);
                 let entry = self.listeners.vacant_entry();
                 let key = entry.key();
                 if let Err(e) = self.poll.registry().register(
@@ -325,14 +533,17 @@ impl Reactor {
                 }
                 self.listener_ids.insert(shared.id, key);
                 entry.insert(Listener {
-                    sock: listener,
-                    shared,
+                    sock: Some(listener),
+                    shared: Some(shared),
+                    nic,
                 });
             }
             Command::CloseListen { shared } => {
                 if let Some(key) = self.listener_ids.remove(&shared.id) {
                     let mut l = self.listeners.remove(key);
-                    let _ = self.poll.registry().deregister(&mut l.sock);
+                    if let Some(sock) = l.sock.as_mut() {
+                        let _ = self.poll.registry().deregister(sock);
+                    }
                 }
                 // Accepted comms NCCL never took die with their listener.
                 let orphans: Vec<_> = shared.ready.lock().drain(..).collect();
@@ -342,22 +553,29 @@ impl Reactor {
             }
             Command::Connect {
                 stream,
+                nic,
+                to,
                 token,
                 pending,
             } => {
                 let hello = Hello {
                     token,
                     purpose: Purpose::Data,
-                    nics: self.nics.clone(),
+                    nics: self.wire.clone(),
                 };
                 match self.add_lane(
                     stream,
                     Role::Connecting {
                         pending: pending.clone(),
+                        nic,
+                        to,
+                        token,
                     },
                     now,
+                    HANDSHAKE_TIMEOUT,
                 ) {
                     Ok(k) => {
+                        self.lanes[k].nic = Some(nic);
                         self.lanes[k].writer.push_ctrl(&hello.encode());
                         self.dirty.push(k);
                     }
@@ -384,7 +602,10 @@ impl Reactor {
                 }
                 self.pump(c);
             }
-            Command::CloseComm { comm } => self.close_comm(&comm, now),
+            Command::CloseComm { comm, done } => {
+                self.close_comm(&comm, now);
+                done.signal();
+            }
             Command::Shutdown => self.shutdown = true,
         }
     }
@@ -396,7 +617,18 @@ impl Reactor {
             .map(|_| shared.key)
     }
 
-    fn add_lane(&mut self, mut sock: TcpStream, role: Role, now: Instant) -> io::Result<usize> {
+    /// The index of our NIC with address `ip`.
+    fn nic_of(&self, ip: IpAddr) -> Option<usize> {
+        self.setup.nics.iter().position(|n| n.ip == ip)
+    }
+
+    fn add_lane(
+        &mut self,
+        mut sock: TcpStream,
+        role: Role,
+        now: Instant,
+        limit: Duration,
+    ) -> io::Result<usize> {
         let entry = self.lanes.vacant_entry();
         let key = entry.key();
         self.poll.registry().register(
@@ -404,7 +636,7 @@ impl Reactor {
             Token(key),
             Interest::READABLE | Interest::WRITABLE,
         )?;
-        let deadline = now + HANDSHAKE_TIMEOUT;
+        let deadline = now + limit;
         self.next_deadline = Some(self.next_deadline.map_or(deadline, |d| d.min(deadline)));
         entry.insert(Lane {
             sock,
@@ -412,6 +644,9 @@ impl Reactor {
             writer: FrameWriter::default(),
             role,
             deadline: Some(deadline),
+            nic: None,
+            last_rx: now,
+            last_tx: now,
         });
         Ok(key)
     }
@@ -427,14 +662,26 @@ impl Reactor {
             let Some(l) = self.listeners.get(key) else {
                 return;
             };
-            match l.sock.accept() {
+            let Some(sock) = l.sock.as_ref() else { return };
+            match sock.accept() {
                 Ok((stream, _)) => {
-                    let listener = l.shared.id;
+                    let listener = l.shared.as_ref().map(|s| s.id);
+                    let nic = stream
+                        .local_addr()
+                        .ok()
+                        .and_then(|a| self.nic_of(a.ip()))
+                        .or(Some(l.nic));
                     if let Err(e) = tcp::tune_stream(&stream) {
                         tracing::debug!("railover: cannot tune an accepted socket: {e}");
                     }
-                    if let Err(e) = self.add_lane(stream, Role::Handshake { listener }, now) {
-                        tracing::warn!("railover: cannot watch an accepted socket: {e}");
+                    match self.add_lane(
+                        stream,
+                        Role::Handshake { listener },
+                        now,
+                        HANDSHAKE_TIMEOUT,
+                    ) {
+                        Ok(k) => self.lanes[k].nic = nic,
+                        Err(e) => tracing::warn!("railover: cannot watch an accepted socket: {e}"),
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -454,10 +701,16 @@ impl Reactor {
             let Some(lane) = self.lanes.get_mut(k) else {
                 return;
             };
-            match lane.reader.next(&mut lane.sock) {
+            let before = lane.reader.total_read();
+            let got = lane.reader.next(&mut lane.sock);
+            if lane.reader.total_read() != before {
+                lane.last_rx = now;
+            }
+            match got {
                 Ok(Some(item)) => {
                     if let Err(e) = self.inbound(k, item, now) {
-                        self.lane_failed(k, e);
+                        let reason = failover::reason_of(&e);
+                        self.lane_failed(k, e, reason, now);
                         return;
                     }
                 }
@@ -469,10 +722,11 @@ impl Reactor {
                 }
                 Err(e) => {
                     let e = match e {
-                        tcp::stream::ReadError::Io(e) => ConnError::Io(e.to_string()),
+                        tcp::stream::ReadError::Io(e) => failover::io_error(&e),
                         tcp::stream::ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
                     };
-                    self.lane_failed(k, e);
+                    let reason = failover::reason_of(&e);
+                    self.lane_failed(k, e, reason, now);
                     return;
                 }
             }
@@ -481,6 +735,11 @@ impl Reactor {
     }
 
     fn inbound(&mut self, k: usize, item: Inbound, now: Instant) -> Result<(), ConnError> {
+        if let Inbound::Frame(h, _) = &item {
+            if h.kind == Kind::Keepalive {
+                return Ok(());
+            }
+        }
         let lane = &mut self.lanes[k];
         match &lane.role {
             Role::Handshake { listener } => {
@@ -493,13 +752,19 @@ impl Reactor {
                     _ => Err(ConnError::Protocol("expected Hello".into())),
                 }
             }
-            Role::Connecting { pending } => {
-                let pending = pending.clone();
+            Role::Connecting {
+                pending,
+                nic,
+                to,
+                token,
+            } => {
+                let (pending, nic, to, token) = (pending.clone(), *nic, *to, *token);
                 match item {
                     Inbound::Frame(h, body) if h.kind == Kind::Welcome => {
-                        let _peer = Welcome::decode(&body)
+                        let peer = Welcome::decode(&body)
                             .map_err(|e| ConnError::Protocol(e.to_string()))?;
-                        let shared = self.new_comm(Side::Send, k);
+                        let shared = self.new_comm(Side::Send, k, nic, token);
+                        self.register_route(shared.key, nic, to, peer.nics, now);
                         *pending.result.lock() = Some(Ok(shared));
                         Ok(())
                     }
@@ -508,6 +773,35 @@ impl Reactor {
                     )),
                     Inbound::Eof => Err(ConnError::PeerClosed),
                     _ => Err(ConnError::Protocol("expected Welcome".into())),
+                }
+            }
+            Role::Probe { pair } => {
+                let pair = *pair;
+                match item {
+                    Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
+                        self.router.handle_probe(pair, true, now);
+                        let lane = &mut self.lanes[k];
+                        lane.role = Role::Closing;
+                        lane.deadline = Some(now + LINGER);
+                        Ok(())
+                    }
+                    Inbound::Eof => Err(ConnError::PeerClosed),
+                    _ => Err(ConnError::Protocol("expected Welcome to a probe".into())),
+                }
+            }
+            Role::Migrating { comm, mv } => {
+                let (c, mv) = (*comm, *mv);
+                match item {
+                    Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
+                        self.finish_migration(c, k, mv, h.seq, now)
+                    }
+                    Inbound::Frame(h, _) if h.kind == Kind::Refuse => Err(ConnError::Protocol(
+                        "the peer refused the replacement lane".into(),
+                    )),
+                    Inbound::Eof => Err(ConnError::PeerClosed),
+                    _ => Err(ConnError::Protocol(
+                        "expected Welcome to a migration".into(),
+                    )),
                 }
             }
             Role::Closing => {
@@ -537,20 +831,28 @@ impl Reactor {
             (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Cts => {
                 m.handle_cts(h.seq, h.len)
             }
-            (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Ack => m.handle_ack(h.seq),
+            (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Ack => {
+                m.handle_ack(h.seq)?;
+                // Acknowledged progress on the new lane: the failover is complete.
+                comm.detected = None;
+                Ok(())
+            }
             (Machine::Recv(m), Inbound::Data { seq, len }) => {
                 let dst = match m.handle_data(seq, len)? {
                     Placement::Deliver { seq, .. } => {
                         Some(m.message(seq).expect("delivering a posted receive").buf)
                     }
-                    Placement::Discard { .. } => None,
+                    Placement::Discard { .. } => {
+                        self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                        None
+                    }
                 };
                 self.lanes[k].reader.place(dst);
                 Ok(())
             }
             (Machine::Recv(m), Inbound::PayloadDone { seq, len }) => {
                 self.stats.bytes_received.fetch_add(len, Ordering::Relaxed);
-                if m.message(seq).is_some() {
+                if m.message(seq).is_some() && m.delivered() == seq {
                     m.payload_done(seq, len)
                 } else {
                     Ok(()) // a discarded duplicate
@@ -563,48 +865,94 @@ impl Reactor {
         }
     }
 
-    /// The listener side of the handshake: check the token, create the receive comm.
+    /// The listener side of every handshake: a new comm (NCCL's connect), a probe, or a
+    /// replacement lane for one of our receive comms. Each must present the right token.
     fn hello(
         &mut self,
         k: usize,
-        listener: u64,
+        listener: Option<u64>,
         body: &[u8],
         now: Instant,
     ) -> Result<(), ConnError> {
         let hello = Hello::decode(body).map_err(|e| ConnError::Protocol(e.to_string()))?;
-        let shared = self
-            .listener_ids
-            .get(&listener)
-            .map(|&key| self.listeners[key].shared.clone())
-            .ok_or_else(|| ConnError::Protocol("listener is closed".into()))?;
-        if hello.token != shared.token || hello.purpose != Purpose::Data {
-            self.stats
-                .rejected_connections
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("railover: refused a connection presenting a wrong comm token");
-            let lane = &mut self.lanes[k];
-            let mut h = Header::new(Kind::Refuse, 0, 0);
-            h.aux = wire::REFUSE_TOKEN;
-            lane.writer.push_ctrl(&h.encode());
-            lane.role = Role::Closing;
-            lane.deadline = Some(now + LINGER);
-            return Ok(());
-        }
-        let comm = self.new_comm(Side::Recv, k);
-        self.lanes[k].writer.push_ctrl(
-            &Welcome {
-                nics: self.nics.clone(),
+        match hello.purpose {
+            Purpose::Data => {
+                let shared = listener
+                    .and_then(|id| self.listener_ids.get(&id))
+                    .and_then(|&key| self.listeners[key].shared.clone());
+                match shared {
+                    Some(shared) if shared.token == hello.token => {
+                        let nic = self.lanes[k].nic.unwrap_or(0);
+                        let comm = self.new_comm(Side::Recv, k, nic, hello.token);
+                        self.recv_by_token.insert(hello.token, comm.key);
+                        self.lanes[k].writer.push_ctrl(
+                            &Welcome {
+                                nics: self.wire.clone(),
+                            }
+                            .encode(0),
+                        );
+                        shared.ready.lock().push_back(comm);
+                        Ok(())
+                    }
+                    _ => {
+                        self.refuse(k, now);
+                        Ok(())
+                    }
+                }
             }
-            .encode(0),
-        );
-        shared.ready.lock().push_back(comm);
-        Ok(())
+            Purpose::Probe => {
+                if self.recv_by_token.contains_key(&hello.token) {
+                    let lane = &mut self.lanes[k];
+                    lane.writer.push_ctrl(
+                        &Welcome {
+                            nics: self.wire.clone(),
+                        }
+                        .encode(0),
+                    );
+                    lane.role = Role::Closing;
+                    lane.deadline = Some(now + LINGER);
+                } else {
+                    self.refuse(k, now);
+                }
+                Ok(())
+            }
+            Purpose::Migrate => match self.recv_by_token.get(&hello.token).copied() {
+                Some(c) => {
+                    self.attach_replacement(c, k, now);
+                    Ok(())
+                }
+                None => {
+                    self.refuse(k, now);
+                    Ok(())
+                }
+            },
+        }
     }
 
-    fn new_comm(&mut self, side: Side, lane: usize) -> Arc<CommShared> {
+    /// Refuses a connection that presented no valid token, and counts it.
+    fn refuse(&mut self, k: usize, now: Instant) {
+        self.stats
+            .rejected_connections
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!("railover: refused a connection presenting a wrong comm token");
+        let lane = &mut self.lanes[k];
+        let mut h = Header::new(Kind::Refuse, 0, 0);
+        h.aux = wire::REFUSE_TOKEN;
+        lane.writer.push_ctrl(&h.encode());
+        lane.role = Role::Closing;
+        lane.deadline = Some(now + LINGER);
+    }
+
+    fn new_comm(
+        &mut self,
+        side: Side,
+        lane: usize,
+        nic: usize,
+        token: [u8; 16],
+    ) -> Arc<CommShared> {
         let entry = self.comms.vacant_entry();
         let key = entry.key();
-        let shared = Arc::new(CommShared::new(side, key, self.queue.clone()));
+        let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic));
         let machine = match side {
             Side::Send => Machine::Send(SendMachine::default()),
             Side::Recv => Machine::Recv(RecvMachine::default()),
@@ -613,6 +961,11 @@ impl Reactor {
             shared: shared.clone(),
             lane: Some(lane),
             machine,
+            token,
+            route: None,
+            migrating: None,
+            detected: None,
+            stranded: None,
         });
         let l = &mut self.lanes[lane];
         l.role = Role::Comm(key);
@@ -626,21 +979,22 @@ impl Reactor {
         let mut lane = comm.lane.and_then(|k| self.lanes.get_mut(k));
         match &mut comm.machine {
             Machine::Send(m) => {
-                while let Some(t) = m.poll_transmit() {
-                    let Some(lane) = lane.as_deref_mut() else {
-                        continue;
-                    };
-                    match t {
-                        Transmit::Data { seq, len } => {
-                            let buf = m.message(seq).expect("transmitting a queued message").buf;
-                            lane.writer
-                                .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
-                            lane.writer.push_payload(buf, len as usize);
-                            self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
-                        }
-                        Transmit::Truncated { seq, len } => {
-                            lane.writer
-                                .push_ctrl(&Header::new(Kind::Truncated, seq, len).encode());
+                // Without a lane (failover under way) the machine keeps its queue.
+                if let Some(lane) = lane.as_deref_mut() {
+                    while let Some(t) = m.poll_transmit() {
+                        match t {
+                            Transmit::Data { seq, len } => {
+                                let buf =
+                                    m.message(seq).expect("transmitting a queued message").buf;
+                                lane.writer
+                                    .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
+                                lane.writer.push_payload(buf, len as usize);
+                                self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
+                            }
+                            Transmit::Truncated { seq, len } => {
+                                lane.writer
+                                    .push_ctrl(&Header::new(Kind::Truncated, seq, len).encode());
+                            }
                         }
                     }
                 }
@@ -652,15 +1006,14 @@ impl Reactor {
                 }
             }
             Machine::Recv(m) => {
-                while let Some(ctl) = m.poll_transmit() {
-                    let Some(lane) = lane.as_deref_mut() else {
-                        continue;
-                    };
-                    let h = match ctl {
-                        Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
-                        Control::Ack { delivered } => Header::new(Kind::Ack, delivered, 0),
-                    };
-                    lane.writer.push_ctrl(&h.encode());
+                if let Some(lane) = lane.as_deref_mut() {
+                    while let Some(ctl) = m.poll_transmit() {
+                        let h = match ctl {
+                            Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
+                            Control::Ack { delivered } => Header::new(Kind::Ack, delivered, 0),
+                        };
+                        lane.writer.push_ctrl(&h.encode());
+                    }
                 }
                 while let Some(ev) = m.poll_event() {
                     match ev {
@@ -675,7 +1028,7 @@ impl Reactor {
         }
     }
 
-    fn flush_dirty(&mut self) {
+    fn flush_dirty(&mut self, now: Instant) {
         let mut dirty = std::mem::take(&mut self.dirty);
         dirty.sort_unstable();
         dirty.dedup();
@@ -689,7 +1042,12 @@ impl Reactor {
                 }
                 continue;
             }
-            match lane.writer.flush(&mut lane.sock) {
+            let before = lane.writer.total_written();
+            let res = lane.writer.flush(&mut lane.sock);
+            if lane.writer.total_written() != before {
+                lane.last_tx = now;
+            }
+            match res {
                 Ok(()) => {
                     if lane.writer.wants_more() {
                         self.again.push(k);
@@ -697,56 +1055,14 @@ impl Reactor {
                         self.drop_lane(k);
                     }
                 }
-                Err(e) => self.lane_failed(k, ConnError::Io(e.to_string())),
+                Err(e) => {
+                    let e = failover::io_error(&e);
+                    let reason = failover::reason_of(&e);
+                    self.lane_failed(k, e, reason, now)
+                }
             }
         }
         self.dirty = dirty;
-    }
-
-    /// A lane is unusable: settle whatever depended on it and close it.
-    fn lane_failed(&mut self, k: usize, error: ConnError) {
-        let Some(lane) = self.lanes.get(k) else {
-            return;
-        };
-        match &lane.role {
-            Role::Handshake { .. } => {
-                self.stats
-                    .rejected_connections
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("railover: dropped an incoming connection before its handshake completed: {error}");
-            }
-            Role::Connecting { pending } => {
-                tracing::warn!("railover: connect failed: {error}");
-                *pending.result.lock() = Some(Err(error.into()));
-            }
-            Role::Comm(c) => {
-                let c = *c;
-                if matches!(error, ConnError::Protocol(_)) {
-                    self.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    self.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
-                }
-                let comm = &mut self.comms[c];
-                let busy = match &comm.machine {
-                    Machine::Send(m) => m.pending() > 0,
-                    Machine::Recv(m) => m.pending() > 0,
-                };
-                if busy || !matches!(error, ConnError::PeerClosed) {
-                    tracing::warn!("railover: comm lost its connection: {error}");
-                }
-                comm.shared.set_failed(error.clone().into());
-                match &mut comm.machine {
-                    Machine::Send(m) => m.handle_lane_lost(error),
-                    Machine::Recv(m) => m.handle_lane_lost(error),
-                }
-                comm.lane = None;
-                self.drop_lane(k);
-                self.pump(c);
-                return;
-            }
-            Role::Closing => {}
-        }
-        self.drop_lane(k);
     }
 
     fn close_comm(&mut self, shared: &Arc<CommShared>, now: Instant) {
@@ -754,6 +1070,13 @@ impl Reactor {
             return;
         };
         let comm = self.comms.remove(c);
+        if comm.route.is_some() {
+            self.router.remove_comm(routing::CommId(c));
+            self.routes_dirty = true;
+        }
+        if self.recv_by_token.get(&comm.token) == Some(&c) {
+            self.recv_by_token.remove(&comm.token);
+        }
         let reason = || Error::InvalidArgument("comm closed with the request outstanding".into());
         match comm.machine {
             Machine::Send(mut m) => {
@@ -775,20 +1098,29 @@ impl Reactor {
                 }
             }
         }
+        if let Some(k) = comm.migrating {
+            self.drop_lane(k);
+        }
         if let Some(k) = comm.lane {
-            // Let the last acks and CTS reach the peer, but do not wait for it.
             let lane = &mut self.lanes[k];
-            lane.role = Role::Closing;
-            lane.deadline = Some(now + LINGER);
-            self.next_deadline = Some(
-                self.next_deadline
-                    .map_or(now + LINGER, |d| d.min(now + LINGER)),
-            );
-            self.dirty.push(k);
+            if lane.writer.holds_payload() {
+                // NCCL may free its buffers once close returns: never write from them
+                // again. The peer sees the stream end and fails what it still waits for.
+                self.drop_lane(k);
+            } else {
+                // Let the last acks and CTS reach the peer, but do not wait for it.
+                lane.role = Role::Closing;
+                lane.deadline = Some(now + LINGER);
+                self.next_deadline = Some(
+                    self.next_deadline
+                        .map_or(now + LINGER, |d| d.min(now + LINGER)),
+                );
+                self.dirty.push(k);
+            }
         }
     }
 
-    /// Fails handshakes that took too long and drops lingering lanes.
+    /// Fails handshakes, probes and migrations that took too long, and drops lingering lanes.
     fn expire(&mut self, now: Instant) {
         let overdue: Vec<usize> = self
             .lanes
@@ -797,7 +1129,12 @@ impl Reactor {
             .map(|(k, _)| k)
             .collect();
         for k in overdue {
-            self.lane_failed(k, ConnError::Io("handshake or close timed out".into()));
+            self.lane_failed(
+                k,
+                ConnError::Io("handshake, probe or close timed out".into()),
+                FailReason::Timeout,
+                now,
+            );
         }
         self.next_deadline = self.lanes.iter().filter_map(|(_, l)| l.deadline).min();
     }
@@ -810,13 +1147,22 @@ impl Reactor {
         }
         let lanes: Vec<usize> = self.lanes.iter().map(|(k, _)| k).collect();
         for k in lanes {
-            if let Some(Role::Connecting { pending }) = self.lanes.get(k).map(|l| &l.role) {
+            if let Some(Role::Connecting { pending, .. }) = self.lanes.get(k).map(|l| &l.role) {
                 *pending.result.lock() = Some(Err(Error::Internal("plugin finalised".into())));
             }
             self.drop_lane(k);
         }
         for (_, mut l) in std::mem::take(&mut self.listeners) {
-            let _ = self.poll.registry().deregister(&mut l.sock);
+            if let Some(sock) = l.sock.as_mut() {
+                let _ = self.poll.registry().deregister(sock);
+            }
+        }
+        if let Some(w) = &self.watcher {
+            let fd = w.raw_fd();
+            let _ = self
+                .poll
+                .registry()
+                .deregister(&mut mio::unix::SourceFd(&fd));
         }
     }
 }

@@ -65,6 +65,7 @@ pub struct FrameReader {
     end: usize,
     state: State,
     more: bool,
+    total: u64,
 }
 
 impl Default for FrameReader {
@@ -75,6 +76,7 @@ impl Default for FrameReader {
             end: 0,
             state: State::Header,
             more: false,
+            total: 0,
         }
     }
 }
@@ -159,6 +161,7 @@ impl FrameReader {
                                 Ok(n) => {
                                     *off += n as u64;
                                     moved += n;
+                                    self.total += n as u64;
                                     continue;
                                 }
                                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
@@ -206,6 +209,11 @@ impl FrameReader {
         self.more
     }
 
+    /// Bytes read from the socket so far: byte-level progress, even inside a payload.
+    pub fn total_read(&self) -> u64 {
+        self.total
+    }
+
     fn fill(&mut self, sock: &mut impl Read) -> io::Result<Fill> {
         if self.start == self.end {
             self.start = 0;
@@ -220,6 +228,7 @@ impl FrameReader {
                 Ok(0) => Ok(Fill::Eof),
                 Ok(n) => {
                     self.end += n;
+                    self.total += n as u64;
                     Ok(Fill::Got)
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
@@ -256,6 +265,7 @@ enum Chunk {
 pub struct FrameWriter {
     q: VecDeque<Chunk>,
     more: bool,
+    total: u64,
 }
 
 const MAX_IOV: usize = 64;
@@ -288,9 +298,19 @@ impl FrameWriter {
         self.q.is_empty()
     }
 
+    /// Whether any queued bytes still come from a caller's buffer.
+    pub fn holds_payload(&self) -> bool {
+        self.q.iter().any(|c| matches!(c, Chunk::Payload { .. }))
+    }
+
     /// The last `flush` stopped on its budget: call it again soon.
     pub fn wants_more(&self) -> bool {
         self.more
+    }
+
+    /// Bytes handed to the socket so far.
+    pub fn total_written(&self) -> u64 {
+        self.total
     }
 
     /// Writes until the queue is empty, the socket would block, or the budget is spent.
@@ -319,6 +339,7 @@ impl FrameWriter {
                 Err(e) => return Err(e),
             };
             moved += n;
+            self.total += n as u64;
             self.advance(n);
         }
         Ok(())

@@ -1,0 +1,555 @@
+//! The reactor's failover duties: noticing a dead lane (silence past the completion
+//! timeout, a socket error, the local carrier going down), asking the router where to
+//! go, probing candidate pairs, opening replacement lanes and replaying on them, and
+//! giving up with a clear error when nothing is left. Policy lives in `routing`; this
+//! file only carries out its decisions.
+
+use std::io;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::routing::{
+    CommId, CommSpec, Event, LaneId, LocalNic as RouteLocal, MoveReason, NicId, PeerId, RemoteNic,
+};
+
+/// How a socket error is classified: a peer that closed or reset the connection is gone
+/// (its kernel answered, so the path works); anything else is a path failure.
+pub(super) fn io_error(e: &io::Error) -> ConnError {
+    match e.kind() {
+        io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::UnexpectedEof => ConnError::PeerClosed,
+        _ => ConnError::Io(e.to_string()),
+    }
+}
+
+pub(super) fn reason_of(e: &ConnError) -> FailReason {
+    match e {
+        ConnError::Io(_) => FailReason::NicError,
+        _ => FailReason::Timeout,
+    }
+}
+
+/// The one lane a comm has, in the router's numbering.
+const LANE: LaneId = LaneId(0);
+
+impl Reactor {
+    /// A send comm was just connected: tell the router about both NIC lists.
+    pub(super) fn register_route(
+        &mut self,
+        c: usize,
+        nic: usize,
+        to: SocketAddr,
+        remote: Vec<NicAddr>,
+        now: Instant,
+    ) {
+        let peer = match self.peers.iter().position(|p| *p == remote) {
+            Some(p) => p,
+            None => {
+                self.peers.push(remote.clone());
+                self.peers.len() - 1
+            }
+        };
+        let Some(remote_idx) = remote.iter().position(|r| r.addr.ip() == to.ip()) else {
+            tracing::warn!(
+                "railover: the peer's NIC list does not include {to}; this comm cannot fail over"
+            );
+            return;
+        };
+        let spec = CommSpec {
+            peer: PeerId(peer as u32),
+            local_nics: self
+                .setup
+                .nics
+                .iter()
+                .enumerate()
+                .map(|(i, n)| RouteLocal {
+                    id: NicId(i as u32),
+                    rail: n.rail,
+                    distance: self
+                        .setup
+                        .distance
+                        .get(nic)
+                        .and_then(|d| d.get(i))
+                        .copied()
+                        .flatten(),
+                })
+                .collect(),
+            remote_nics: remote
+                .iter()
+                .enumerate()
+                .map(|(j, r)| RemoteNic {
+                    id: NicId(j as u32),
+                    rail: r.rail,
+                })
+                .collect(),
+            lanes: vec![(NicId(nic as u32), NicId(remote_idx as u32))],
+        };
+        match self.router.add_comm(CommId(c), spec, now) {
+            Ok(()) => {
+                let current = Pair {
+                    local: NicId(nic as u32),
+                    peer: PeerId(peer as u32),
+                    remote: NicId(remote_idx as u32),
+                };
+                self.comms[c].route = Some(Route { current });
+                self.routes_dirty = true;
+            }
+            Err(e) => tracing::warn!("railover: comm {c} cannot fail over: {e}"),
+        }
+    }
+
+    /// A lane is unusable: settle whatever depended on it.
+    pub(super) fn lane_failed(
+        &mut self,
+        k: usize,
+        error: ConnError,
+        reason: FailReason,
+        now: Instant,
+    ) {
+        let Some(lane) = self.lanes.get(k) else {
+            return;
+        };
+        match &lane.role {
+            Role::Handshake { .. } => {
+                self.stats
+                    .rejected_connections
+                    .fetch_add(1, Ordering::Relaxed);
+                if !matches!(error, ConnError::PeerClosed) {
+                    tracing::warn!("railover: dropped an incoming connection before its handshake completed: {error}");
+                }
+            }
+            Role::Connecting { pending, .. } => {
+                tracing::warn!("railover: connect failed: {error}");
+                *pending.result.lock() = Some(Err(error.into()));
+            }
+            Role::Probe { pair } => {
+                self.router.handle_probe(*pair, false, now);
+            }
+            Role::Migrating { comm, mv } => {
+                let (c, mv) = (*comm, *mv);
+                tracing::warn!(
+                    "railover: comm {c}: replacement lane {} failed: {error}",
+                    mv.to
+                );
+                if let Some(comm) = self.comms.get_mut(c) {
+                    comm.migrating = None;
+                    if comm.route.is_some() {
+                        let _ = self.router.handle_lane_failure(
+                            CommId(c),
+                            LANE,
+                            FailReason::Probe,
+                            now,
+                        );
+                    }
+                }
+            }
+            Role::Comm(c) => {
+                let c = *c;
+                self.drop_lane(k);
+                self.comm_lane_lost(c, k, error, reason, now);
+                return;
+            }
+            Role::Closing => {}
+        }
+        self.drop_lane(k);
+    }
+
+    /// The active lane `k` of comm `c` is gone (already dropped).
+    fn comm_lane_lost(
+        &mut self,
+        c: usize,
+        k: usize,
+        error: ConnError,
+        reason: FailReason,
+        now: Instant,
+    ) {
+        let comm = &mut self.comms[c];
+        if comm.lane == Some(k) {
+            comm.lane = None;
+        }
+        let moving = comm.migrating.is_some();
+        let peer_gone = matches!(error, ConnError::PeerClosed);
+        if matches!(error, ConnError::Protocol(_)) {
+            self.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
+        } else if !peer_gone {
+            self.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
+        }
+        // A lane being replaced anyway: the replacement decides.
+        if moving {
+            return;
+        }
+        let failover = !peer_gone && !matches!(error, ConnError::Protocol(_));
+        match (comm.shared.side, failover) {
+            (Side::Send, true) if comm.route.is_some() => {
+                comm.detected.get_or_insert((now, reason));
+                tracing::warn!(
+                    "railover: comm {c}: lane on {} failed ({}): {error}",
+                    comm.route
+                        .map(|r| r.current.to_string())
+                        .unwrap_or_default(),
+                    reason.as_str()
+                );
+                if let Err(e) = self
+                    .router
+                    .handle_lane_failure(CommId(c), LANE, reason, now)
+                {
+                    tracing::warn!("railover: comm {c}: router refused the failure report: {e}");
+                }
+                self.routes_dirty = true;
+            }
+            (Side::Recv, true) => {
+                // The sender drives the move; wait for its replacement lane.
+                comm.stranded.get_or_insert(now);
+                comm.detected.get_or_insert((now, reason));
+                tracing::warn!("railover: comm {c}: receive lane failed ({}): {error}; waiting for the sender's replacement lane", reason.as_str());
+            }
+            _ => {
+                let busy = match &comm.machine {
+                    Machine::Send(m) => m.pending() > 0,
+                    Machine::Recv(m) => m.pending() > 0,
+                };
+                if busy || !peer_gone {
+                    tracing::warn!("railover: comm {c} lost its connection: {error}");
+                }
+                self.fail_comm(c, error);
+            }
+        }
+    }
+
+    /// Fails every request of comm `c`, now and later.
+    fn fail_comm(&mut self, c: usize, error: ConnError) {
+        let comm = &mut self.comms[c];
+        comm.shared.set_failed(error.clone().into());
+        match &mut comm.machine {
+            Machine::Send(m) => m.handle_lane_lost(error),
+            Machine::Recv(m) => m.handle_lane_lost(error),
+        }
+        comm.stranded = None;
+        let routed = comm.route.take().is_some();
+        let lanes = [comm.lane.take(), comm.migrating.take()];
+        if routed {
+            self.router.remove_comm(CommId(c));
+            self.routes_dirty = true;
+        }
+        for k in lanes.into_iter().flatten() {
+            self.drop_lane(k);
+        }
+        self.pump(c);
+    }
+
+    /// Receive side: the sender opened a replacement lane for comm `c`.
+    pub(super) fn attach_replacement(&mut self, c: usize, k: usize, now: Instant) {
+        let comm = &mut self.comms[c];
+        let old = comm.lane.replace(k);
+        comm.stranded = None;
+        let delivered = match &mut comm.machine {
+            Machine::Recv(m) => m.begin_replay(),
+            Machine::Send(_) => 0,
+        };
+        let nic = self.lanes[k].nic.unwrap_or(0);
+        comm.shared.moved_to(nic);
+        if let Some((t, reason)) = comm.detected.take() {
+            tracing::info!(
+                "railover: comm {c}: receive lane replaced on NIC {} after {} ms ({})",
+                self.setup.nics.get(nic).map_or("?", |n| n.name.as_str()),
+                now.saturating_duration_since(t).as_millis(),
+                reason.as_str()
+            );
+        }
+        if let Some(old) = old.filter(|&o| o != k) {
+            self.drop_lane(old);
+        }
+        let lane = &mut self.lanes[k];
+        lane.role = Role::Comm(c);
+        lane.deadline = None;
+        lane.writer.push_ctrl(
+            &Welcome {
+                nics: self.wire.clone(),
+            }
+            .encode(delivered),
+        );
+        self.pump(c);
+    }
+
+    /// Send side: the replacement lane `k` was accepted; the receiver has `delivered`
+    /// messages. Switch to it and replay from there.
+    pub(super) fn finish_migration(
+        &mut self,
+        c: usize,
+        k: usize,
+        mv: Move,
+        delivered: u64,
+        now: Instant,
+    ) -> Result<(), ConnError> {
+        let Some(comm) = self.comms.get_mut(c) else {
+            return Err(ConnError::Protocol("migration for a closed comm".into()));
+        };
+        comm.migrating = None;
+        let old = comm.lane.replace(k);
+        let replayed = match &mut comm.machine {
+            Machine::Send(m) => m.begin_replay(delivered)?,
+            Machine::Recv(_) => 0,
+        };
+        self.stats
+            .replayed_bytes
+            .fetch_add(replayed, Ordering::Relaxed);
+        if let Some(r) = comm.route.as_mut() {
+            r.current = mv.to;
+        }
+        let local = mv.to.local.0 as usize;
+        let lazily = comm.shared.moved_to(local);
+        let detected = comm.detected.take();
+        let name = |n: NicId| {
+            self.setup
+                .nics
+                .get(n.0 as usize)
+                .map_or("?".to_string(), |x| x.name.clone())
+        };
+        match mv.reason {
+            MoveReason::Failback => {
+                self.stats.failbacks.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    "railover: failback comm={c} {} ({}) => {} ({}) replayed={replayed}B",
+                    mv.from,
+                    name(mv.from.local),
+                    mv.to,
+                    name(mv.to.local)
+                );
+            }
+            MoveReason::Failover(reason) => {
+                self.stats.failovers.fetch_add(1, Ordering::Relaxed);
+                let since =
+                    detected.map_or(Duration::ZERO, |(t, _)| now.saturating_duration_since(t));
+                tracing::warn!(
+                    "railover: failover comm={c} {} ({}) => {} ({}) reason={} resumed_after={}ms replayed={replayed}B registered_on_backup={lazily}",
+                    mv.from,
+                    name(mv.from.local),
+                    mv.to,
+                    name(mv.to.local),
+                    reason.as_str(),
+                    since.as_millis()
+                );
+            }
+        }
+        if let Some(old) = old.filter(|&o| o != k) {
+            self.drop_lane(old);
+        }
+        let lane = &mut self.lanes[k];
+        lane.role = Role::Comm(c);
+        lane.deadline = None;
+        lane.nic = Some(local);
+        self.routes_dirty = true;
+        self.pump(c);
+        Ok(())
+    }
+
+    /// Carries out what the router decided: probes, moves, give-ups; publishes routes.
+    pub(super) fn drive_router(&mut self, now: Instant) {
+        while let Some(p) = self.router.poll_probe() {
+            self.start_probe(p.pair, now);
+        }
+        while let Some(mv) = self.router.poll_move() {
+            self.routes_dirty = true;
+            self.start_migration(mv, now);
+        }
+        while let Some(ev) = self.router.poll_event() {
+            match ev {
+                Event::NoEligiblePair { comm, .. } => {
+                    tracing::warn!("railover: giving up: {ev}");
+                    self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
+                    if self.comms.contains(comm.0) {
+                        self.fail_comm(
+                            comm.0,
+                            ConnError::Io(format!("no eligible NIC pair left ({ev})")),
+                        );
+                    }
+                }
+                Event::TopologyUnknown { .. } => tracing::info!("railover: {ev}"),
+            }
+        }
+        if std::mem::take(&mut self.routes_dirty) {
+            self.routes.publish(self.router.snapshot());
+        }
+    }
+
+    fn connect_pair(
+        &mut self,
+        pair: Pair,
+        hello: Hello,
+        role: Role,
+        now: Instant,
+        limit: Duration,
+    ) -> Option<usize> {
+        let local = self.setup.nics.get(pair.local.0 as usize)?.ip;
+        let remote = self
+            .peers
+            .get(pair.peer.0 as usize)?
+            .get(pair.remote.0 as usize)?
+            .addr;
+        let stream = match tcp::connect(local, remote) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!("railover: cannot open {pair}: {e}");
+                return None;
+            }
+        };
+        let k = self.add_lane(stream, role, now, limit).ok()?;
+        let lane = &mut self.lanes[k];
+        lane.nic = Some(pair.local.0 as usize);
+        lane.writer.push_ctrl(&hello.encode());
+        self.dirty.push(k);
+        Some(k)
+    }
+
+    fn start_probe(&mut self, pair: Pair, now: Instant) {
+        // A probe presents the token of any live comm to that peer.
+        let token = self
+            .comms
+            .iter()
+            .find(|(_, c)| c.route.is_some_and(|r| r.current.peer == pair.peer))
+            .map(|(_, c)| c.token);
+        let Some(token) = token else {
+            self.router.handle_probe(pair, false, now);
+            return;
+        };
+        let hello = Hello {
+            token,
+            purpose: Purpose::Probe,
+            nics: self.wire.clone(),
+        };
+        if self
+            .connect_pair(
+                pair,
+                hello,
+                Role::Probe { pair },
+                now,
+                self.setup.probe_timeout,
+            )
+            .is_none()
+        {
+            self.router.handle_probe(pair, false, now);
+        }
+    }
+
+    fn start_migration(&mut self, mv: Move, now: Instant) {
+        let c = mv.comm.0;
+        let Some(comm) = self.comms.get_mut(c) else {
+            return;
+        };
+        if let Some(old) = comm.migrating.take() {
+            self.drop_lane(old);
+        }
+        let hello = Hello {
+            token: self.comms[c].token,
+            purpose: Purpose::Migrate,
+            nics: self.wire.clone(),
+        };
+        let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
+        match self.connect_pair(mv.to, hello, Role::Migrating { comm: c, mv }, now, limit) {
+            Some(k) => self.comms[c].migrating = Some(k),
+            None => {
+                let _ = self
+                    .router
+                    .handle_lane_failure(CommId(c), LANE, FailReason::Probe, now);
+            }
+        }
+    }
+
+    /// Periodic work: silence detection, keepalives, stranded receivers.
+    pub(super) fn tick(&mut self, now: Instant) {
+        let timeout = self.setup.completion_timeout;
+        let keepalive = timeout / 4;
+        self.next_tick =
+            now + keepalive.clamp(Duration::from_millis(5), Duration::from_millis(250));
+        let mut dead = Vec::new();
+        for (k, lane) in self.lanes.iter_mut() {
+            if !matches!(lane.role, Role::Comm(_)) {
+                continue;
+            }
+            if now.saturating_duration_since(lane.last_rx) > timeout {
+                dead.push(k);
+            } else if now.saturating_duration_since(lane.last_tx) >= keepalive
+                && lane.writer.is_empty()
+            {
+                lane.writer
+                    .push_ctrl(&Header::new(Kind::Keepalive, 0, 0).encode());
+                self.dirty.push(k);
+            }
+        }
+        for k in dead {
+            let silent = now.saturating_duration_since(self.lanes[k].last_rx);
+            self.lane_failed(
+                k,
+                ConnError::Io(format!("nothing received for {} ms", silent.as_millis())),
+                FailReason::Timeout,
+                now,
+            );
+        }
+        // A receiver whose sender never came back: the peer is gone or has no pair left.
+        let grace = timeout + self.setup.probe_timeout + Duration::from_millis(500);
+        let stranded: Vec<usize> = self
+            .comms
+            .iter()
+            .filter(|(_, c)| {
+                c.stranded
+                    .is_some_and(|t| now.saturating_duration_since(t) > grace)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        for c in stranded {
+            tracing::warn!(
+                "railover: comm {c}: no replacement lane within {} ms; failing its receives",
+                grace.as_millis()
+            );
+            self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
+            self.fail_comm(
+                c,
+                ConnError::Io("receive lane lost and not replaced".into()),
+            );
+        }
+    }
+
+    /// Carrier changes of local NICs, straight from the kernel.
+    pub(super) fn link_events(&mut self, now: Instant) {
+        let Some(w) = self.watcher.as_mut() else {
+            return;
+        };
+        for ev in w.drain() {
+            let Some(i) = self.setup.nics.iter().position(|n| n.name == ev.ifname) else {
+                continue;
+            };
+            if self.nic_up[i] == ev.up {
+                continue;
+            }
+            self.nic_up[i] = ev.up;
+            self.stats.link_events.fetch_add(1, Ordering::Relaxed);
+            self.routes_dirty = true;
+            if ev.up {
+                tracing::warn!("railover: NIC {} is up again", ev.ifname);
+                self.router.handle_nic_up(NicId(i as u32), now);
+            } else {
+                tracing::warn!("railover: NIC {} lost its link", ev.ifname);
+                self.router.handle_nic_down(NicId(i as u32), now);
+                let on_nic: Vec<usize> = self
+                    .lanes
+                    .iter()
+                    .filter(|(_, l)| {
+                        l.nic == Some(i)
+                            && !matches!(l.role, Role::Handshake { .. } | Role::Closing)
+                    })
+                    .map(|(k, _)| k)
+                    .collect();
+                for k in on_nic {
+                    self.lane_failed(
+                        k,
+                        ConnError::Io(format!("link down on {}", ev.ifname)),
+                        FailReason::LinkDown,
+                        now,
+                    );
+                }
+            }
+        }
+    }
+}

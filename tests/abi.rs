@@ -1,0 +1,141 @@
+//! ABI conformance: `tests/abi/driver.c` loads the built `librailover.so` with `dlopen`
+//! in two processes and drives `ncclNetPlugin_vN` the way NCCL's proxy does (see the
+//! comment at the top of driver.c and `/work/shared/reference/nccl-net-abi.md` §1–§3).
+//! One test per exported version; each runs the driver once and requires exit status 0.
+//!
+//! The driver uses only the loopback interface (`RAILOVER_IFNAME=lo`). Set
+//! `RAILOVER_ABI_SEED=0x…` to replay the random message sizes of an earlier run (the seed
+//! is printed), and `RAILOVER_ABI_VERBOSE=1` to see the plugin's TRACE lines.
+
+#[path = "abi/support.rs"]
+mod support;
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// Longer than the driver's own alarm (280 s), so the driver normally reports first.
+const DRIVER_TIMEOUT: Duration = Duration::from_secs(330);
+
+fn driver() -> &'static PathBuf {
+    static DRIVER: OnceLock<PathBuf> = OnceLock::new();
+    DRIVER.get_or_init(|| {
+        support::compile_c(
+            "driver.c",
+            "driver",
+            &["-std=gnu11", "-O1", "-g", "-Wall", "-Wextra", "-pthread"],
+            &["-ldl"],
+        )
+    })
+}
+
+/// Runs the driver for one version and fails the test unless it exits 0.
+fn conformance(version: u32) {
+    // Each run forks two processes that move ~100 MiB through loopback and verify every
+    // byte; on a small machine, running the versions one after another is faster and
+    // keeps the connection deadlines meaningful.
+    static SERIAL: Mutex<()> = Mutex::new(());
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+
+    let so = support::plugin_so();
+    let driver = driver();
+    let mut cmd = Command::new(driver);
+    cmd.arg(&so)
+        .arg(version.to_string())
+        .env("RAILOVER_IFNAME", "lo")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    println!("running {cmd:?}");
+    let start = Instant::now();
+    let mut child = cmd
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", driver.display()));
+    let stdout = drain(child.stdout.take().expect("piped stdout"));
+    let stderr = drain(child.stderr.take().expect("piped stderr"));
+
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the driver") {
+            break Some(status);
+        }
+        if start.elapsed() > DRIVER_TIMEOUT {
+            // The driver kills its own child on the way out; this is the last resort.
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(100));
+    };
+    let out = stdout.join().expect("stdout reader");
+    let err = stderr.join().expect("stderr reader");
+    println!("{out}");
+    if !err.is_empty() {
+        println!("--- driver stderr ---\n{err}");
+    }
+    println!(
+        "driver v{version} finished in {:.1} s",
+        start.elapsed().as_secs_f64()
+    );
+
+    let failures: Vec<&str> = out.lines().filter(|l| l.starts_with("FAIL")).collect();
+    match status {
+        None => panic!(
+            "driver v{version} did not finish within {DRIVER_TIMEOUT:?}; failures so far:\n{}",
+            failures.join("\n")
+        ),
+        Some(status) => assert!(
+            status.success(),
+            "driver v{version} exited with {status}; failed checks:\n{}",
+            failures.join("\n")
+        ),
+    }
+    assert!(
+        failures.is_empty(),
+        "driver v{version} exited 0 but printed failures:\n{}",
+        failures.join("\n")
+    );
+    assert!(
+        out.lines().any(|l| l.starts_with("PASS recv.data"))
+            && out.lines().any(|l| l.starts_with("PASS send.data")),
+        "driver v{version} never reached the data phase"
+    );
+}
+
+/// Reads a pipe to the end on its own thread, so a chatty driver never blocks on it.
+fn drain(mut pipe: impl Read + Send + 'static) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
+}
+
+#[test]
+fn abi_v12() {
+    conformance(12);
+}
+
+#[test]
+fn abi_v11() {
+    conformance(11);
+}
+
+#[test]
+fn abi_v10() {
+    conformance(10);
+}
+
+#[test]
+fn abi_v9() {
+    conformance(9);
+}
+
+#[test]
+fn abi_v8() {
+    conformance(8);
+}

@@ -1,0 +1,102 @@
+//! Process-wide behaviour, in its own test binary because it changes the environment:
+//! bad `RAILOVER_*` values, the reactor thread's life from first `init` to last
+//! `finalize`, and request slots running out.
+
+use std::time::{Duration, Instant};
+
+use railover::ffi::driver::{Code, Ctx};
+
+fn reactor_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.trim() == railover::reactor::REACTOR_THREAD)
+        .count()
+}
+
+/// A new thread names itself once it runs: wait (bounded) for the name to appear.
+fn settled_reactor_threads() -> usize {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n = reactor_threads();
+        if n > 0 || Instant::now() > end {
+            return n;
+        }
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn process_lifecycle() {
+    // 1. Bad values: init fails, naming the variable, the value and what is accepted.
+    for (var, value) in [
+        ("RAILOVER_SPIN_US", "fast"),
+        ("RAILOVER_LOG", "loud"),
+        ("RAILOVER_IFNAME", "^"),
+    ] {
+        std::env::set_var(var, value);
+        let err = railover::plugin::init_context(-1).unwrap_err().to_string();
+        assert!(
+            err.contains(var) && err.contains(value) && err.contains("expected"),
+            "{err}"
+        );
+        assert_eq!(
+            Ctx::init().unwrap_err(),
+            Code(4),
+            "ncclInvalidArgument for {var}"
+        );
+        std::env::remove_var(var);
+    }
+    assert_eq!(
+        reactor_threads(),
+        0,
+        "a failed init leaves no thread behind"
+    );
+
+    // 2. One reactor per process, joined when the last context is finalised.
+    std::env::set_var("RAILOVER_IFNAME", "lo");
+    let a = Ctx::init().unwrap();
+    let b = Ctx::init().unwrap();
+    assert_eq!(settled_reactor_threads(), 1);
+    a.finalize().unwrap();
+    assert_eq!(reactor_threads(), 1, "another context is still alive");
+
+    // 3. Out of request slots: *request = NULL ("call again"), not an error.
+    let (mut h, l) = b.listen(0).unwrap();
+    let end = Instant::now() + Duration::from_secs(30);
+    let (mut s, mut r) = (None, None);
+    while s.is_none() || r.is_none() {
+        assert!(Instant::now() < end);
+        if s.is_none() {
+            s = b.connect(0, &mut h).unwrap();
+        }
+        if r.is_none() {
+            r = l.accept().unwrap();
+        }
+    }
+    let (s, r) = (s.unwrap(), r.unwrap());
+    let bufs: Vec<_> = (0..33).map(|_| s.register(4).unwrap()).collect();
+    let mut reqs = Vec::new();
+    for buf in &bufs[..32] {
+        // No receive is posted, so nothing can complete: the slots stay taken.
+        reqs.push(
+            s.isend(buf, 4)
+                .unwrap()
+                .expect("32 requests per comm are supported"),
+        );
+    }
+    assert!(
+        s.isend(&bufs[32], 4).unwrap().is_none(),
+        "the 33rd gets a NULL request"
+    );
+    drop((reqs, s, r, l));
+
+    b.finalize().unwrap();
+    assert_eq!(reactor_threads(), 0, "the last finalize joins the reactor");
+
+    // 4. And the plugin starts again afterwards, as after a dlclose/dlopen cycle.
+    let c = Ctx::init().unwrap();
+    assert_eq!(settled_reactor_threads(), 1);
+    c.finalize().unwrap();
+    assert_eq!(reactor_threads(), 0);
+}
