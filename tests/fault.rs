@@ -35,8 +35,16 @@ fn timeout_ms() -> u128 {
         .unwrap_or(1000)
 }
 
-/// Fail-back: re-test interval × hysteresis count (P7 defaults).
-const FAILBACK_MS: u128 = 1000 * 3;
+/// Fail-back: re-test interval × passing probes needed (P7; defaults 1000 ms × 3).
+fn failback_ms() -> u128 {
+    let get = |k: &str, d: u128| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    get("RAILOVER_FAILBACK_INTERVAL_MS", 1000) * get("RAILOVER_FAILBACK_PROBES", 3)
+}
 
 /// Bytes/s of one link at the testbed rate.
 fn link_bytes_per_s(tb: &Testbed) -> f64 {
@@ -463,14 +471,59 @@ fault_test! {
         let t0 = unix_ms();
         tb.set_rate_kbit(Side::A, 0, tb.rate_mbit() * 10);
         let (recv, send) = flow.finish();
-        assert_delivered_exactly_once(&recv, &send, comms);
         let before = recv.rate(&hit, t0 - 1500, t0);
         let from = t0 + timeout_ms() + 1000;
         let after = recv.rate(&hit, from, from + 3000);
-        println!("browned-out comms: {:.0} -> {:.0} Mbit/s", before * 8.0 / 1e6, after * 8.0 / 1e6);
+        println!("browned-out comms: {:.1} -> {:.1} Mbit/s", before * 8.0 / 1e6, after * 8.0 / 1e6);
+        assert_no_corruption(&recv, &send);
         assert!(after > 0.25 * before, "the browned-out comms stayed slow");
+        assert_delivered_exactly_once(&recv, &send, comms);
         assert_kept_bandwidth(&recv, t0, 4, 1);
     }
+}
+
+fault_test! {
+    fn silent_blackhole_both_ways_is_caught_by_the_completion_timeout() {
+        if needs_failover() {
+            return;
+        }
+        blackhole(&[Side::A, Side::B]);
+    }
+}
+
+fault_test! {
+    fn silent_blackhole_one_way_is_caught_by_the_completion_timeout() {
+        if needs_failover() {
+            return;
+        }
+        blackhole(&[Side::A]);
+    }
+}
+
+/// Carrier stays up, packets vanish (sent by `sides` on rail 0): no socket error, no
+/// netlink event; only the completion timeout (P1) can notice.
+fn blackhole(sides: &[Side]) {
+    let tb = bed(2);
+    let flow = Flow::start(
+        &tb,
+        FlowOpts {
+            seconds: 8.0,
+            ..FlowOpts::default()
+        },
+    );
+    let comms = flow.dev_of.len();
+    let hit = flow.comms_on(&[0]);
+    flow.wait_ticks(20);
+    let t0 = unix_ms();
+    for &s in sides {
+        tb.blackhole(s, 0);
+    }
+    let (recv, send) = flow.finish();
+    let took = recv.resume_after(&hit, t0);
+    println!("blackhole {sides:?}: hit comms resumed after {took:?} ms");
+    assert_no_corruption(&recv, &send);
+    assert_delivered_exactly_once(&recv, &send, comms);
+    assert_resumed(&recv, &hit, t0, "silent blackhole");
 }
 
 fault_test! {
@@ -596,7 +649,7 @@ fault_test! {
         tb.wait_carrier(Duration::from_secs(5)).unwrap();
         // Poll rail 0's counter until it carries a real share again, bounded by
         // the fail-back limit.
-        let limit = Duration::from_millis((FAILBACK_MS + 1000) as u64);
+        let limit = Duration::from_millis((failback_ms() + 1000) as u64);
         let link = link_bytes_per_s(&tb);
         let mut back = None;
         while up.elapsed() < limit + Duration::from_millis(500) {

@@ -297,6 +297,35 @@ impl Testbed {
         self.set_rate_kbit(side, rail, self.rate_mbit * 1000);
     }
 
+    /// Silently drops everything `side` sends on `rail` while the carrier stays up: a
+    /// blackhole route to the other end's address (no tc actions are needed, which
+    /// minimal kernels lack). Only completion timeouts can notice this fault.
+    pub fn blackhole(&self, side: Side, rail: usize) {
+        let peer = format!("{}/32", Self::addr(Self::other(side), rail));
+        sh(
+            "ip",
+            &["-n", self.ns(side), "route", "add", "blackhole", &peer],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Removes what `blackhole` added.
+    pub fn unblackhole(&self, side: Side, rail: usize) {
+        let peer = format!("{}/32", Self::addr(Self::other(side), rail));
+        sh(
+            "ip",
+            &["-n", self.ns(side), "route", "del", "blackhole", &peer],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    pub fn other(side: Side) -> Side {
+        match side {
+            Side::A => Side::B,
+            Side::B => Side::A,
+        }
+    }
+
     /// Takes the link down for `period`, then up for `period`, `count` times (blocking).
     /// Fault pacing, not synchronisation: the timing is the fault.
     pub fn flap(&self, side: Side, rail: usize, period: Duration, count: usize) {

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The fault-injection tier (tests/fault.rs): network namespaces joined by tc-shaped veth
+# pairs stand in for two nodes with one NIC per rail; links are cut, slowed and flapped
+# while checksummed streams run through the plugin. Needs root (namespaces, tc), so the
+# tests are #[ignore]d and run here with --ignored; without root this script says why it
+# skips and exits 0. Scenarios that need the failover engine run only when
+# RAILOVER_FAULT_EXPECT_FAILOVER=1 (each prints "SKIP: needs the failover engine").
+#
+# usage: scripts/fault-tier.sh [test-name-filter...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+why=""
+if [ "$(id -u)" -ne 0 ]; then
+    why="not root (namespaces and tc need root)"
+elif ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
+    why="'ip'/'tc' missing: install the Debian package iproute2"
+elif ! ip netns list >/dev/null 2>&1; then
+    why="'ip netns' does not work here (no permission to create network namespaces?)"
+fi
+if [ -n "$why" ]; then
+    echo "fault tier: SKIP: $why"
+    exit 0
+fi
+
+echo "== fault tier (namespaces + veth + tc; RAILOVER_FAULT_EXPECT_FAILOVER=${RAILOVER_FAULT_EXPECT_FAILOVER:-unset})"
+# One scenario at a time: the tests measure throughput on a 2-core machine (they also
+# serialise themselves, this keeps libtest's output in order).
+timeout 900 cargo test --test fault -- --ignored --test-threads=1 "$@"
