@@ -199,6 +199,8 @@ pub struct Report {
     pub bad: Vec<String>,
     pub summary: BTreeMap<String, String>,
     pub stderr_tail: String,
+    /// Running lanes per local NIC over time (`lanes` lines, printed by the sender).
+    pub lanes: Vec<(u128, Vec<usize>)>,
 }
 
 impl Report {
@@ -228,6 +230,13 @@ impl Report {
                     comm: num("comm") as usize,
                     code: field(&l, "code").and_then(|c| c.parse().ok()).unwrap_or(0),
                 });
+            } else if l.starts_with("lanes ") {
+                let counts = field(&l, "counts")
+                    .unwrap_or("")
+                    .split(',')
+                    .filter_map(|b| b.parse().ok())
+                    .collect();
+                r.lanes.push((num("t"), counts));
             } else if l.starts_with("bad ") {
                 r.bad.push(l.clone());
             } else if let Some(rest) = l.strip_prefix("summary ") {
@@ -336,12 +345,15 @@ pub fn assert_no_corruption(recv: &Report, send: &Report) {
     }
 }
 
-/// Lanes per NIC, as the plugin places them. TODO(lane placement): the plugin does not
-/// expose this yet. When it does (a `railover_lanes{nic}` gauge, or a `lanes` line the
-/// driver prints from a plugin query), parse it here; until then `None` and the balance
-/// rule is not asserted (the per-NIC throughput proxy in the tests stands in).
-pub fn lane_placement(_r: &Report) -> Option<Vec<usize>> {
-    None
+/// Lanes per local NIC as the plugin had placed them at time `at` (the last `lanes`
+/// line the sender printed by then: it reads the plugin's published route snapshot).
+/// `None` when the plugin publishes no placement (before the failover engine).
+pub fn lane_placement(r: &Report, at: u128) -> Option<Vec<usize>> {
+    r.lanes
+        .iter()
+        .rev()
+        .find(|(t, c)| *t <= at && c.iter().sum::<usize>() > 0)
+        .map(|(_, c)| c.clone())
 }
 
 /// P3's balance rule: no surviving pair carries more than ⌈lanes/(N−1)⌉+1 lanes, where

@@ -314,10 +314,13 @@ impl Ticker {
         }
     }
 
-    fn maybe(&mut self, per_comm: &mut [u64]) {
-        if self.last.elapsed() >= self.every {
+    /// Prints a tick if one is due; says whether it did.
+    fn maybe(&mut self, per_comm: &mut [u64]) -> bool {
+        let due = self.last.elapsed() >= self.every;
+        if due {
             self.flush(per_comm);
         }
+        due
     }
 
     fn flush(&mut self, per_comm: &mut [u64]) {
@@ -330,6 +333,28 @@ impl Ticker {
             b.join(",")
         ));
         per_comm.fill(0);
+    }
+}
+
+/// Running lanes per local NIC, from the route snapshot the plugin publishes (read-only
+/// observation next to the ABI, for the lane-balance rule); `None` before `init`.
+fn lane_counts() -> Option<Vec<u32>> {
+    let rt = railover::plugin::runtime().ok()?;
+    let routes = rt.reactor.routes.load();
+    let mut v = vec![0u32; rt.nics.len()];
+    for n in &routes.local_nics {
+        if let Some(x) = v.get_mut(n.nic.0 as usize) {
+            *x = n.lanes;
+        }
+    }
+    Some(v)
+}
+
+/// Prints `lanes t=T counts=L0,L1,...` (sender: it owns the routes).
+fn say_lanes() {
+    if let Some(v) = lane_counts() {
+        let c: Vec<String> = v.iter().map(u32::to_string).collect();
+        say(&format!("lanes t={} counts={}", unix_ms(), c.join(",")));
     }
 }
 
@@ -738,7 +763,9 @@ fn sender(o: &Opts) -> i32 {
                 }
             }
         }
-        ticker.maybe(&mut per_comm);
+        if ticker.maybe(&mut per_comm) {
+            say_lanes();
+        }
         let settled = lanes.iter().all(|l| {
             l.state == State::Ended
                 || (l.state == State::Failed && l.slots.iter().all(|s| s.req.is_none()))
