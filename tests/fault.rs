@@ -465,6 +465,25 @@ fault_test! {
 }
 
 fault_test! {
+    fn failover_link_down_on_both_sides_of_a_pair_moves_traffic() {
+        if needs_failover() {
+            return;
+        }
+        let tb = bed(2);
+        let flow = Flow::start(&tb, FlowOpts { seconds: 8.0, ..FlowOpts::default() });
+        let comms = flow.dev_of.len();
+        let hit = flow.comms_on(&[0]);
+        flow.wait_ticks(20);
+        let t0 = unix_ms();
+        tb.link_down(Side::A, 0);
+        tb.link_down(Side::B, 0);
+        let (recv, send) = flow.finish();
+        assert_delivered_exactly_once(&recv, &send, comms);
+        assert_resumed(&recv, &hit, t0, "both ends of a pair down");
+    }
+}
+
+fault_test! {
     fn failover_brownout_to_one_percent_moves_traffic() {
         if needs_failover() {
             return;
