@@ -1043,7 +1043,7 @@ impl Reactor {
                 continue;
             }
             let before = lane.writer.total_written();
-            let res = lane.writer.flush(&mut lane.sock);
+            let res = lane.writer.flush(&mut tcp::NoSigPipe(&lane.sock));
             if lane.writer.total_written() != before {
                 lane.last_tx = now;
             }
