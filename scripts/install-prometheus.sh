@@ -13,8 +13,9 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq >/dev/null
+# Wait for other apt users (parallel tests, prereqs) rather than failing on the lock.
+apt-get -o DPkg::Lock::Timeout=300 update -qq >/dev/null
 # No recommends: the server binary and promtool are all the tests need, and the package's
 # service is not started in containers without systemd.
-apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends prometheus >/dev/null
 command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1

@@ -193,11 +193,9 @@ fn endpoint_serves_recorded_series_over_tcp() {
     );
     assert_eq!(http_get(addr, "/nope").unwrap().0, 404);
 
+    // Joins the server thread (which owns, and so closes, the listener). Whether the port
+    // is closed is not asserted: a parallel test may be handed the same port at once.
     t.shutdown();
-    assert!(
-        TcpStream::connect_timeout(&addr, Duration::from_secs(2)).is_err(),
-        "still listening after shutdown"
-    );
     // Recording and rendering keep working without the endpoint.
     t.record_replayed(1);
     assert!(t.render().contains("railover_replayed_bytes_total"));
@@ -472,6 +470,12 @@ fn tool(name: &str) -> Option<PathBuf> {
     if !root_user {
         println!("SKIP: {name} is not installed and we are not root to install it (scripts/install-prometheus.sh)");
         return None;
+    }
+    // Tests run in parallel; one install at a time.
+    static INSTALL: Mutex<()> = Mutex::new(());
+    let _one = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = find() {
+        return Some(p);
     }
     let status = Command::new("bash")
         .arg(root().join("scripts/install-prometheus.sh"))

@@ -688,6 +688,12 @@ mod tests {
     }
 
     #[test]
+    fn telemetry_is_shared_across_threads() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<Telemetry>();
+    }
+
+    #[test]
     fn histogram_series_resolve_to_their_spec() {
         assert_eq!(
             spec("railover_failover_seconds_bucket").unwrap().name,
