@@ -24,7 +24,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use parking_lot::Mutex;
 
 use super::exporter::{Exporter, ExporterConfig};
-use crate::routing::FailReason;
+use crate::routing::{FailReason, LaneStatus, Routes};
 
 /// `railover_bytes_total{nic,direction}`.
 pub const BYTES_TOTAL: &str = "railover_bytes_total";
@@ -304,6 +304,38 @@ pub struct NicSample<'a> {
     pub tx_messages: u64,
     /// Messages received since the previous sample.
     pub rx_messages: u64,
+}
+
+/// Turns one cumulative counter (`ReactorStats`, `conn::Stats`, `routing::Stats`) into the
+/// deltas the `record_*` methods take. Keep one per counter next to the last value read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Delta {
+    last: u64,
+}
+
+impl Delta {
+    /// The increase since the previous call. A total below the previous one means the
+    /// counter started again from zero (a new reactor after finalize and init), so all of
+    /// it is new.
+    pub fn take(&mut self, total: u64) -> u64 {
+        let d = if total >= self.last {
+            total - self.last
+        } else {
+            total
+        };
+        self.last = total;
+        d
+    }
+}
+
+/// Comms with at least one stranded lane (failed, no eligible backup pair) in a route
+/// snapshot: the value for [`Telemetry::set_comms_without_backup`].
+pub fn comms_without_backup(routes: &Routes) -> u64 {
+    routes
+        .comms
+        .iter()
+        .filter(|c| c.lanes.iter().any(|l| l.status == LaneStatus::Stranded))
+        .count() as u64
 }
 
 /// A NIC pair as logs show it: `local->remote`. The remote side may carry the peer's name
@@ -685,6 +717,53 @@ mod tests {
                 assert!(["nic", "rail", "direction", "reason"].contains(l), "{l}");
             }
         }
+    }
+
+    #[test]
+    fn delta_counts_increases_and_survives_a_restart() {
+        let mut d = Delta::default();
+        assert_eq!(d.take(10), 10);
+        assert_eq!(d.take(10), 0);
+        assert_eq!(d.take(15), 5);
+        assert_eq!(d.take(3), 3, "a restarted counter's whole value is new");
+        assert_eq!(d.take(4), 1);
+    }
+
+    #[test]
+    fn comms_without_backup_counts_comms_with_a_stranded_lane() {
+        use crate::routing::{CommId, CommRoutes, LaneId, LaneRoute, NicId, Pair, PeerId};
+        let pair = Pair {
+            local: NicId(0),
+            peer: PeerId(0),
+            remote: NicId(0),
+        };
+        let lane = |i, status| LaneRoute {
+            lane: LaneId(i),
+            original: pair,
+            current: pair,
+            status,
+        };
+        let comm = |id, lanes| CommRoutes {
+            comm: CommId(id),
+            peer: PeerId(0),
+            lanes,
+        };
+        let routes = Routes {
+            comms: vec![
+                comm(
+                    0,
+                    vec![lane(0, LaneStatus::Active), lane(1, LaneStatus::Stranded)],
+                ),
+                comm(1, vec![lane(0, LaneStatus::Moving)]),
+                comm(
+                    2,
+                    vec![lane(0, LaneStatus::Stranded), lane(1, LaneStatus::Stranded)],
+                ),
+            ],
+            ..Default::default()
+        };
+        assert_eq!(comms_without_backup(&routes), 2);
+        assert_eq!(comms_without_backup(&Routes::default()), 0);
     }
 
     #[test]
