@@ -197,7 +197,7 @@ impl Exporter {
             stop: stop.clone(),
         };
         let thread = std::thread::Builder::new()
-            .name("railover-metrics".into())
+            .name("rlvr-metrics".into())
             .spawn(move || server.run())?;
         Ok(Exporter {
             addr,
