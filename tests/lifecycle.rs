@@ -6,11 +6,26 @@ use std::time::{Duration, Instant};
 
 use railover::ffi::driver::{Code, Ctx};
 
-fn reactor_threads() -> usize {
+fn thread_names() -> Vec<String> {
     std::fs::read_dir("/proc/self/task")
         .unwrap()
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .filter(|name| name.trim() == railover::reactor::REACTOR_THREAD)
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+fn reactor_threads() -> usize {
+    thread_names()
+        .iter()
+        .filter(|n| *n == railover::reactor::REACTOR_THREAD)
+        .count()
+}
+
+/// Every thread the plugin starts is named `rlvr-…`.
+fn plugin_threads() -> usize {
+    thread_names()
+        .iter()
+        .filter(|n| n.starts_with("rlvr-"))
         .count()
 }
 
@@ -53,11 +68,24 @@ fn process_lifecycle() {
         "a failed init leaves no thread behind"
     );
 
-    // 2. One reactor per process, joined when the last context is finalised.
+    // 2. One reactor per process, joined when the last context is finalised. The metrics
+    // endpoint (on loopback, a free port) is a plugin thread too.
     std::env::set_var("RAILOVER_IFNAME", "lo");
+    std::env::set_var("RAILOVER_METRICS_ADDR", "127.0.0.1");
+    std::env::set_var("RAILOVER_METRICS_PORT", "0");
     let a = Ctx::init().unwrap();
     let b = Ctx::init().unwrap();
     assert_eq!(settled_reactor_threads(), 1);
+    let end = Instant::now() + Duration::from_secs(10);
+    while plugin_threads() < 2 && Instant::now() < end {
+        std::thread::yield_now();
+    }
+    assert_eq!(
+        plugin_threads(),
+        2,
+        "reactor and metrics endpoint: {:?}",
+        thread_names()
+    );
     a.finalize().unwrap();
     assert_eq!(reactor_threads(), 1, "another context is still alive");
 
@@ -92,11 +120,16 @@ fn process_lifecycle() {
     drop((reqs, s, r, l));
 
     b.finalize().unwrap();
-    assert_eq!(reactor_threads(), 0, "the last finalize joins the reactor");
+    assert_eq!(
+        plugin_threads(),
+        0,
+        "the last finalize joins every plugin thread: {:?}",
+        thread_names()
+    );
 
     // 4. And the plugin starts again afterwards, as after a dlclose/dlopen cycle.
     let c = Ctx::init().unwrap();
     assert_eq!(settled_reactor_threads(), 1);
     c.finalize().unwrap();
-    assert_eq!(reactor_threads(), 0);
+    assert_eq!(plugin_threads(), 0, "{:?}", thread_names());
 }

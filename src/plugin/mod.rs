@@ -19,6 +19,8 @@ use parking_lot::Mutex;
 use crate::config::Config;
 use crate::ffi::buffer::UserBuf;
 use crate::reactor::{Command, LocalNic, ReactorHandle, ReactorStats, Setup};
+use crate::telemetry::exporter::ExporterConfig;
+use crate::telemetry::metrics::Telemetry;
 use crate::topology::{Fabric, Topology};
 use crate::transport::tcp::{self, TcpNic};
 pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, Side};
@@ -47,11 +49,13 @@ pub struct Runtime {
     pub config: Config,
     pub nics: Vec<NicInfo>,
     pub reactor: ReactorHandle,
+    pub telemetry: Arc<Telemetry>,
 }
 
 impl Runtime {
     fn start() -> Result<Runtime, Error> {
         let config = Config::from_env()?;
+        let metrics_cfg = ExporterConfig::from_env()?;
         crate::telemetry::log::install(config.log);
         let tcp_nics = tcp::nic::discover(&config.ifname, &config.sysfs_root)?;
         let topo = match Topology::discover_fabric(&config.sysfs_root, Fabric::Tcp) {
@@ -90,8 +94,16 @@ impl Runtime {
             completion_timeout: config.completion_timeout,
             probe_timeout: config.probe_timeout,
             router: config.router,
+            telemetry: Arc::new(Telemetry::start(&metrics_cfg, None)),
         };
-        let reactor = ReactorHandle::spawn(setup)?;
+        let telemetry = setup.telemetry.clone();
+        let reactor = match ReactorHandle::spawn(setup) {
+            Ok(r) => r,
+            Err(e) => {
+                telemetry.shutdown();
+                return Err(e.into());
+            }
+        };
         tracing::info!(
             "railover: {} NIC(s): {} ({config})",
             nics.len(),
@@ -109,6 +121,7 @@ impl Runtime {
             config,
             nics,
             reactor,
+            telemetry,
         })
     }
 
@@ -238,6 +251,7 @@ pub fn finalize(ctx: &Context) -> Result<(), Error> {
     };
     if let Some(rt) = stop {
         rt.reactor.shutdown();
+        rt.telemetry.shutdown();
         tracing::info!("railover: finalised, reactor stopped");
     }
     Ok(())

@@ -12,6 +12,7 @@ use super::*;
 use crate::routing::{
     CommId, CommSpec, Event, LaneId, LocalNic as RouteLocal, MoveReason, NicId, PeerId, RemoteNic,
 };
+use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair, NicSample};
 
 /// How a socket error is classified: a peer that closed or reset the connection is gone
 /// (its kernel answered, so the path works); anything else is a path failure.
@@ -125,7 +126,8 @@ impl Reactor {
                 *pending.result.lock() = Some(Err(error.into()));
             }
             Role::Probe { pair } => {
-                self.router.handle_probe(*pair, false, now);
+                let pair = *pair;
+                self.probe_failed(pair, now);
             }
             Role::Migrating { comm, mv } => {
                 let (c, mv) = (*comm, *mv);
@@ -301,36 +303,47 @@ impl Reactor {
         let local = mv.to.local.0 as usize;
         let lazily = comm.shared.moved_to(local);
         let detected = comm.detected.take();
-        let name = |n: NicId| {
-            self.setup
-                .nics
-                .get(n.0 as usize)
-                .map_or("?".to_string(), |x| x.name.clone())
+        let (fl, fr) = self.pair_names(mv.from);
+        let (tl, tr) = self.pair_names(mv.to);
+        let from = NicPair {
+            local: &fl,
+            remote: &fr,
         };
+        let to = NicPair {
+            local: &tl,
+            remote: &tr,
+        };
+        let t = self.setup.telemetry.clone();
         match mv.reason {
             MoveReason::Failback => {
                 self.stats.failbacks.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    "railover: failback comm={c} {} ({}) => {} ({}) replayed={replayed}B",
-                    mv.from,
-                    name(mv.from.local),
-                    mv.to,
-                    name(mv.to.local)
-                );
+                let away = self
+                    .failed_at
+                    .remove(&c)
+                    .map_or(Duration::ZERO, |t0| now.saturating_duration_since(t0));
+                let f = Failback {
+                    comm: c as u64,
+                    from,
+                    to,
+                    away,
+                };
+                t.record_failback(&f);
+                tracing::warn!("{f} replayed={replayed}B");
             }
             MoveReason::Failover(reason) => {
                 self.stats.failovers.fetch_add(1, Ordering::Relaxed);
-                let since =
-                    detected.map_or(Duration::ZERO, |(t, _)| now.saturating_duration_since(t));
-                tracing::warn!(
-                    "railover: failover comm={c} {} ({}) => {} ({}) reason={} resumed_after={}ms replayed={replayed}B registered_on_backup={lazily}",
-                    mv.from,
-                    name(mv.from.local),
-                    mv.to,
-                    name(mv.to.local),
-                    reason.as_str(),
-                    since.as_millis()
-                );
+                let (t0, detected_by) = detected.unwrap_or((now, reason));
+                self.failed_at.entry(c).or_insert(t0);
+                let f = Failover {
+                    comm: c as u64,
+                    from,
+                    to,
+                    reason: detected_by,
+                    detection: self.detection_latency.remove(&c).unwrap_or_default(),
+                    resume: now.saturating_duration_since(t0),
+                };
+                t.record_failover(&f);
+                tracing::warn!("{f} replayed={replayed}B registered_on_backup={lazily}");
             }
         }
         if let Some(old) = old.filter(|&o| o != k) {
@@ -356,9 +369,33 @@ impl Reactor {
         }
         while let Some(ev) = self.router.poll_event() {
             match ev {
-                Event::NoEligiblePair { comm, .. } => {
+                Event::NoEligiblePair {
+                    comm,
+                    ref exclusions,
+                    ..
+                } => {
                     tracing::warn!("railover: giving up: {ev}");
                     self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
+                    if let Some(cur) = self
+                        .comms
+                        .get(comm.0)
+                        .and_then(|c| c.route)
+                        .map(|r| r.current)
+                    {
+                        let (l, r) = self.pair_names(cur);
+                        let reason = self.comms[comm.0]
+                            .detected
+                            .map_or(FailReason::Timeout, |d| d.1);
+                        self.setup.telemetry.record_give_up(&GiveUp {
+                            comm: comm.0 as u64,
+                            failed: NicPair {
+                                local: &l,
+                                remote: &r,
+                            },
+                            reason,
+                            candidates: exclusions.len(),
+                        });
+                    }
                     if self.comms.contains(comm.0) {
                         self.fail_comm(
                             comm.0,
@@ -370,7 +407,11 @@ impl Reactor {
             }
         }
         if std::mem::take(&mut self.routes_dirty) {
-            self.routes.publish(self.router.snapshot());
+            let snap = self.router.snapshot();
+            self.setup
+                .telemetry
+                .set_comms_without_backup(crate::telemetry::metrics::comms_without_backup(&snap));
+            self.routes.publish(snap);
         }
     }
 
@@ -411,7 +452,7 @@ impl Reactor {
             .find(|(_, c)| c.route.is_some_and(|r| r.current.peer == pair.peer))
             .map(|(_, c)| c.token);
         let Some(token) = token else {
-            self.router.handle_probe(pair, false, now);
+            self.probe_failed(pair, now);
             return;
         };
         let hello = Hello {
@@ -419,18 +460,20 @@ impl Reactor {
             purpose: Purpose::Probe,
             nics: self.wire.clone(),
         };
+        let limit = self.setup.probe_timeout;
         if self
-            .connect_pair(
-                pair,
-                hello,
-                Role::Probe { pair },
-                now,
-                self.setup.probe_timeout,
-            )
+            .connect_pair(pair, hello, Role::Probe { pair }, now, limit)
             .is_none()
         {
-            self.router.handle_probe(pair, false, now);
+            self.probe_failed(pair, now);
         }
+    }
+
+    fn probe_failed(&mut self, pair: Pair, now: Instant) {
+        if let Some(n) = self.metrics.probe_failures.get_mut(pair.local.0 as usize) {
+            *n += 1;
+        }
+        self.router.handle_probe(pair, false, now);
     }
 
     fn start_migration(&mut self, mv: Move, now: Instant) {
@@ -480,6 +523,9 @@ impl Reactor {
         }
         for k in dead {
             let silent = now.saturating_duration_since(self.lanes[k].last_rx);
+            if let Role::Comm(c) = self.lanes[k].role {
+                self.detection_latency.insert(c, silent);
+            }
             self.lane_failed(
                 k,
                 ConnError::Io(format!("nothing received for {} ms", silent.as_millis())),
@@ -551,5 +597,76 @@ impl Reactor {
                 }
             }
         }
+    }
+
+    /// Sends the counters gathered since the last sample to the metrics registry.
+    pub(super) fn sample_metrics(&mut self, now: Instant) {
+        let t = self.setup.telemetry.clone();
+        let elapsed = now.saturating_duration_since(self.metrics.last_sample);
+        if !elapsed.is_zero() {
+            let idle = self.metrics.idle.min(elapsed);
+            t.record_reactor_busy(1.0 - idle.as_secs_f64() / elapsed.as_secs_f64());
+        }
+        self.metrics.last_sample = now;
+        self.metrics.idle = Duration::ZERO;
+        let mut lanes = vec![0u64; self.setup.nics.len()];
+        for (_, l) in self.lanes.iter() {
+            if let (Role::Comm(_), Some(n)) = (&l.role, l.nic) {
+                if let Some(x) = lanes.get_mut(n) {
+                    *x += 1;
+                }
+            }
+        }
+        for (i, nic) in self.setup.nics.iter().enumerate() {
+            let c = std::mem::take(&mut self.metrics.nic[i]);
+            t.record_nic(&NicSample {
+                nic: &nic.name,
+                rail: nic.rail,
+                up: self.nic_up[i],
+                lanes: lanes[i],
+                tx_bytes: c[0],
+                rx_bytes: c[1],
+                tx_messages: c[2],
+                rx_messages: c[3],
+            });
+            let probes = std::mem::take(&mut self.metrics.probe_failures[i]);
+            if probes > 0 {
+                t.record_probe_failures(&nic.name, probes);
+            }
+        }
+        let st = &self.stats;
+        let m = &mut self.metrics;
+        t.record_replayed(m.replayed.take(st.replayed_bytes.load(Ordering::Relaxed)));
+        t.record_duplicates(m.duplicates.take(st.duplicates.load(Ordering::Relaxed)));
+        t.record_rejected(
+            m.rejected
+                .take(st.rejected_connections.load(Ordering::Relaxed)),
+        );
+        t.record_protocol_errors(
+            m.protocol_errors
+                .take(st.protocol_errors.load(Ordering::Relaxed)),
+        );
+        t.record_lane_failures(
+            m.lane_failures
+                .take(st.lane_failures.load(Ordering::Relaxed)),
+        );
+    }
+
+    /// "eth0->peer0/nic1"-style names for a pair, as the metrics and logs show them.
+    fn pair_names(&self, p: Pair) -> (String, String) {
+        let local = self
+            .setup
+            .nics
+            .get(p.local.0 as usize)
+            .map_or_else(|| format!("nic{}", p.local.0), |n| n.name.clone());
+        let remote = self
+            .peers
+            .get(p.peer.0 as usize)
+            .and_then(|r| r.get(p.remote.0 as usize))
+            .map_or_else(
+                || format!("peer{}/nic{}", p.peer.0, p.remote.0),
+                |r| r.addr.ip().to_string(),
+            );
+        (local, remote)
     }
 }

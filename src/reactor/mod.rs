@@ -37,6 +37,7 @@ use crate::plugin::comm::{CommShared, ListenShared, PendingConnect, Side};
 use crate::plugin::request::Request;
 use crate::plugin::Error;
 use crate::routing::{self, FailReason, Move, Pair, RoutePublisher, Router, RouterConfig};
+use crate::telemetry::metrics::{Delta, Telemetry};
 use crate::topology::PathType;
 use crate::transport::tcp::netlink::LinkWatcher;
 use crate::transport::tcp::{self, stream::FrameReader, stream::FrameWriter, stream::Inbound};
@@ -60,6 +61,8 @@ pub struct Setup {
     pub completion_timeout: Duration,
     pub probe_timeout: Duration,
     pub router: RouterConfig,
+    /// Where counters and events are recorded (the reactor batches them).
+    pub telemetry: Arc<Telemetry>,
 }
 
 /// How long a new connection may take to complete its handshake.
@@ -284,6 +287,19 @@ impl ReactorHandle {
             recv_by_token: HashMap::new(),
             watcher,
             next_tick: now,
+            failed_at: HashMap::new(),
+            detection_latency: HashMap::new(),
+            metrics: MetricsState {
+                nic: vec![[0; 4]; setup.nics.len()],
+                probe_failures: vec![0; setup.nics.len()],
+                last_sample: now,
+                idle: Duration::ZERO,
+                replayed: Delta::default(),
+                duplicates: Delta::default(),
+                rejected: Delta::default(),
+                protocol_errors: Delta::default(),
+                lane_failures: Delta::default(),
+            },
             setup,
         };
         let thread = std::thread::Builder::new()
@@ -415,7 +431,30 @@ struct Reactor {
     watcher: Option<LinkWatcher>,
     next_tick: Instant,
     setup: Setup,
+    metrics: MetricsState,
+    /// Per comm: when it first left its original pair (for the fail-back's "away" time).
+    failed_at: HashMap<usize, Instant>,
+    /// Per comm: how long the failure went unnoticed (silence before a timeout).
+    detection_latency: HashMap<usize, Duration>,
 }
+
+/// What the reactor accumulates between two metric samples.
+#[derive(Debug)]
+struct MetricsState {
+    /// Per local NIC: tx bytes, rx bytes, tx messages, rx messages since the last sample.
+    nic: Vec<[u64; 4]>,
+    probe_failures: Vec<u64>,
+    last_sample: Instant,
+    idle: Duration,
+    replayed: Delta,
+    duplicates: Delta,
+    rejected: Delta,
+    protocol_errors: Delta,
+    lane_failures: Delta,
+}
+
+/// How often counters reach the metrics registry.
+const METRICS_INTERVAL: Duration = Duration::from_millis(100);
 
 impl Reactor {
     fn run(&mut self) {
@@ -459,6 +498,9 @@ impl Reactor {
             }
             let polled = self.poll.poll(&mut events, timeout);
             self.queue.parked.store(false, Ordering::SeqCst);
+            if events.is_empty() {
+                self.metrics.idle += now.elapsed();
+            }
             if let Err(e) = polled {
                 if e.kind() != io::ErrorKind::Interrupted {
                     tracing::warn!("railover reactor: epoll failed: {e}");
@@ -486,6 +528,9 @@ impl Reactor {
             }
             if now >= self.next_tick {
                 self.tick(now);
+            }
+            if now.saturating_duration_since(self.metrics.last_sample) >= METRICS_INTERVAL {
+                self.sample_metrics(now);
             }
             if self.router.poll_timeout().is_some_and(|d| d <= now) {
                 self.router.handle_timeout(now);
@@ -852,6 +897,10 @@ impl Reactor {
             }
             (Machine::Recv(m), Inbound::PayloadDone { seq, len }) => {
                 self.stats.bytes_received.fetch_add(len, Ordering::Relaxed);
+                if let Some(n) = self.lanes[k].nic.and_then(|n| self.metrics.nic.get_mut(n)) {
+                    n[1] += len;
+                    n[3] += 1;
+                }
                 if m.message(seq).is_some() && m.delivered() == seq {
                     m.payload_done(seq, len)
                 } else {
@@ -976,11 +1025,11 @@ impl Reactor {
     /// Moves the machine's output onto its lane and its outcomes onto the requests.
     fn pump(&mut self, c: usize) {
         let comm = &mut self.comms[c];
-        let mut lane = comm.lane.and_then(|k| self.lanes.get_mut(k));
+        let lane = comm.lane.and_then(|k| self.lanes.get_mut(k));
         match &mut comm.machine {
             Machine::Send(m) => {
                 // Without a lane (failover under way) the machine keeps its queue.
-                if let Some(lane) = lane.as_deref_mut() {
+                if let Some(lane) = lane {
                     while let Some(t) = m.poll_transmit() {
                         match t {
                             Transmit::Data { seq, len } => {
@@ -1006,7 +1055,7 @@ impl Reactor {
                 }
             }
             Machine::Recv(m) => {
-                if let Some(lane) = lane.as_deref_mut() {
+                if let Some(lane) = lane {
                     while let Some(ctl) = m.poll_transmit() {
                         let h = match ctl {
                             Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
@@ -1043,7 +1092,7 @@ impl Reactor {
                 continue;
             }
             let before = lane.writer.total_written();
-            let res = lane.writer.flush(&mut lane.sock);
+            let res = lane.writer.flush(&mut tcp::NoSigPipe(&lane.sock));
             if lane.writer.total_written() != before {
                 lane.last_tx = now;
             }

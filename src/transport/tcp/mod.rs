@@ -59,3 +59,21 @@ pub fn tune(sock: &Socket) -> io::Result<()> {
 pub fn tune_stream(stream: &mio::net::TcpStream) -> io::Result<()> {
     tune(&socket2::SockRef::from(stream))
 }
+
+/// Writes to a lane with `MSG_NOSIGNAL`: a peer that went away must produce `EPIPE`,
+/// never a `SIGPIPE` that would kill NCCL's process.
+pub struct NoSigPipe<'a>(pub &'a mio::net::TcpStream);
+
+impl io::Write for NoSigPipe<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        socket2::SockRef::from(self.0).send_with_flags(buf, libc::MSG_NOSIGNAL)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        socket2::SockRef::from(self.0).send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
