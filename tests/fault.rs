@@ -595,6 +595,29 @@ fault_test! {
 }
 
 fault_test! {
+    fn failover_backup_fails_during_migration() {
+        if needs_failover() {
+            return;
+        }
+        // Three rails: rail 0 fails, and 300 ms later (while rail 0's comms are still
+        // being detected/probed/replayed) rail 1, one of the two backups, fails too.
+        let tb = bed(3);
+        let flow = Flow::start(&tb, FlowOpts { seconds: 9.0, ..FlowOpts::default() });
+        let comms = flow.dev_of.len();
+        let hit = flow.comms_on(&[0, 1]);
+        flow.wait_ticks(20);
+        tb.link_down(Side::A, 0);
+        flow.wait_more_ticks(3);
+        let t1 = unix_ms();
+        tb.link_down(Side::A, 1);
+        let (recv, send) = flow.finish();
+        assert_delivered_exactly_once(&recv, &send, comms);
+        assert_resumed(&recv, &hit, t1, "backup failed during migration");
+        check_lanes(&send, &[0, 1], t1 + timeout_ms() + 1500);
+    }
+}
+
+fault_test! {
     fn failover_two_nics_down_at_once() {
         if needs_failover() {
             return;
