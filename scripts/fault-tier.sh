@@ -4,7 +4,8 @@
 # while checksummed streams run through the plugin. Needs root (namespaces, tc), so the
 # tests are #[ignore]d and run here with --ignored; without root this script says why it
 # skips and exits 0. The failover_* scenarios run only when
-# RAILOVER_FAULT_EXPECT_FAILOVER=1; otherwise they are filtered out and named as skipped.
+# RAILOVER_FAULT_EXPECT_FAILOVER=1 (the default); with =0 they are filtered out and named
+# as skipped.
 #
 # usage: scripts/fault-tier.sh [test-name-filter...]
 set -euo pipefail
@@ -24,7 +25,9 @@ if [ -n "$why" ]; then
 fi
 
 skip=()
-if [ "${RAILOVER_FAULT_EXPECT_FAILOVER:-}" != 1 ]; then
+# The failover engine is in the plugin: its scenarios run unless asked not to (=0).
+export RAILOVER_FAULT_EXPECT_FAILOVER="${RAILOVER_FAULT_EXPECT_FAILOVER:-1}"
+if [ "$RAILOVER_FAULT_EXPECT_FAILOVER" != 1 ]; then
     # Filtered out, so libtest counts them as not run rather than as passed.
     echo "fault tier: SKIP: failover_* scenarios (need the failover engine; set RAILOVER_FAULT_EXPECT_FAILOVER=1)"
     skip=(--skip failover_)

@@ -112,6 +112,9 @@ pub struct Config {
     pub completion_timeout: Duration,
     /// `RAILOVER_PROBE_TIMEOUT_MS`: how long a candidate pair has to answer a probe.
     pub probe_timeout: Duration,
+    /// `RAILOVER_PROBE_BYTES`: the payload a probe must move across the pair within the
+    /// probe timeout (so a browned-out pair fails its probes).
+    pub probe_bytes: usize,
     /// `RAILOVER_SYSFS_ROOT`: where topology is read from.
     pub sysfs_root: PathBuf,
     /// `RAILOVER_RAILS`: explicit NIC → rail map.
@@ -129,6 +132,7 @@ impl Default for Config {
             log: LogLevel::Warn,
             completion_timeout: Duration::from_millis(1000),
             probe_timeout: Duration::from_millis(200),
+            probe_bytes: 256 << 10,
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
             router: RouterConfig::default(),
@@ -245,6 +249,13 @@ impl Config {
         )? {
             cfg.router.failback_interval = d;
         }
+        if let Some(v) = get("RAILOVER_PROBE_BYTES") {
+            cfg.probe_bytes = parse_u64(&v, 0, 64 << 20).ok_or(ConfigError {
+                var: "RAILOVER_PROBE_BYTES",
+                value: v.clone(),
+                accepted: "an integer number of bytes from 0 to 67108864",
+            })? as usize;
+        }
         if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
             cfg.router.failback_probes_k = parse_u64(&v, 1, 1000).ok_or(ConfigError {
                 var: "RAILOVER_FAILBACK_PROBES",
@@ -345,6 +356,7 @@ mod tests {
             ("RAILOVER_LOG", "loud"),
             ("RAILOVER_COMPLETION_TIMEOUT_MS", "5"),
             ("RAILOVER_PROBE_TIMEOUT_MS", "soon"),
+            ("RAILOVER_PROBE_BYTES", "lots"),
             ("RAILOVER_FAILBACK_INTERVAL_MS", "0"),
             ("RAILOVER_FAILBACK_PROBES", "0"),
             ("RAILOVER_RAIL_RULE", "nearest"),

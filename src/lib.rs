@@ -13,7 +13,9 @@
 //! * [`transport`] — fabric-specific code: NIC discovery and sockets for TCP.
 //! * [`topology`] — pure data about NICs, GPUs, PCI paths and rails.
 //! * [`config`] — `RAILOVER_*` environment variables parsed into typed values.
-//! * [`telemetry`] — logging into NCCL's logger, counters.
+//! * [`telemetry`] — logging into NCCL's logger, Prometheus metrics.
+//! * [`testbed`] — two network namespaces joined by shaped veth pairs, for the fault
+//!   tier and `railover demo`: real links to cut, slow and flap.
 #![deny(unsafe_code)]
 
 pub mod config;
@@ -23,5 +25,6 @@ pub mod plugin;
 pub mod reactor;
 pub mod routing;
 pub mod telemetry;
+pub mod testbed;
 pub mod topology;
 pub mod transport;

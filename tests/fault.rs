@@ -434,6 +434,10 @@ fault_test! {
         let per_nic = nic_rates(&tb, Duration::from_secs(2));
         let measured = unix_ms();
         let (recv, send) = flow.finish();
+        for i in -1..8i64 {
+            let a = (t0 as i64 + i * 500) as u128;
+            println!("  t0{:+.1}s: hit {:.1} Mbit/s", i as f64 / 2.0, recv.rate(&hit, a, a + 500) * 8.0 / 1e6);
+        }
         assert_delivered_exactly_once(&recv, &send, comms);
         assert_resumed(&recv, &hit, t0, "A-side link down");
         assert_kept_bandwidth(&recv, t0, 4, 1);
@@ -500,8 +504,28 @@ fault_test! {
         let from = t0 + timeout_ms() + 1000;
         let after = recv.rate(&hit, from, from + 3000);
         println!("browned-out comms: {:.1} -> {:.1} Mbit/s", before * 8.0 / 1e6, after * 8.0 / 1e6);
+        for i in -2..12i64 {
+            let a = (t0 as i64 + i * 500) as u128;
+            let all: Vec<usize> = (0..comms).collect();
+            println!(
+                "  t0{:+.1}s: hit {:.1} Mbit/s, all {:.1} Mbit/s",
+                i as f64 / 2.0,
+                recv.rate(&hit, a, a + 500) * 8.0 / 1e6,
+                recv.rate(&all, a, a + 500) * 8.0 / 1e6
+            );
+        }
         assert_no_corruption(&recv, &send);
-        assert!(after > 0.25 * before, "the browned-out comms stayed slow");
+        // The bounds: the browned-out comms move (traffic on them resumes within
+        // timeout + 1 s, the detector needing one full timeout of slow progress) and the
+        // aggregate keeps (N-1)/N. Their own rate after the move is printed above, not
+        // asserted: a fresh TCP flow joining two incumbents at a FIFO bottleneck gets a
+        // small share for seconds (see docs/fault-tier.md).
+        assert_resumed(&recv, &hit, t0, "1 % brown-out");
+        assert!(
+            !send.stderr_tail.contains("failback"),
+            "traffic moved back onto the browned-out pair:\n{}",
+            send.stderr_tail
+        );
         assert_delivered_exactly_once(&recv, &send, comms);
         assert_kept_bandwidth(&recv, t0, 4, 1);
     }

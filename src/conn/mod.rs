@@ -6,6 +6,7 @@
 //! unacknowledged message so that it can be replayed on another lane. The reactor feeds
 //! them decoded frames and does the I/O; [`wire`] is the byte format.
 
+pub mod health;
 pub mod recv;
 pub mod send;
 pub mod wire;
@@ -28,6 +29,10 @@ pub enum ConnError {
     /// The local socket failed.
     #[error("network error: {0}")]
     Io(String),
+    /// The path stopped making progress: silence, a brown-out, or the peer hearing
+    /// nothing on it.
+    #[error("no progress: {0}")]
+    Stalled(String),
 }
 
 /// Plain counters of one machine; telemetry reads them, the machine knows no metrics.

@@ -43,6 +43,9 @@ pub enum Kind {
     /// Either side: "this lane is alive", sent when it has had nothing else to send for a
     /// quarter of the completion timeout.
     Keepalive,
+    /// Receiver → sender: "nothing has arrived on this lane for the completion timeout":
+    /// the sender may still hear the receiver (a one-way failure) and must move the lane.
+    Stalled,
 }
 
 impl Kind {
@@ -57,6 +60,7 @@ impl Kind {
             Kind::Truncated => 7,
             Kind::Close => 8,
             Kind::Keepalive => 9,
+            Kind::Stalled => 10,
         }
     }
 
@@ -71,6 +75,7 @@ impl Kind {
             7 => Kind::Truncated,
             8 => Kind::Close,
             9 => Kind::Keepalive,
+            10 => Kind::Stalled,
             _ => return None,
         })
     }
@@ -345,6 +350,7 @@ mod tests {
             Kind::Truncated,
             Kind::Close,
             Kind::Keepalive,
+            Kind::Stalled,
         ] {
             let h = Header {
                 kind,

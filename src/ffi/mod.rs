@@ -10,7 +10,7 @@
 //! * Legal NULLs (`sizes` in `test`, `sendDevComm`, profiler handles) are not errors.
 //!
 //! `unsafe` is allowed in this module (and the verbs fabric) only; each block says why
-//! it is sound.
+//! it is sound. [`sys`] holds the few OS calls no safe crate wraps.
 #![allow(unsafe_code)]
 
 pub mod boundary;
@@ -20,4 +20,5 @@ pub mod error;
 pub mod exports;
 pub mod handle;
 pub mod logger;
+pub mod sys;
 pub mod types;

@@ -29,7 +29,7 @@ impl From<ConnError> for Error {
         match e {
             ConnError::Truncated { .. } => Error::InvalidUsage(e.to_string()),
             ConnError::Protocol(_) | ConnError::PeerClosed => Error::Remote(e.to_string()),
-            ConnError::Io(_) => Error::System(e.to_string()),
+            ConnError::Io(_) | ConnError::Stalled(_) => Error::System(e.to_string()),
         }
     }
 }

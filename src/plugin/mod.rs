@@ -93,6 +93,7 @@ impl Runtime {
             spin: config.spin,
             completion_timeout: config.completion_timeout,
             probe_timeout: config.probe_timeout,
+            probe_bytes: config.probe_bytes,
             router: config.router,
             telemetry: Arc::new(Telemetry::start(&metrics_cfg, None)),
         };

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::conn::health::Verdict;
 use crate::routing::{
     CommId, CommSpec, Event, LaneId, LocalNic as RouteLocal, MoveReason, NicId, PeerId, RemoteNic,
 };
@@ -29,6 +30,17 @@ pub(super) fn reason_of(e: &ConnError) -> FailReason {
     match e {
         ConnError::Io(_) => FailReason::NicError,
         _ => FailReason::Timeout,
+    }
+}
+
+/// How long a receiver whose lane died waits for the sender's replacement lane. When the
+/// receiver noticed first (its carrier, a socket error) the sender may only notice at its
+/// completion timeout; when the receiver noticed by silence, the sender has too.
+fn receiver_grace(reason: FailReason, timeout: Duration, probe: Duration) -> Duration {
+    let slack = probe + Duration::from_millis(500);
+    match reason {
+        FailReason::Timeout => slack,
+        _ => timeout + slack,
     }
 }
 
@@ -113,6 +125,7 @@ impl Reactor {
             return;
         };
         match &lane.role {
+            Role::ProbeSink => {}
             Role::Handshake { .. } => {
                 self.stats
                     .rejected_connections
@@ -203,7 +216,12 @@ impl Reactor {
             }
             (Side::Recv, true) => {
                 // The sender drives the move; wait for its replacement lane.
-                comm.stranded.get_or_insert(now);
+                let grace = receiver_grace(
+                    reason,
+                    self.setup.completion_timeout,
+                    self.setup.probe_timeout,
+                );
+                comm.stranded.get_or_insert(now + grace);
                 comm.detected.get_or_insert((now, reason));
                 tracing::warn!("railover: comm {c}: receive lane failed ({}): {error}; waiting for the sender's replacement lane", reason.as_str());
             }
@@ -461,11 +479,17 @@ impl Reactor {
             nics: self.wire.clone(),
         };
         let limit = self.setup.probe_timeout;
-        if self
-            .connect_pair(pair, hello, Role::Probe { pair }, now, limit)
-            .is_none()
-        {
-            self.probe_failed(pair, now);
+        match self.connect_pair(pair, hello, Role::Probe { pair }, now, limit) {
+            Some(k) => {
+                // The payload must cross within the deadline: connecting is not enough
+                // (a browned-out link still connects).
+                let n = self.setup.probe_bytes;
+                let lane = &mut self.lanes[k];
+                lane.writer
+                    .push_ctrl(&Header::new(Kind::Data, 0, n as u64).encode());
+                lane.writer.push_ctrl(&vec![0u8; n]);
+            }
+            None => self.probe_failed(pair, now),
         }
     }
 
@@ -481,6 +505,11 @@ impl Reactor {
         let Some(comm) = self.comms.get_mut(c) else {
             return;
         };
+        if let MoveReason::Failover(reason) = mv.reason {
+            // A comm moved because its pair failed under another comm: its outage
+            // starts now.
+            comm.detected.get_or_insert((now, reason));
+        }
         if let Some(old) = comm.migrating.take() {
             self.drop_lane(old);
         }
@@ -500,54 +529,85 @@ impl Reactor {
         }
     }
 
-    /// Periodic work: silence detection, keepalives, stranded receivers.
+    /// How often `tick` runs: a tenth of the completion timeout, within 5–100 ms, so
+    /// silence and brown-outs are judged within a tenth of the timeout. Keepalives still
+    /// go out only after a quarter of it without other traffic.
+    pub(super) fn tick_interval(&self) -> Duration {
+        (self.setup.completion_timeout / 10)
+            .clamp(Duration::from_millis(5), Duration::from_millis(100))
+    }
+
+    /// Periodic work: silence and brown-out detection, keepalives, stranded receivers.
     pub(super) fn tick(&mut self, now: Instant) {
         let timeout = self.setup.completion_timeout;
         let keepalive = timeout / 4;
-        self.next_tick =
-            now + keepalive.clamp(Duration::from_millis(5), Duration::from_millis(250));
-        let mut dead = Vec::new();
+        self.next_tick = now + self.tick_interval();
+        let mut dead: Vec<(usize, ConnError)> = Vec::new();
         for (k, lane) in self.lanes.iter_mut() {
             if !matches!(lane.role, Role::Comm(_)) {
                 continue;
             }
-            if now.saturating_duration_since(lane.last_rx) > timeout {
-                dead.push(k);
-            } else if now.saturating_duration_since(lane.last_tx) >= keepalive
-                && lane.writer.is_empty()
+            let silent = now.saturating_duration_since(lane.last_rx);
+            if silent > timeout {
+                self.detection_latency.insert(k, silent);
+                let e =
+                    ConnError::Stalled(format!("nothing received for {} ms", silent.as_millis()));
+                dead.push((k, e));
+                continue;
+            }
+            // Delivery progress: what the peer's TCP has acknowledged. A large socket
+            // buffer can hold every byte in flight, so the userspace queue alone would
+            // not show a stuck path.
+            let unacked = crate::ffi::sys::tcp_send_queue(&lane.sock).unwrap_or(0);
+            let delivered = lane.writer.total_written().saturating_sub(unacked);
+            let queued = !lane.writer.is_empty();
+            let waiting = queued || unacked > 0;
+            // Waiting at both ends of the interval: the lane was backlogged through it.
+            let backlogged = lane.backlogged && waiting;
+            lane.backlogged = waiting;
+            if let Verdict::Slow { rate, peak } = lane.progress.observe(now, delivered, backlogged)
             {
+                let e = ConnError::Stalled(format!(
+                    "brown-out: delivering {:.0} kB/s with data waiting, against {:.0} kB/s before",
+                    rate / 1e3,
+                    peak / 1e3
+                ));
+                dead.push((k, e));
+                continue;
+            }
+            if now.saturating_duration_since(lane.last_tx) >= keepalive && !queued {
                 lane.writer
                     .push_ctrl(&Header::new(Kind::Keepalive, 0, 0).encode());
                 self.dirty.push(k);
             }
         }
-        for k in dead {
-            let silent = now.saturating_duration_since(self.lanes[k].last_rx);
-            if let Role::Comm(c) = self.lanes[k].role {
+        for (k, e) in dead {
+            let Role::Comm(c) = self.lanes[k].role else {
+                continue;
+            };
+            if let Some(silent) = self.detection_latency.remove(&k) {
                 self.detection_latency.insert(c, silent);
             }
-            self.lane_failed(
-                k,
-                ConnError::Io(format!("nothing received for {} ms", silent.as_millis())),
-                FailReason::Timeout,
-                now,
-            );
+            if self.comms[c].shared.side == Side::Recv {
+                // Tell the sender before letting go: in a one-way failure it still hears
+                // us and would otherwise never notice. Best effort, one small write.
+                use std::io::Write;
+                let lane = &self.lanes[k];
+                let _ =
+                    tcp::NoSigPipe(&lane.sock).write(&Header::new(Kind::Stalled, 0, 0).encode());
+            }
+            self.lane_failed(k, e, FailReason::Timeout, now);
         }
         // A receiver whose sender never came back: the peer is gone or has no pair left.
-        let grace = timeout + self.setup.probe_timeout + Duration::from_millis(500);
         let stranded: Vec<usize> = self
             .comms
             .iter()
-            .filter(|(_, c)| {
-                c.stranded
-                    .is_some_and(|t| now.saturating_duration_since(t) > grace)
-            })
+            .filter(|(_, c)| c.stranded.is_some_and(|deadline| now >= deadline))
             .map(|(k, _)| k)
             .collect();
         for c in stranded {
             tracing::warn!(
-                "railover: comm {c}: no replacement lane within {} ms; failing its receives",
-                grace.as_millis()
+                "railover: comm {c}: no replacement lane arrived in time; failing its receives"
             );
             self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
             self.fail_comm(

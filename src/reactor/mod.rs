@@ -28,6 +28,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 use slab::Slab;
 
+use crate::conn::health::Progress;
 use crate::conn::wire::{self, Header, Hello, Kind, NicAddr, Purpose, Welcome};
 use crate::conn::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
@@ -60,6 +61,8 @@ pub struct Setup {
     pub spin: Duration,
     pub completion_timeout: Duration,
     pub probe_timeout: Duration,
+    /// Bytes a probe must move across the pair within `probe_timeout`.
+    pub probe_bytes: usize,
     pub router: RouterConfig,
     /// Where counters and events are recorded (the reactor batches them).
     pub telemetry: Arc<Telemetry>,
@@ -376,6 +379,8 @@ enum Role {
     Comm(usize),
     /// Probing a candidate pair for the router.
     Probe { pair: Pair },
+    /// Answering a probe: receiving its payload before the `Welcome`.
+    ProbeSink,
     /// Opening a comm's replacement lane.
     Migrating { comm: usize, mv: Move },
     /// Flushing its last bytes before it closes.
@@ -393,6 +398,9 @@ struct Lane {
     nic: Option<usize>,
     last_rx: Instant,
     last_tx: Instant,
+    /// Whether data was queued at the last tick, and the lane's progress history.
+    backlogged: bool,
+    progress: Progress,
 }
 
 struct Listener {
@@ -674,6 +682,7 @@ impl Reactor {
         now: Instant,
         limit: Duration,
     ) -> io::Result<usize> {
+        let progress = Progress::new(self.setup.completion_timeout, self.tick_interval());
         let entry = self.lanes.vacant_entry();
         let key = entry.key();
         self.poll.registry().register(
@@ -692,6 +701,8 @@ impl Reactor {
             nic: None,
             last_rx: now,
             last_tx: now,
+            backlogged: false,
+            progress,
         });
         Ok(key)
     }
@@ -820,6 +831,25 @@ impl Reactor {
                     _ => Err(ConnError::Protocol("expected Welcome".into())),
                 }
             }
+            Role::ProbeSink => match item {
+                Inbound::Data { .. } => {
+                    lane.reader.place(None);
+                    Ok(())
+                }
+                Inbound::PayloadDone { .. } => {
+                    let welcome = Welcome {
+                        nics: self.wire.clone(),
+                    }
+                    .encode(0);
+                    let lane = &mut self.lanes[k];
+                    lane.writer.push_ctrl(&welcome);
+                    lane.role = Role::Closing;
+                    lane.deadline = Some(now + LINGER);
+                    Ok(())
+                }
+                Inbound::Eof => Err(ConnError::PeerClosed),
+                _ => Err(ConnError::Protocol("expected a probe payload".into())),
+            },
             Role::Probe { pair } => {
                 let pair = *pair;
                 match item {
@@ -873,6 +903,11 @@ impl Reactor {
         match (&mut comm.machine, item) {
             (_, Inbound::Eof) => Err(ConnError::PeerClosed),
             (_, Inbound::Frame(h, _)) if h.kind == Kind::Close => Err(ConnError::PeerClosed),
+            (Machine::Send(_), Inbound::Frame(h, _)) if h.kind == Kind::Stalled => {
+                Err(ConnError::Stalled(
+                    "the receiver has heard nothing on this lane for the completion timeout".into(),
+                ))
+            }
             (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Cts => {
                 m.handle_cts(h.seq, h.len)
             }
@@ -951,15 +986,9 @@ impl Reactor {
             }
             Purpose::Probe => {
                 if self.recv_by_token.contains_key(&hello.token) {
-                    let lane = &mut self.lanes[k];
-                    lane.writer.push_ctrl(
-                        &Welcome {
-                            nics: self.wire.clone(),
-                        }
-                        .encode(0),
-                    );
-                    lane.role = Role::Closing;
-                    lane.deadline = Some(now + LINGER);
+                    // Answer once the probe's payload has crossed the path: a pair that
+                    // connects but cannot move data is not healthy.
+                    self.lanes[k].role = Role::ProbeSink;
                 } else {
                     self.refuse(k, now);
                 }

@@ -79,7 +79,11 @@ impl<S: Subscriber> Layer<S> for Bridge {
             _ => LogLevel::Trace,
         };
         if wanted <= self.stderr {
-            eprintln!("railover {level}: {}", msg.0);
+            // Wall-clock milliseconds, so lines from two processes line up.
+            let ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis());
+            eprintln!("railover {level} {ms}: {}", msg.0);
         }
     }
 }

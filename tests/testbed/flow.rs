@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::proc::Proc;
-use super::{Side, Testbed};
+use railover::testbed::proc::Proc;
+use railover::testbed::{Side, Testbed};
 
 pub const EXE: &str = env!("CARGO_BIN_EXE_railover");
 

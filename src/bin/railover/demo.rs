@@ -32,6 +32,16 @@ pub fn run(args: &[String]) -> i32 {
             }
         }
     }
+    match railover::testbed::unavailable() {
+        None => return crate::failover_demo::run(seconds.max(12.0)),
+        Some(why) => {
+            println!("railover demo: LOOPBACK VARIANT: no failover shown ({why}).");
+            println!("railover demo: as root, `railover demo` builds two network namespaces joined by four");
+            println!(
+                "railover demo: shaped links, takes one down and brings it back while data flows."
+            );
+        }
+    }
     // Self-contained: loopback only.
     std::env::set_var("RAILOVER_IFNAME", "lo");
     println!("railover demo: two processes on loopback, {}-MiB messages, {DEPTH} in flight, every byte verified", SIZE >> 20);

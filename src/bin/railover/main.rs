@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod doctor;
+mod failover_demo;
 mod fault_peer;
 mod peer;
 mod sim;
@@ -11,8 +12,10 @@ const USAGE: &str = "\
 usage: railover <command> [options]
 
 commands:
-  demo     stream checksummed data between two processes through the plugin and show
-           the throughput live (runs on loopback; needs nothing else)
+  demo     as root: two network namespaces joined by four shaped links; checksummed
+           traffic through the plugin, a link taken down and brought back, per-NIC
+           throughput live, failover and fail-back times, a summary table.
+           Without root: the same stream on loopback, without the failover.
   bench    throughput (4 KiB .. 64 MiB) and 8-byte round-trip latency through the
            plugin ABI, against plain TCP sockets measured in the same run
   doctor   NICs, rails, PCI distances and backup candidates of this node (--help for more)

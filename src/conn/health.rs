@@ -1,0 +1,147 @@
+//! Is a lane making progress? No sockets, no clock reads: the caller samples the bytes
+//! a lane has moved, at a fixed interval, with `now` as an argument.
+//!
+//! Silence is caught elsewhere (nothing received for the completion timeout). This
+//! catches the brown-out: bytes still trickle, so the lane is not silent, but a lane that
+//! has had data queued for a whole completion timeout while moving less than
+//! 1/[`SLOW_FACTOR`] of its own best rate is failing. A large message on a link that is
+//! slow but steady never trips it: its rate stays near its own best.
+
+use std::time::{Duration, Instant};
+
+/// A lane this many times slower than its best, while backlogged, is browning out.
+pub const SLOW_FACTOR: f64 = 20.0;
+/// Below this best rate (bytes/s) nothing is judged: too little history to compare.
+pub const MIN_PEAK: f64 = 1_000_000.0;
+
+/// What one sample concluded.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Verdict {
+    Fine,
+    /// Backlogged and far below its best for the whole judging period.
+    Slow {
+        rate: f64,
+        peak: f64,
+    },
+}
+
+/// Progress history of one lane.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    /// Consecutive slow samples that make a verdict.
+    limit: u32,
+    slow: u32,
+    peak: f64,
+    last: Option<(Instant, u64)>,
+}
+
+impl Progress {
+    /// Judges over `period` (the completion timeout) with samples every `sample`.
+    pub fn new(period: Duration, sample: Duration) -> Progress {
+        let limit = (period.as_nanos() / sample.as_nanos().max(1)).max(1) as u32;
+        Progress {
+            limit,
+            slow: 0,
+            peak: 0.0,
+            last: None,
+        }
+    }
+
+    /// One sample: `total` bytes moved so far, and whether the lane had data waiting
+    /// through the whole interval since the previous sample.
+    pub fn observe(&mut self, now: Instant, total: u64, backlogged: bool) -> Verdict {
+        let Some((t0, b0)) = self.last.replace((now, total)) else {
+            return Verdict::Fine;
+        };
+        let dt = now.saturating_duration_since(t0).as_secs_f64();
+        if dt <= 0.0 {
+            return Verdict::Fine;
+        }
+        let rate = total.saturating_sub(b0) as f64 / dt;
+        if !backlogged {
+            self.slow = 0;
+            return Verdict::Fine;
+        }
+        self.peak = self.peak.max(rate);
+        if self.peak >= MIN_PEAK && rate * SLOW_FACTOR < self.peak {
+            self.slow += 1;
+        } else {
+            self.slow = 0;
+        }
+        if self.slow >= self.limit {
+            self.slow = 0;
+            return Verdict::Slow {
+                rate,
+                peak: self.peak,
+            };
+        }
+        Verdict::Fine
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// Feeds `rates` (bytes per 250-ms sample) and returns the sample index of a verdict.
+    fn run(rates: &[(u64, bool)]) -> Option<usize> {
+        let t0 = Instant::now();
+        let mut p = Progress::new(1000 * MS, 250 * MS);
+        let mut total = 0;
+        assert_eq!(p.observe(t0, 0, true), Verdict::Fine);
+        for (i, &(bytes, backlog)) in rates.iter().enumerate() {
+            total += bytes;
+            if let Verdict::Slow { .. } = p.observe(t0 + 250 * MS * (i as u32 + 1), total, backlog)
+            {
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn a_brown_out_is_judged_after_one_full_period() {
+        // 30 MB/s (7.5 MB per sample), then 1 %: slow from sample 4; four slow samples
+        // (one completion timeout) make the verdict at sample 7, not before.
+        let mut r = vec![(7_500_000, true); 4];
+        r.extend(vec![(75_000, true); 8]);
+        assert_eq!(run(&r), Some(7));
+    }
+
+    #[test]
+    fn a_slow_but_steady_link_is_fine() {
+        // 0.5 MB/s all along, backlogged: never slower than itself.
+        assert_eq!(run(&vec![(125_000, true); 40]), None);
+        // A fast link that is simply idle (no backlog) is not judged either.
+        let mut r = vec![(7_500_000, true); 4];
+        r.extend(vec![(0, false); 20]);
+        assert_eq!(run(&r), None);
+    }
+
+    #[test]
+    fn recovery_or_a_gap_in_the_backlog_resets_the_count() {
+        let mut r = vec![(7_500_000, true); 4];
+        r.extend([
+            (75_000, true),
+            (75_000, true),
+            (75_000, true),
+            (7_000_000, true),
+        ]);
+        r.extend([
+            (75_000, true),
+            (75_000, true),
+            (75_000, false),
+            (75_000, true),
+        ]);
+        assert_eq!(run(&r), None);
+    }
+
+    #[test]
+    fn a_dead_backlogged_lane_is_judged_too() {
+        let mut r = vec![(7_500_000, true); 2];
+        r.extend(vec![(0, true); 4]);
+        assert_eq!(run(&r), Some(5));
+    }
+}

@@ -1,0 +1,449 @@
+//! A two-node testbed for the fault tier: two network namespaces ("node A", "node B")
+//! joined by one veth pair per rail, each end shaped with `tc tbf` so the link, not the
+//! CPU, is the bottleneck. Faults are link down/up, rate cuts and flaps on either end.
+//!
+//! Everything lives in namespaces this value created (names unique per process and
+//! testbed) and is removed on drop, panics included; namespaces left by an earlier run
+//! whose process is gone are removed when the next testbed starts. Addresses are
+//! 10.77.<rail>.1 (A) and 10.77.<rail>.2 (B), present only inside those namespaces.
+
+pub mod proc;
+
+use std::net::Ipv4Addr;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Namespace names start with this, then `A-`/`B-`, the pid and a counter.
+pub const PREFIX: &str = "rvf";
+
+/// Per-link rate (Mbit/s): four links together stay well below what the plugin moves
+/// on this 2-core machine (about 2.7 Gbit/s unshaped, measured with `fault-peer`), so
+/// the links, not the CPU, set the pace. See docs/fault-tier.md.
+pub const DEFAULT_RATE_MBIT: u64 = 250;
+
+/// `tbf` burst and latency used on every link.
+const BURST: &str = "256kb";
+const LATENCY: &str = "50ms";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    A,
+    B,
+}
+
+/// Why the fault tier cannot run here, or `None` when it can.
+pub fn unavailable() -> Option<String> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let euid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or("?");
+    if euid != "0" {
+        return Some(format!(
+            "not root (euid {euid}): namespaces and tc need root"
+        ));
+    }
+    for (tool, args) in [("ip", &["netns", "list"][..]), ("tc", &["-V"][..])] {
+        match Command::new(tool).args(args).output() {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => {
+                return Some(format!(
+                    "`{tool} {}` failed: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ))
+            }
+            Err(e) => return Some(format!("`{tool}` not usable ({e}): install iproute2")),
+        }
+    }
+    None
+}
+
+/// Prints `SKIP: <why>` and returns true when the tier cannot run.
+pub fn skip_unless_available() -> bool {
+    match unavailable() {
+        Some(why) => {
+            println!("SKIP: {why}");
+            true
+        }
+        None => false,
+    }
+}
+
+/// Wall-clock milliseconds, the clock the `fault-peer` lines carry.
+pub fn unix_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+/// Runs a command to completion; an error names the command and its stderr.
+pub fn sh(program: &str, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{program} {}: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "`{program} {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn list_namespaces() -> Vec<String> {
+    sh("ip", &["netns", "list"])
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect()
+}
+
+/// Removes testbed namespaces whose creating process no longer exists.
+pub fn remove_stale() -> Vec<String> {
+    let me = std::process::id();
+    let mut removed = Vec::new();
+    for ns in list_namespaces() {
+        let Some(rest) = ns.strip_prefix(PREFIX) else {
+            continue;
+        };
+        let mut parts = rest.split('-');
+        let (Some(side), Some(pid), Some(_n)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
+        if !matches!(side, "A" | "B") || pid == me {
+            continue;
+        }
+        if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            continue; // another live run (e.g. a second worktree): not ours to touch
+        }
+        if sh("ip", &["netns", "del", &ns]).is_ok() {
+            removed.push(ns);
+        }
+    }
+    removed
+}
+
+static NEXT: AtomicUsize = AtomicUsize::new(0);
+
+/// Two namespaces joined by `rails` shaped veth pairs. Dropping it removes everything.
+#[derive(Debug)]
+pub struct Testbed {
+    ns: [String; 2],
+    rails: usize,
+    rate_mbit: u64,
+}
+
+impl Testbed {
+    /// Builds the testbed; on any failure what was built is removed again.
+    pub fn new(rails: usize, rate_mbit: u64) -> Result<Testbed, String> {
+        assert!((1..=16).contains(&rails), "1..16 rails");
+        let stale = remove_stale();
+        if !stale.is_empty() {
+            println!("testbed: removed stale namespaces {stale:?}");
+        }
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        let tb = Testbed {
+            ns: [
+                format!("{PREFIX}A-{pid}-{n}"),
+                format!("{PREFIX}B-{pid}-{n}"),
+            ],
+            rails,
+            rate_mbit,
+        };
+        // From here on, `tb` going out of scope (error or panic) tears down what exists.
+        for ns in &tb.ns {
+            sh("ip", &["netns", "add", ns])?;
+            sh("ip", &["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        for r in 0..rails {
+            let dev = Self::ifname(r);
+            sh(
+                "ip",
+                &[
+                    "link", "add", "name", &dev, "netns", &tb.ns[0], "type", "veth", "peer",
+                    "name", &dev, "netns", &tb.ns[1],
+                ],
+            )?;
+            for side in [Side::A, Side::B] {
+                let ns = tb.ns(side);
+                let addr = format!("{}/24", Self::addr(side, r));
+                sh("ip", &["-n", ns, "addr", "add", &addr, "dev", &dev])?;
+                sh("ip", &["-n", ns, "link", "set", "dev", &dev, "up"])?;
+                tb.tbf("add", side, r, &format!("{rate_mbit}mbit"))?;
+            }
+        }
+        tb.wait_carrier(Duration::from_secs(5))?;
+        Ok(tb)
+    }
+
+    pub fn rails(&self) -> usize {
+        self.rails
+    }
+
+    pub fn rate_mbit(&self) -> u64 {
+        self.rate_mbit
+    }
+
+    pub fn ns(&self, side: Side) -> &str {
+        match side {
+            Side::A => &self.ns[0],
+            Side::B => &self.ns[1],
+        }
+    }
+
+    /// The interface of `rail`, the same name in both namespaces; the plugin sorts
+    /// its devices by name, so device i is rail i (for up to 10 rails).
+    pub fn ifname(rail: usize) -> String {
+        format!("rv{rail}")
+    }
+
+    pub fn addr(side: Side, rail: usize) -> Ipv4Addr {
+        Ipv4Addr::new(10, 77, rail as u8, if side == Side::A { 1 } else { 2 })
+    }
+
+    /// A command that runs `program` inside `side`'s namespace.
+    pub fn command(&self, side: Side, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", self.ns(side), program]);
+        c
+    }
+
+    fn tbf(&self, verb: &str, side: Side, rail: usize, rate: &str) -> Result<String, String> {
+        let dev = Self::ifname(rail);
+        sh(
+            "tc",
+            &[
+                "-n",
+                self.ns(side),
+                "qdisc",
+                verb,
+                "dev",
+                &dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                BURST,
+                "latency",
+                LATENCY,
+            ],
+        )
+    }
+
+    /// `tc qdisc show` for one end, to check the shaping is in place.
+    pub fn qdisc(&self, side: Side, rail: usize) -> String {
+        sh(
+            "tc",
+            &[
+                "-n",
+                self.ns(side),
+                "qdisc",
+                "show",
+                "dev",
+                &Self::ifname(rail),
+            ],
+        )
+        .unwrap_or_default()
+    }
+
+    pub fn link_down(&self, side: Side, rail: usize) {
+        self.set_link(side, rail, "down");
+    }
+
+    pub fn link_up(&self, side: Side, rail: usize) {
+        self.set_link(side, rail, "up");
+    }
+
+    fn set_link(&self, side: Side, rail: usize, state: &str) {
+        sh(
+            "ip",
+            &[
+                "-n",
+                self.ns(side),
+                "link",
+                "set",
+                "dev",
+                &Self::ifname(rail),
+                state,
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Changes the rate of one end (kbit/s): a brown-out is 1% of the link rate.
+    pub fn set_rate_kbit(&self, side: Side, rail: usize, kbit: u64) {
+        self.tbf("change", side, rail, &format!("{kbit}kbit"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Puts one end back to the testbed's rate.
+    pub fn restore_rate(&self, side: Side, rail: usize) {
+        self.set_rate_kbit(side, rail, self.rate_mbit * 1000);
+    }
+
+    /// Silently drops everything `side` sends on `rail` while the carrier stays up: a
+    /// blackhole route to the other end's address (no tc actions are needed, which
+    /// minimal kernels lack). Only completion timeouts can notice this fault.
+    pub fn blackhole(&self, side: Side, rail: usize) {
+        let peer = format!("{}/32", Self::addr(Self::other(side), rail));
+        sh(
+            "ip",
+            &["-n", self.ns(side), "route", "add", "blackhole", &peer],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Removes what `blackhole` added.
+    pub fn unblackhole(&self, side: Side, rail: usize) {
+        let peer = format!("{}/32", Self::addr(Self::other(side), rail));
+        sh(
+            "ip",
+            &["-n", self.ns(side), "route", "del", "blackhole", &peer],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    pub fn other(side: Side) -> Side {
+        match side {
+            Side::A => Side::B,
+            Side::B => Side::A,
+        }
+    }
+
+    /// Takes the link down for `period`, then up for `period`, `count` times (blocking).
+    /// Fault pacing, not synchronisation: the timing is the fault.
+    pub fn flap(&self, side: Side, rail: usize, period: Duration, count: usize) {
+        for _ in 0..count {
+            self.link_down(side, rail);
+            std::thread::sleep(period);
+            self.link_up(side, rail);
+            std::thread::sleep(period);
+        }
+    }
+
+    /// Is the interface administratively and operationally up (carrier present)?
+    pub fn link_is_up(&self, side: Side, rail: usize) -> bool {
+        let out = sh(
+            "ip",
+            &[
+                "-j",
+                "-n",
+                self.ns(side),
+                "link",
+                "show",
+                "dev",
+                &Self::ifname(rail),
+            ],
+        )
+        .unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+        v[0]["operstate"] == "UP"
+    }
+
+    /// Polls until every link has carrier on both ends.
+    pub fn wait_carrier(&self, timeout: Duration) -> Result<(), String> {
+        let end = Instant::now() + timeout;
+        loop {
+            let down: Vec<(Side, usize)> = (0..self.rails)
+                .flat_map(|r| [(Side::A, r), (Side::B, r)])
+                .filter(|&(s, r)| !self.link_is_up(s, r))
+                .collect();
+            if down.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > end {
+                return Err(format!("links without carrier after {timeout:?}: {down:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Bytes sent by `side` on each rail's interface so far (kernel counters).
+    pub fn tx_bytes(&self, side: Side) -> Vec<u64> {
+        let out = sh("ip", &["-j", "-s", "-n", self.ns(side), "link", "show"]).unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+        (0..self.rails)
+            .map(|r| {
+                let name = Self::ifname(r);
+                v.as_array()
+                    .and_then(|a| a.iter().find(|l| l["ifname"] == name.as_str()))
+                    .and_then(|l| l["stats64"]["tx"]["bytes"].as_u64())
+                    .unwrap_or(0)
+            })
+            .collect()
+    }
+
+    /// Interface names in `side`'s namespace (for the self-checks).
+    pub fn interfaces(&self, side: Side) -> Vec<String> {
+        let out = sh("ip", &["-j", "-n", self.ns(side), "addr", "show"]).unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_default();
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|l| {
+                        let addrs: Vec<String> = l["addr_info"]
+                            .as_array()
+                            .map(|x| {
+                                x.iter()
+                                    .filter(|a| a["family"] == "inet")
+                                    .map(|a| {
+                                        format!(
+                                            "{}/{}",
+                                            a["local"].as_str().unwrap_or(""),
+                                            a["prefixlen"]
+                                        )
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default();
+                        format!("{} {}", l["ifname"].as_str().unwrap_or(""), addrs.join(","))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The namespace names, for checking they are gone after drop.
+    pub fn names(&self) -> [String; 2] {
+        self.ns.clone()
+    }
+
+    /// Whether a namespace of that name exists now.
+    pub fn exists(name: &str) -> bool {
+        list_namespaces().iter().any(|n| n == name)
+    }
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        // Processes still inside were started by this testbed's tests: stop them by pid
+        // so the namespaces and veths really go away.
+        for ns in &self.ns {
+            if let Ok(pids) = sh("ip", &["netns", "pids", ns]) {
+                for pid in pids.split_whitespace() {
+                    let _ = sh("kill", &["-KILL", pid]);
+                }
+            }
+        }
+        for r in 0..self.rails {
+            // Deleting one end deletes the pair.
+            let _ = sh("ip", &["-n", &self.ns[0], "link", "del", &Self::ifname(r)]);
+        }
+        for ns in &self.ns {
+            let _ = sh("ip", &["netns", "del", ns]);
+        }
+    }
+}
