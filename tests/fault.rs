@@ -750,3 +750,102 @@ fn lane_balance_rule() {
     assert!(check_lane_balance(&[1, 3, 2, 2], &[0]).is_err());
     assert!(check_lane_balance(&[0, 0], &[0, 1]).is_err());
 }
+
+/// One instant query through `promtool`, run inside `side`'s namespace (where Prometheus
+/// and the plugin's endpoint live on that namespace's loopback): the first value, if any.
+fn prom_value(tb: &Testbed, prom: &str, expr: &str) -> Option<f64> {
+    let out = tb
+        .command(Side::A, "promtool")
+        .args(["query", "instant", prom, expr])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().find_map(|l| {
+        l.split(" => ")
+            .nth(1)?
+            .split(" @")
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// Polls `expr` until `ok` holds for its value, for at most `limit`.
+fn prom_wait(
+    tb: &Testbed,
+    prom: &str,
+    expr: &str,
+    limit: Duration,
+    ok: impl Fn(f64) -> bool,
+) -> f64 {
+    let end = Instant::now() + limit;
+    let mut last = None;
+    while Instant::now() < end {
+        last = prom_value(tb, prom, expr);
+        if let Some(v) = last.filter(|v| ok(*v)) {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("Prometheus: {expr} never reached the expected value (last {last:?})");
+}
+
+fault_test! {
+    /// Real Prometheus scrapes the sending plugin while a link fails and comes back; its
+    /// query API shows the bytes, the NIC going 1 -> 0 -> 1, the failover and the fail-back.
+    fn failover_prometheus_sees_the_failover_and_the_failback() {
+        if needs_failover() {
+            return;
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let installed = std::process::Command::new("bash")
+            .arg(root.join("scripts/install-prometheus.sh"))
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(installed, "prometheus/promtool could not be installed (scripts/install-prometheus.sh)");
+        let tb = bed(2);
+        let dir = std::env::temp_dir().join(format!("railover-prom-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("data")).unwrap();
+        let endpoint = "127.0.0.1:19464";
+        std::fs::write(
+            dir.join("prometheus.yml"),
+            format!(
+                "global:\n  scrape_interval: 250ms\n  scrape_timeout: 200ms\nscrape_configs:\n  - job_name: railover\n    static_configs:\n      - targets: ['{endpoint}']\n"
+            ),
+        )
+        .unwrap();
+        let mut cmd = tb.command(Side::A, "prometheus");
+        cmd.arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+            .args(["--web.listen-address=127.0.0.1:19090", "--log.level=warn"]);
+        let _prom = Proc::spawn(cmd, "prometheus").expect("start prometheus");
+        let prom = "http://127.0.0.1:19090";
+        // The plugin processes inherit these: each binds the endpoint on its namespace's
+        // loopback (node A's is the one Prometheus scrapes).
+        std::env::set_var("RAILOVER_METRICS_ADDR", "127.0.0.1");
+        std::env::set_var("RAILOVER_METRICS_PORT", "19464");
+        let flow = Flow::start(&tb, FlowOpts { seconds: 14.0, ..FlowOpts::default() });
+        std::env::remove_var("RAILOVER_METRICS_ADDR");
+        std::env::remove_var("RAILOVER_METRICS_PORT");
+        let comms = flow.dev_of.len();
+        let t = Duration::from_secs(15);
+        let sent = "sum(railover_bytes_total{direction=\"tx\"})";
+        let b1 = prom_wait(&tb, prom, sent, t, |v| v > 0.0);
+        prom_wait(&tb, prom, "railover_nic_up{nic=\"rv0\"}", t, |v| v == 1.0);
+        tb.link_down(Side::A, 0);
+        prom_wait(&tb, prom, "railover_nic_up{nic=\"rv0\"}", t, |v| v == 0.0);
+        let moved = prom_wait(&tb, prom, "sum(railover_failovers_total{nic=\"rv0\"})", t, |v| v >= 1.0);
+        prom_wait(&tb, prom, "railover_lanes{nic=\"rv0\"}", t, |v| v == 0.0);
+        let b2 = prom_wait(&tb, prom, sent, t, |v| v > b1);
+        tb.link_up(Side::A, 0);
+        prom_wait(&tb, prom, "railover_nic_up{nic=\"rv0\"}", t, |v| v == 1.0);
+        let back = prom_wait(&tb, prom, "sum(railover_failbacks_total)", t, |v| v >= 1.0);
+        prom_wait(&tb, prom, sent, t, |v| v > b2);
+        println!("Prometheus saw: bytes {b1:.0} -> {b2:.0}, failovers {moved}, failbacks {back}");
+        let (recv, send) = flow.finish();
+        assert_delivered_exactly_once(&recv, &send, comms);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -212,3 +212,38 @@ fn a_stranger_with_garbage_is_dropped_and_the_listener_keeps_serving() {
     assert_eq!(wait(&mut rr).unwrap(), 10);
     wait(&mut sr).unwrap();
 }
+
+#[test]
+fn metrics_count_the_bytes_that_moved() {
+    let ctx = setup();
+    let (s, r, _l) = pair(&ctx);
+    let len = 1 << 20;
+    let sb = s.register(len).unwrap();
+    let mut rb = r.register(len).unwrap();
+    let mut rr = r.irecv(&mut rb, len).unwrap().unwrap();
+    let mut sr = s.isend(&sb, len).unwrap().unwrap();
+    wait(&mut rr).unwrap();
+    wait(&mut sr).unwrap();
+    // The reactor hands counters to the registry every 100 ms: poll the rendered text.
+    let rt = railover::plugin::runtime().unwrap();
+    let value = |text: &str, series: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    let end = deadline();
+    loop {
+        let text = rt.telemetry.render();
+        let tx = value(&text, "railover_bytes_total{nic=\"lo\",direction=\"tx\"}");
+        let rx = value(&text, "railover_bytes_total{nic=\"lo\",direction=\"rx\"}");
+        if tx >= len as f64 && rx >= len as f64 {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "bytes not counted: tx {tx} rx {rx}\n{text}"
+        );
+        std::thread::yield_now();
+    }
+}

@@ -1068,6 +1068,11 @@ impl Reactor {
                                     .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
                                 lane.writer.push_payload(buf, len as usize);
                                 self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
+                                if let Some(n) = lane.nic.and_then(|n| self.metrics.nic.get_mut(n))
+                                {
+                                    n[0] += len;
+                                    n[2] += 1;
+                                }
                             }
                             Transmit::Truncated { seq, len } => {
                                 lane.writer
