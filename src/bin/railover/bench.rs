@@ -42,6 +42,11 @@ pub fn run(args: &[String]) -> i32 {
     }
     // The benchmark runs on loopback only.
     std::env::set_var("RAILOVER_IFNAME", "lo");
+    // Two processes of one run would both try the default metrics port: unless asked
+    // for, no endpoint.
+    if std::env::var_os("RAILOVER_METRICS_PORT").is_none() {
+        std::env::set_var("RAILOVER_METRICS_PORT", "off");
+    }
     let scale = if quick { 8 } else { 1 };
     let mut p = match Peer::spawn() {
         Ok(p) => p,

@@ -44,6 +44,11 @@ pub fn run(args: &[String]) -> i32 {
     }
     // Self-contained: loopback only.
     std::env::set_var("RAILOVER_IFNAME", "lo");
+    // Two processes of one run would both try the default metrics port: unless asked
+    // for, no endpoint.
+    if std::env::var_os("RAILOVER_METRICS_PORT").is_none() {
+        std::env::set_var("RAILOVER_METRICS_PORT", "off");
+    }
     println!("railover demo: two processes on loopback, {}-MiB messages, {DEPTH} in flight, every byte verified", SIZE >> 20);
     let mut p = match Peer::spawn() {
         Ok(p) => p,
