@@ -447,6 +447,17 @@ fault_test! {
             assert!(x > 0.5 * link, "surviving NIC {nic} carries only {x:.0} B/s");
         }
         check_lanes(&send, &[0], measured);
+        // P6: each move registered the comm's memory on the backup NIC, then and there.
+        let moves: Vec<&str> = send.stderr_tail.lines().filter(|l| l.contains(" failover comm=")).collect();
+        assert!(!moves.is_empty(), "no failover line in the sender's log:\n{}", send.stderr_tail);
+        for l in moves {
+            let n: usize = l
+                .split("registered_on_backup=")
+                .nth(1)
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                .unwrap_or(0);
+            assert!(n > 0, "a move registered nothing on its backup NIC: {l}");
+        }
     }
 }
 

@@ -201,3 +201,58 @@ impl MemoryRegion {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn comm() -> Arc<CommShared> {
+        let poll = mio::Poll::new().unwrap();
+        let waker = mio::Waker::new(poll.registry(), mio::Token(0)).unwrap();
+        Arc::new(CommShared::new(
+            Side::Send,
+            0,
+            Arc::new(CommandQueue::for_tests(waker)),
+            1,
+        ))
+    }
+
+    #[test]
+    fn registrations_follow_the_comm_to_a_backup_nic_only_when_it_moves() {
+        let c = comm();
+        let a = Arc::new(MemoryRegion::new(c.clone(), 0x1000, 4096, 1));
+        c.remember_region(&a);
+        let b = Arc::new(MemoryRegion::new(c.clone(), 0x9000, 4096, 1));
+        c.remember_region(&b);
+        // At regMr time: registered on the comm's NIC only, nothing on any backup (P6).
+        assert_eq!(a.registered_nics(), vec![1]);
+        let before = LAZY_REGISTRATIONS.load(Ordering::Relaxed);
+        assert_eq!(
+            c.moved_to(3),
+            2,
+            "both regions registered on the backup when the comm moves"
+        );
+        assert_eq!(a.registered_nics(), vec![1, 3]);
+        assert_eq!(c.nic(), 3);
+        assert_eq!(c.moved_to(1), 0, "moving back needs no new registration");
+        assert_eq!(c.moved_to(3), 0, "nor moving to a NIC it already has");
+        assert!(LAZY_REGISTRATIONS.load(Ordering::Relaxed) >= before + 2);
+        drop(b);
+        assert_eq!(c.moved_to(2), 1, "a deregistered region is forgotten");
+    }
+
+    #[test]
+    fn buffers_outside_the_registration_are_refused() {
+        let c = comm();
+        let r = MemoryRegion::new(c.clone(), 0x1000, 100, 1);
+        assert!(r.check(&c, 0x1000, 100).is_ok());
+        assert!(r.check(&c, 0x1000, 0).is_ok());
+        assert!(r.check(&c, 0x1001, 100).is_err());
+        assert!(r.check(&c, 0x0fff, 2).is_err());
+        assert!(r.check(&c, usize::MAX, 2).is_err(), "overflow");
+        assert!(
+            r.check(&comm(), 0x1000, 1).is_err(),
+            "another comm's registration"
+        );
+    }
+}

@@ -392,7 +392,12 @@ impl Reactor {
                     ref exclusions,
                     ..
                 } => {
-                    tracing::warn!("railover: giving up: {ev}");
+                    let since = self
+                        .comms
+                        .get(comm.0)
+                        .and_then(|c| c.detected)
+                        .map_or(0, |(t, _)| now.saturating_duration_since(t).as_millis());
+                    tracing::warn!("railover: giving up {since} ms after the failure: {ev}");
                     self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
                     if let Some(cur) = self
                         .comms

@@ -166,6 +166,18 @@ impl CommandQueue {
         }
     }
 
+    /// A queue no reactor serves, for unit tests of the objects that hold one.
+    #[cfg(test)]
+    pub(crate) fn for_tests(waker: Waker) -> CommandQueue {
+        CommandQueue {
+            q: Mutex::new(VecDeque::new()),
+            len: AtomicUsize::new(0),
+            parked: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            waker,
+        }
+    }
+
     /// The reactor thread has exited.
     pub fn is_stopped(&self) -> bool {
         self.stopped.load(Ordering::Acquire)
