@@ -119,6 +119,10 @@ pub struct Config {
     pub sysfs_root: PathBuf,
     /// `RAILOVER_RAILS`: explicit NIC → rail map.
     pub rails: Option<RailMap>,
+    /// `RAILOVER_LOOPBACK_NICS`: when not 0, this many NICs on loopback addresses
+    /// (127.100.<i>.1) instead of the interfaces: a multi-NIC node without root, for the
+    /// demo and tests.
+    pub loopback_nics: usize,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
     /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`.
     pub router: RouterConfig,
@@ -133,6 +137,7 @@ impl Default for Config {
             completion_timeout: Duration::from_millis(1000),
             probe_timeout: Duration::from_millis(200),
             probe_bytes: 256 << 10,
+            loopback_nics: 0,
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
             router: RouterConfig::default(),
@@ -256,6 +261,13 @@ impl Config {
                 accepted: "an integer number of bytes from 0 to 67108864",
             })? as usize;
         }
+        if let Some(v) = get("RAILOVER_LOOPBACK_NICS") {
+            cfg.loopback_nics = parse_u64(&v, 0, 16).ok_or(ConfigError {
+                var: "RAILOVER_LOOPBACK_NICS",
+                value: v.clone(),
+                accepted: "an integer from 0 (use the interfaces) to 16",
+            })? as usize;
+        }
         if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
             cfg.router.failback_probes_k = parse_u64(&v, 1, 1000).ok_or(ConfigError {
                 var: "RAILOVER_FAILBACK_PROBES",
@@ -357,6 +369,7 @@ mod tests {
             ("RAILOVER_COMPLETION_TIMEOUT_MS", "5"),
             ("RAILOVER_PROBE_TIMEOUT_MS", "soon"),
             ("RAILOVER_PROBE_BYTES", "lots"),
+            ("RAILOVER_LOOPBACK_NICS", "17"),
             ("RAILOVER_FAILBACK_INTERVAL_MS", "0"),
             ("RAILOVER_FAILBACK_PROBES", "0"),
             ("RAILOVER_RAIL_RULE", "nearest"),

@@ -57,7 +57,11 @@ impl Runtime {
         let config = Config::from_env()?;
         let metrics_cfg = ExporterConfig::from_env()?;
         crate::telemetry::log::install(config.log);
-        let tcp_nics = tcp::nic::discover(&config.ifname, &config.sysfs_root)?;
+        let tcp_nics = if config.loopback_nics > 0 {
+            tcp::nic::loopback_nics(config.loopback_nics)
+        } else {
+            tcp::nic::discover(&config.ifname, &config.sysfs_root)?
+        };
         let topo = match Topology::discover_fabric(&config.sysfs_root, Fabric::Tcp) {
             Ok(t) => Some(t),
             Err(e) => {
@@ -462,5 +466,21 @@ pub fn close_comm(comm: &Arc<CommShared>) -> Result<(), Error> {
             "the reactor did not confirm the close within 10 s".into(),
         ));
     }
+    Ok(())
+}
+
+/// In-process fault injection: local NIC `dev` behaves as if its cable were pulled
+/// (`up = false`) or plugged back. Its lanes go silent without closing, so the peer must
+/// notice by itself, as with a real cut; this process sees a carrier event. For the
+/// demo's loopback variant and tests, where no interface can be taken down.
+pub fn inject_link(dev: usize, up: bool) -> Result<(), Error> {
+    let rt = runtime()?;
+    if dev >= rt.nics.len() {
+        return Err(Error::InvalidArgument(format!(
+            "device {dev} does not exist ({} NICs)",
+            rt.nics.len()
+        )));
+    }
+    rt.reactor.queue.push(Command::InjectLink { nic: dev, up });
     Ok(())
 }

@@ -172,7 +172,7 @@ impl Reactor {
     }
 
     /// The active lane `k` of comm `c` is gone (already dropped).
-    fn comm_lane_lost(
+    pub(super) fn comm_lane_lost(
         &mut self,
         c: usize,
         k: usize,
@@ -498,7 +498,7 @@ impl Reactor {
         }
     }
 
-    fn probe_failed(&mut self, pair: Pair, now: Instant) {
+    pub(super) fn probe_failed(&mut self, pair: Pair, now: Instant) {
         if let Some(n) = self.metrics.probe_failures.get_mut(pair.local.0 as usize) {
             *n += 1;
         }
@@ -733,5 +733,65 @@ impl Reactor {
                 |r| r.addr.ip().to_string(),
             );
         (local, remote)
+    }
+
+    /// Fault injection: NIC `i` is cut or restored. A cut keeps its lanes' sockets open
+    /// and silent (the peer must detect the silence, as with a pulled cable) and reports
+    /// a carrier loss here.
+    pub(super) fn inject_link(&mut self, i: usize, up: bool, now: Instant) {
+        let Some(down) = self.injected_down.get_mut(i) else {
+            return;
+        };
+        if *down != up {
+            return;
+        }
+        *down = !up;
+        self.nic_up[i] = up;
+        self.routes_dirty = true;
+        let name = self.setup.nics[i].name.clone();
+        if up {
+            tracing::warn!("railover: NIC {name} restored (fault injection)");
+            self.graveyard.clear();
+            self.router.handle_nic_up(NicId(i as u32), now);
+            return;
+        }
+        tracing::warn!("railover: NIC {name} cut (fault injection)");
+        self.router.handle_nic_down(NicId(i as u32), now);
+        let on_nic: Vec<usize> = self
+            .lanes
+            .iter()
+            .filter(|(_, l)| l.nic == Some(i))
+            .map(|(k, _)| k)
+            .collect();
+        for k in on_nic {
+            let Some(mut lane) = self.lanes.try_remove(k) else {
+                continue;
+            };
+            let _ = self.poll.registry().deregister(&mut lane.sock);
+            let role = std::mem::replace(&mut lane.role, Role::Closing);
+            self.graveyard.push(lane.sock);
+            let error = ConnError::Io(format!("link down on {name}"));
+            match role {
+                Role::Comm(c) => self.comm_lane_lost(c, k, error, FailReason::LinkDown, now),
+                Role::Probe { pair } => self.probe_failed(pair, now),
+                Role::Migrating { comm, .. } => {
+                    if let Some(cm) = self.comms.get_mut(comm) {
+                        cm.migrating = None;
+                        if cm.route.is_some() {
+                            let _ = self.router.handle_lane_failure(
+                                CommId(comm),
+                                LANE,
+                                FailReason::LinkDown,
+                                now,
+                            );
+                        }
+                    }
+                }
+                Role::Connecting { pending, .. } => {
+                    *pending.result.lock() = Some(Err(error.into()))
+                }
+                Role::Handshake { .. } | Role::ProbeSink | Role::Closing => {}
+            }
+        }
     }
 }

@@ -113,6 +113,11 @@ pub enum Command {
         comm: Arc<CommShared>,
         done: Arc<Done>,
     },
+    /// Fault injection: treat local NIC `nic` as cut (`up = false`) or restored.
+    InjectLink {
+        nic: usize,
+        up: bool,
+    },
     Shutdown,
 }
 
@@ -302,6 +307,8 @@ impl ReactorHandle {
             recv_by_token: HashMap::new(),
             watcher,
             next_tick: now,
+            injected_down: vec![false; setup.nics.len()],
+            graveyard: Vec::new(),
             failed_at: HashMap::new(),
             detection_latency: HashMap::new(),
             metrics: MetricsState {
@@ -452,6 +459,10 @@ struct Reactor {
     next_tick: Instant,
     setup: Setup,
     metrics: MetricsState,
+    /// Local NICs cut by fault injection, and the sockets they swallowed: kept open and
+    /// never served, as a dead cable would leave them, until the NIC is restored.
+    injected_down: Vec<bool>,
+    graveyard: Vec<TcpStream>,
     /// Per comm: when it first left its original pair (for the fail-back's "away" time).
     failed_at: HashMap<usize, Instant>,
     /// Per comm: how long the failure went unnoticed (silence before a timeout).
@@ -671,6 +682,7 @@ impl Reactor {
                 self.close_comm(&comm, now);
                 done.signal();
             }
+            Command::InjectLink { nic, up } => self.inject_link(nic, up, now),
             Command::Shutdown => self.shutdown = true,
         }
     }
@@ -733,6 +745,11 @@ impl Reactor {
             let Some(sock) = l.sock.as_ref() else { return };
             match sock.accept() {
                 Ok((stream, _)) => {
+                    if self.injected_down.get(l.nic).copied().unwrap_or(false) {
+                        // A cut NIC answers nothing.
+                        self.graveyard.push(stream);
+                        continue;
+                    }
                     let listener = l.shared.as_ref().map(|s| s.id);
                     let nic = stream
                         .local_addr()

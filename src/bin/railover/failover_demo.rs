@@ -1,12 +1,84 @@
-//! `railover demo` as root: the failover, live. Two namespaces ("node A", "node B")
-//! joined by four tc-shaped veth pairs, one per rail; 8 comms of checksummed messages
-//! through the plugin (two `fault-peer` processes); rail 0 goes down on node A, comes
-//! back, and the table shows what each NIC carried, when traffic moved and moved back.
+//! `railover demo`: the failover, live. Two plugin processes (`fault-peer`) stream 8
+//! comms of checksummed messages over four NICs; NIC 0 of the sending node is cut, then
+//! restored, and the table shows what each NIC carried and when traffic moved and moved
+//! back.
+//!
+//! As root the nodes are two network namespaces joined by four tc-shaped veth pairs and
+//! the cut is `ip link set down`. Otherwise both processes share loopback, each with four
+//! NICs on 127.100.<i>.1 (`RAILOVER_LOOPBACK_NICS`), and the cut is injected inside the
+//! sending plugin: its lanes on that NIC fall silent as with a pulled cable, so the
+//! receiving side must notice by itself.
 
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use railover::testbed::proc::Proc;
 use railover::testbed::{unix_ms, Side, Testbed};
+
+/// Where the two nodes live and how a link is cut.
+pub enum Mode {
+    Namespaces,
+    Loopback,
+}
+
+/// The running nodes' link controls and per-NIC counters.
+enum Bed {
+    Namespaces(Testbed),
+    Loopback,
+}
+
+impl Bed {
+    fn nic(&self, i: usize) -> String {
+        match self {
+            Bed::Namespaces(_) => format!("rv{i}"),
+            Bed::Loopback => format!("lo.{i}"),
+        }
+    }
+
+    fn command(&self, side: Side) -> std::io::Result<Command> {
+        let exe = std::env::current_exe()?;
+        let exe = exe.to_str().unwrap_or("railover");
+        Ok(match self {
+            Bed::Namespaces(tb) => {
+                let mut c = tb.command(side, exe);
+                c.env("RAILOVER_IFNAME", "rv");
+                c
+            }
+            Bed::Loopback => {
+                let mut c = Command::new(exe);
+                c.env("RAILOVER_LOOPBACK_NICS", RAILS.to_string())
+                    .env_remove("RAILOVER_IFNAME");
+                c
+            }
+        })
+    }
+
+    fn link(&self, send: &mut Proc, up: bool) {
+        match self {
+            Bed::Namespaces(tb) if up => tb.link_up(Side::A, 0),
+            Bed::Namespaces(tb) => tb.link_down(Side::A, 0),
+            Bed::Loopback => send.send(if up { "link-up 0" } else { "link-down 0" }),
+        }
+    }
+
+    /// Bytes each NIC of node A has sent so far.
+    fn tx_bytes(&self, send: &Proc) -> Vec<u64> {
+        match self {
+            Bed::Namespaces(tb) => tb.tx_bytes(Side::A),
+            Bed::Loopback => send
+                .lines()
+                .iter()
+                .rev()
+                .find_map(|l| {
+                    field(l, "tx")
+                        .filter(|_| l.starts_with("nicbytes"))
+                        .map(str::to_owned)
+                })
+                .map(|v| v.split(',').map(|x| x.parse().unwrap_or(0)).collect())
+                .unwrap_or_else(|| vec![0; RAILS]),
+        }
+    }
+}
 
 const RAILS: usize = 4;
 const RATE_MBIT: u64 = 200;
@@ -17,9 +89,8 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
         .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
 }
 
-fn spawn(tb: &Testbed, side: Side, role: &str, seconds: f64) -> std::io::Result<Proc> {
-    let exe = std::env::current_exe()?;
-    let mut c = tb.command(side, exe.to_str().unwrap_or("railover"));
+fn spawn(bed: &Bed, side: Side, role: &str, seconds: f64) -> std::io::Result<Proc> {
+    let mut c = bed.command(side)?;
     c.args([
         "fault-peer",
         role,
@@ -28,8 +99,7 @@ fn spawn(tb: &Testbed, side: Side, role: &str, seconds: f64) -> std::io::Result<
         "--seconds",
         &format!("{seconds}"),
     ]);
-    c.env("RAILOVER_IFNAME", "rv")
-        .env("RAILOVER_LOG", "info")
+    c.env("RAILOVER_LOG", "info")
         .env("RAILOVER_METRICS_PORT", "off");
     Proc::spawn(c, role)
 }
@@ -49,29 +119,41 @@ struct Phase {
     mbit: [f64; RAILS],
 }
 
-pub fn run(seconds: f64) -> i32 {
-    println!("railover demo: failover on a namespace testbed");
-    let tb = match Testbed::new(RAILS, RATE_MBIT) {
-        Ok(tb) => tb,
-        Err(e) => {
-            eprintln!("railover demo: cannot build the testbed: {e}");
-            return 1;
+pub fn run(seconds: f64, mode: Mode) -> i32 {
+    let bed = match mode {
+        Mode::Namespaces => {
+            println!("railover demo: failover on a namespace testbed");
+            let tb = match Testbed::new(RAILS, RATE_MBIT) {
+                Ok(tb) => tb,
+                Err(e) => {
+                    eprintln!("railover demo: cannot build the testbed: {e}");
+                    return 1;
+                }
+            };
+            println!(
+                "  node A {} and node B {}: {RAILS} rails rv0..rv3 (veth, tc tbf {RATE_MBIT} Mbit/s each way)",
+                tb.ns(Side::A),
+                tb.ns(Side::B)
+            );
+            Bed::Namespaces(tb)
+        }
+        Mode::Loopback => {
+            println!("  nodes A and B: two processes on loopback, {RAILS} NICs each lo.0..lo.3 (127.100.<i>.1);");
+            println!("  the cut is injected inside node A's plugin: its lanes on lo.0 fall silent");
+            println!("  (loopback has no link rate: the CPU bounds the total, so watch where the traffic goes)");
+            Bed::Loopback
         }
     };
-    println!(
-        "  node A {} and node B {}: {RAILS} rails rv0..rv3 (veth, tc tbf {RATE_MBIT} Mbit/s each way)",
-        tb.ns(Side::A),
-        tb.ns(Side::B)
-    );
+    let names: Vec<String> = (0..RAILS).map(|i| bed.nic(i)).collect();
     let t = Duration::from_secs(30);
     let (recv, mut send) = match (|| -> Result<(Proc, Proc), String> {
-        let recv = spawn(&tb, Side::B, "recv", seconds).map_err(|e| e.to_string())?;
+        let recv = spawn(&bed, Side::B, "recv", seconds).map_err(|e| e.to_string())?;
         recv.wait_line(t, |l| {
             l.starts_with("listening") || l.starts_with("setup-failed")
         })
         .filter(|l| l.starts_with("listening"))
         .ok_or_else(|| format!("the receiver did not start:\n{}", recv.stderr_tail(10)))?;
-        let mut send = spawn(&tb, Side::A, "send", seconds).map_err(|e| e.to_string())?;
+        let mut send = spawn(&bed, Side::A, "send", seconds).map_err(|e| e.to_string())?;
         for h in recv.lines().iter().filter(|l| l.starts_with("handle ")) {
             send.send(h);
         }
@@ -96,7 +178,7 @@ pub fn run(seconds: f64) -> i32 {
     let down_at = 3.0;
     let up_at = down_at + (seconds - down_at) * 0.4;
     let start = Instant::now();
-    let mut prev = tb.tx_bytes(Side::A);
+    let mut prev = bed.tx_bytes(&send);
     let mut prev_t = Instant::now();
     let (mut fault_ms, mut heal_ms) = (None, None);
     let mut phases = [
@@ -106,12 +188,12 @@ pub fn run(seconds: f64) -> i32 {
             mbit: [0.0; RAILS],
         },
         Phase {
-            name: "rv0 down",
+            name: "NIC 0 cut",
             samples: 0,
             mbit: [0.0; RAILS],
         },
         Phase {
-            name: "rv0 back",
+            name: "restored",
             samples: 0,
             mbit: [0.0; RAILS],
         },
@@ -119,22 +201,22 @@ pub fn run(seconds: f64) -> i32 {
     let mut shown = 0;
     println!(
         "{:>7}  {:>8} {:>8} {:>8} {:>8}  {:>8}  event",
-        "time s", "rv0", "rv1", "rv2", "rv3", "total"
+        "time s", names[0], names[1], names[2], names[3], "total"
     );
     while start.elapsed().as_secs_f64() < seconds - 0.5 {
         std::thread::sleep(SAMPLE);
         let el = start.elapsed().as_secs_f64();
         let mut event = String::new();
         if fault_ms.is_none() && el >= down_at {
-            tb.link_down(Side::A, 0);
+            bed.link(&mut send, false);
             fault_ms = Some(unix_ms());
-            event = "rv0 taken DOWN on node A".into();
+            event = format!("{} CUT on node A", names[0]);
         } else if heal_ms.is_none() && el >= up_at {
-            tb.link_up(Side::A, 0);
+            bed.link(&mut send, true);
             heal_ms = Some(unix_ms());
-            event = "rv0 brought back UP".into();
+            event = format!("{} RESTORED", names[0]);
         }
-        let now = tb.tx_bytes(Side::A);
+        let now = bed.tx_bytes(&send);
         let dt = prev_t.elapsed().as_secs_f64();
         prev_t = Instant::now();
         let mbit: Vec<f64> = now
@@ -226,7 +308,7 @@ pub fn run(seconds: f64) -> i32 {
     println!("summary (Mbit/s sent by node A per NIC, mean of each phase)");
     println!(
         "{:>10}  {:>8} {:>8} {:>8} {:>8}  {:>8}",
-        "phase", "rv0", "rv1", "rv2", "rv3", "total"
+        "phase", names[0], names[1], names[2], names[3], "total"
     );
     for p in &phases {
         let n = p.samples.max(1) as f64;

@@ -350,6 +350,31 @@ fn lane_counts() -> Option<Vec<u32>> {
     Some(v)
 }
 
+/// Prints `nicbytes t=T tx=B0,B1,...`: bytes each local NIC has sent so far, as the
+/// plugin's own metrics count them (the only per-NIC view when NICs share an interface).
+fn say_nic_bytes() {
+    let Ok(rt) = railover::plugin::runtime() else {
+        return;
+    };
+    let text = rt.telemetry.render();
+    let tx: Vec<String> = rt
+        .nics
+        .iter()
+        .map(|n| {
+            let series = format!(
+                "railover_bytes_total{{nic=\"{}\",direction=\"tx\"}} ",
+                n.tcp.name
+            );
+            text.lines()
+                .find_map(|l| l.strip_prefix(&series))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .map_or(0, |v| v as u64)
+                .to_string()
+        })
+        .collect();
+    say(&format!("nicbytes t={} tx={}", unix_ms(), tx.join(",")));
+}
+
 /// Prints `lanes t=T counts=L0,L1,...` (sender: it owns the routes).
 fn say_lanes() {
     if let Some(v) = lane_counts() {
@@ -680,6 +705,32 @@ fn sender(o: &Opts) -> i32 {
         });
     }
     say(&format!("connected comms={} t={}", lanes.len(), unix_ms()));
+    // From here on stdin carries fault injections (`link-down N`, `link-up N`) and, at the
+    // end, `close` (or EOF).
+    let (closed_tx, closed_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(l) = line else { break };
+            let w: Vec<&str> = l.split_whitespace().collect();
+            match w.as_slice() {
+                ["close"] => break,
+                [cmd @ ("link-down" | "link-up"), dev] => {
+                    let up = *cmd == "link-up";
+                    match dev
+                        .parse::<usize>()
+                        .map_err(|e| e.to_string())
+                        .and_then(|d| {
+                            railover::plugin::inject_link(d, up).map_err(|e| e.to_string())
+                        }) {
+                        Ok(()) => say(&format!("injected {cmd} dev={dev} t={}", unix_ms())),
+                        Err(e) => say(&format!("inject-failed {cmd} {dev}: {e}")),
+                    }
+                }
+                _ => {}
+            }
+        }
+        let _ = closed_tx.send(());
+    });
 
     let mut tally = Tally::default();
     let mut per_comm = vec![0u64; lanes.len()];
@@ -765,6 +816,7 @@ fn sender(o: &Opts) -> i32 {
         }
         if ticker.maybe(&mut per_comm) {
             say_lanes();
+            say_nic_bytes();
         }
         let settled = lanes.iter().all(|l| {
             l.state == State::Ended
@@ -790,18 +842,7 @@ fn sender(o: &Opts) -> i32 {
     let code = tally.exit_code(stalled);
     // Closing now could fail receives the receiver has not yet tested: keep the comms
     // open until the test says `close` (or closes stdin), for at most the grace time.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::stdin().lock().lines() {
-            match line {
-                Ok(l) if l.trim() == "close" => break,
-                Ok(_) => {}
-                Err(_) => break,
-            }
-        }
-        let _ = tx.send(());
-    });
-    let _ = rx.recv_timeout(Duration::from_secs_f64(o.grace));
+    let _ = closed_rx.recv_timeout(Duration::from_secs_f64(o.grace));
     if stalled > 0 {
         std::mem::forget(lanes);
         std::mem::forget(ctx);

@@ -139,12 +139,6 @@ pub fn fill_pattern(buf: &mut [u8], seq: u64) {
     }
 }
 
-pub fn check_pattern(buf: &[u8], seq: u64) -> bool {
-    let mut want = vec![0u8; buf.len()];
-    fill_pattern(&mut want, seq);
-    want == buf
-}
-
 /// Streams `count` messages of `len` bytes with at most `depth` in flight, each filled
 /// with its pattern when `patterned`.
 pub fn send_stream(

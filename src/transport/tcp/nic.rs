@@ -120,6 +120,21 @@ pub fn describe(iface: &Interface, sysfs: &Path) -> TcpNic {
     }
 }
 
+/// `n` NICs on loopback, `lo.<i>` at 127.100.<i>.1: every 127/8 address is local, so this
+/// gives a multi-NIC node without root (the demo's loopback variant and tests). Processes
+/// of one host share these addresses; their listeners take distinct ports.
+pub fn loopback_nics(n: usize) -> Vec<TcpNic> {
+    (0..n)
+        .map(|i| TcpNic {
+            name: format!("lo.{i}"),
+            ip: IpAddr::V4(std::net::Ipv4Addr::new(127, 100, i as u8, 1)),
+            pci_path: None,
+            speed_mbps: FALLBACK_SPEED_MBPS,
+            loopback: true,
+        })
+        .collect()
+}
+
 /// Discovers this process's TCP NICs.
 pub fn discover(filter: &IfFilter, sysfs: &Path) -> std::io::Result<Vec<TcpNic>> {
     Ok(select(&interfaces()?, filter)
