@@ -155,25 +155,6 @@ impl fmt::Display for Config {
     }
 }
 
-/// The variables railover reads, with their accepted values (the README's table).
-pub const VARIABLES: &[(&str, &str, &str)] = &[
-    (
-        "RAILOVER_IFNAME",
-        "every up, non-loopback interface with an address (loopback only if nothing else)",
-        "NCCL_SOCKET_IFNAME syntax: prefix list, `^` to exclude, `=` for exact names",
-    ),
-    (
-        "RAILOVER_SPIN_US",
-        "200",
-        "busy-poll budget in microseconds, 0..=1000000",
-    ),
-    (
-        "RAILOVER_LOG",
-        "warn",
-        "off|warn|info|debug|trace (stderr only)",
-    ),
-];
-
 impl Config {
     /// Reads the process environment.
     pub fn from_env() -> Result<Config, ConfigError> {

@@ -9,7 +9,7 @@
 //! length for `Hello`/`Welcome`. Parsing checks every length before it reads, so a
 //! stranger's bytes produce a [`WireError`], never a panic.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 /// The first two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"RO";
@@ -327,11 +327,6 @@ fn frame_with_body(mut h: Header, body: &[u8]) -> Vec<u8> {
     v.extend_from_slice(&h.encode());
     v.extend_from_slice(body);
     v
-}
-
-/// Placeholder address used in NIC lists before a listener port is known.
-pub fn unspecified() -> SocketAddr {
-    SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ pub(super) fn io_error(e: &io::Error) -> ConnError {
     }
 }
 
-pub(super) fn reason_of(e: &ConnError) -> FailReason {
+fn reason_of(e: &ConnError) -> FailReason {
     match e {
         ConnError::Io(_) => FailReason::NicError,
         _ => FailReason::Timeout,
@@ -111,6 +111,13 @@ impl Reactor {
             }
             Err(e) => tracing::warn!("railover: comm {c} cannot fail over: {e}"),
         }
+    }
+
+    /// A lane hit `error` (a socket or protocol error): fail it for the reason that error
+    /// implies.
+    pub(super) fn lane_error(&mut self, k: usize, error: ConnError, now: Instant) {
+        let reason = reason_of(&error);
+        self.lane_failed(k, error, reason, now);
     }
 
     /// A lane is unusable: settle whatever depended on it.
@@ -547,17 +554,17 @@ impl Reactor {
         let timeout = self.setup.completion_timeout;
         let keepalive = timeout / 4;
         self.next_tick = now + self.tick_interval();
-        let mut dead: Vec<(usize, ConnError)> = Vec::new();
+        // Lanes to fail, with how long they had been silent when that was the cause.
+        let mut dead: Vec<(usize, ConnError, Option<Duration>)> = Vec::new();
         for (k, lane) in self.lanes.iter_mut() {
             if !matches!(lane.role, Role::Comm(_)) {
                 continue;
             }
             let silent = now.saturating_duration_since(lane.last_rx);
             if silent > timeout {
-                self.detection_latency.insert(k, silent);
                 let e =
                     ConnError::Stalled(format!("nothing received for {} ms", silent.as_millis()));
-                dead.push((k, e));
+                dead.push((k, e, Some(silent)));
                 continue;
             }
             // Delivery progress: what the peer's TCP has acknowledged. A large socket
@@ -577,7 +584,7 @@ impl Reactor {
                     rate / 1e3,
                     peak / 1e3
                 ));
-                dead.push((k, e));
+                dead.push((k, e, None));
                 continue;
             }
             if now.saturating_duration_since(lane.last_tx) >= keepalive && !queued {
@@ -586,11 +593,11 @@ impl Reactor {
                 self.dirty.push(k);
             }
         }
-        for (k, e) in dead {
+        for (k, e, silent) in dead {
             let Role::Comm(c) = self.lanes[k].role else {
                 continue;
             };
-            if let Some(silent) = self.detection_latency.remove(&k) {
+            if let Some(silent) = silent {
                 self.detection_latency.insert(c, silent);
             }
             if self.comms[c].shared.side == Side::Recv {

@@ -794,8 +794,7 @@ impl Reactor {
             match got {
                 Ok(Some(item)) => {
                     if let Err(e) = self.inbound(k, item, now) {
-                        let reason = failover::reason_of(&e);
-                        self.lane_failed(k, e, reason, now);
+                        self.lane_error(k, e, now);
                         return;
                     }
                 }
@@ -810,8 +809,7 @@ impl Reactor {
                         tcp::stream::ReadError::Io(e) => failover::io_error(&e),
                         tcp::stream::ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
                     };
-                    let reason = failover::reason_of(&e);
-                    self.lane_failed(k, e, reason, now);
+                    self.lane_error(k, e, now);
                     return;
                 }
             }
@@ -1167,11 +1165,7 @@ impl Reactor {
                         self.drop_lane(k);
                     }
                 }
-                Err(e) => {
-                    let e = failover::io_error(&e);
-                    let reason = failover::reason_of(&e);
-                    self.lane_failed(k, e, reason, now)
-                }
+                Err(e) => self.lane_error(k, failover::io_error(&e), now),
             }
         }
         self.dirty = dirty;

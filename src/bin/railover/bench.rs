@@ -114,7 +114,7 @@ pub fn run(args: &[String]) -> i32 {
         for b in &mut bufs {
             b.bytes_mut().unwrap().fill(1);
         }
-        p.send(&format!("stream {size} {count} {DEPTH} 0 0"));
+        p.send(&format!("stream {size} {count} {DEPTH}"));
         let (bytes, dt) = receive_stream(&recv, &mut bufs, size, count);
         assert_eq!(p.recv(), "ok");
         rows.push(Row {

@@ -127,28 +127,8 @@ pub fn wait(req: &mut Request) -> Result<usize, Code> {
     }
 }
 
-/// Deterministic content of message `seq`: the receiver checks every byte.
-pub fn fill_pattern(buf: &mut [u8], seq: u64) {
-    let mut x = seq.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    for chunk in buf.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let b = x.to_le_bytes();
-        chunk.copy_from_slice(&b[..chunk.len()]);
-    }
-}
-
-/// Streams `count` messages of `len` bytes with at most `depth` in flight, each filled
-/// with its pattern when `patterned`.
-pub fn send_stream(
-    s: &SendComm,
-    bufs: &mut [Buffer],
-    len: usize,
-    count: u64,
-    patterned: bool,
-    first_seq: u64,
-) -> Result<(), Code> {
+/// Streams `count` messages of `len` bytes with at most `bufs.len()` in flight.
+pub fn send_stream(s: &SendComm, bufs: &[Buffer], len: usize, count: u64) -> Result<(), Code> {
     let depth = bufs.len();
     let mut reqs: Vec<Option<Request>> = (0..depth).map(|_| None).collect();
     let mut seq = 0u64;
@@ -159,12 +139,6 @@ pub fn send_stream(
         assert!(Instant::now() < end, "send stream stalled");
         let slot = (seq % depth as u64) as usize;
         if seq < count && reqs[slot].is_none() {
-            if patterned {
-                fill_pattern(
-                    &mut bufs[slot].bytes_mut().expect("idle buffer")[..len],
-                    first_seq + seq,
-                );
-            }
             if let Some(r) = s.isend(&bufs[slot], len)? {
                 reqs[slot] = Some(r);
                 seq += 1;
@@ -240,24 +214,17 @@ pub fn serve(_args: &[String]) -> i32 {
                 ctx = Some(c);
                 reply("ok".into());
             }
-            ["stream", len, count, depth, patterned, first] => {
+            ["stream", len, count, depth] => {
                 let (len, count, depth): (usize, u64, usize) = (
                     len.parse().unwrap(),
                     count.parse().unwrap(),
                     depth.parse().unwrap(),
                 );
                 let s = fwd.as_ref().expect("plugin connected");
-                let mut bufs: Vec<Buffer> = (0..depth)
+                let bufs: Vec<Buffer> = (0..depth)
                     .map(|_| s.register(len.max(1)).unwrap())
                     .collect();
-                let r = send_stream(
-                    s,
-                    &mut bufs,
-                    len,
-                    count,
-                    *patterned == "1",
-                    first.parse().unwrap(),
-                );
+                let r = send_stream(s, &bufs, len, count);
                 reply(match r {
                     Ok(()) => "ok".into(),
                     Err(e) => format!("error {e}"),
