@@ -22,9 +22,19 @@ pub const PREFIX: &str = "rvf";
 /// the links, not the CPU, set the pace. See docs/fault-tier.md.
 pub const DEFAULT_RATE_MBIT: u64 = 250;
 
-/// `tbf` burst and latency used on every link.
-const BURST: &str = "256kb";
+/// `tbf` burst: 8 ms of traffic at the link's rate, within these bounds. A real link
+/// that degrades does not bank credit, so a slowed link must not let a large burst
+/// through at full speed (a health probe would pass on the burst alone).
+const BURST_TIME_MS: u64 = 8;
+const BURST_MIN: u64 = 16 << 10;
+const BURST_MAX: u64 = 256 << 10;
+/// `tbf` queue: the most time a packet may wait.
 const LATENCY: &str = "50ms";
+
+/// The `tbf` burst, in bytes, for a rate in kbit/s.
+fn burst_bytes(kbit: u64) -> u64 {
+    (kbit * 1000 / 8 * BURST_TIME_MS / 1000).clamp(BURST_MIN, BURST_MAX)
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
@@ -181,7 +191,7 @@ impl Testbed {
                 let addr = format!("{}/24", Self::addr(side, r));
                 sh("ip", &["-n", ns, "addr", "add", &addr, "dev", &dev])?;
                 sh("ip", &["-n", ns, "link", "set", "dev", &dev, "up"])?;
-                tb.tbf("add", side, r, &format!("{rate_mbit}mbit"))?;
+                tb.tbf("add", side, r, rate_mbit * 1000)?;
             }
         }
         tb.wait_carrier(Duration::from_secs(5))?;
@@ -220,8 +230,10 @@ impl Testbed {
         c
     }
 
-    fn tbf(&self, verb: &str, side: Side, rail: usize, rate: &str) -> Result<String, String> {
+    fn tbf(&self, verb: &str, side: Side, rail: usize, kbit: u64) -> Result<String, String> {
         let dev = Self::ifname(rail);
+        let rate = format!("{kbit}kbit");
+        let burst = format!("{}b", burst_bytes(kbit));
         sh(
             "tc",
             &[
@@ -234,9 +246,9 @@ impl Testbed {
                 "root",
                 "tbf",
                 "rate",
-                rate,
+                &rate,
                 "burst",
-                BURST,
+                &burst,
                 "latency",
                 LATENCY,
             ],
@@ -283,10 +295,18 @@ impl Testbed {
         .unwrap_or_else(|e| panic!("{e}"));
     }
 
-    /// Changes the rate of one end (kbit/s): a brown-out is 1% of the link rate.
+    /// Changes the rate of one end (kbit/s): a brown-out is 1% of the link rate. The
+    /// shaper is replaced, not changed, dropping what it queued: `tc ... change` keeps
+    /// queued packets, and one larger than the new, smaller burst never leaves, which
+    /// would stop the link instead of slowing it.
     pub fn set_rate_kbit(&self, side: Side, rail: usize, kbit: u64) {
-        self.tbf("change", side, rail, &format!("{kbit}kbit"))
-            .unwrap_or_else(|e| panic!("{e}"));
+        let dev = Self::ifname(rail);
+        sh(
+            "tc",
+            &["-n", self.ns(side), "qdisc", "del", "dev", &dev, "root"],
+        )
+        .and_then(|_| self.tbf("add", side, rail, kbit))
+        .unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// Puts one end back to the testbed's rate.

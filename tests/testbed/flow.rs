@@ -19,6 +19,8 @@ pub struct FlowOpts {
     pub seconds: f64,
     /// After that, how long the endpoints wait for what is in flight.
     pub grace: f64,
+    /// Extra environment for both plugin processes.
+    pub env: Vec<(&'static str, String)>,
 }
 
 impl Default for FlowOpts {
@@ -29,6 +31,7 @@ impl Default for FlowOpts {
             depth: 8,
             seconds: 8.0,
             grace: 5.0,
+            env: Vec::new(),
         }
     }
 }
@@ -63,6 +66,7 @@ fn spawn(tb: &Testbed, side: Side, role: &str, o: &FlowOpts) -> Proc {
     c.arg("fault-peer").arg(role).args(o.args());
     // Only the testbed's interfaces (rv0, rv1, ...) become the plugin's NICs.
     c.env("RAILOVER_IFNAME", "rv");
+    c.envs(o.env.iter().map(|(k, v)| (k, v)));
     Proc::spawn(c, role).expect("spawn fault-peer")
 }
 
@@ -273,19 +277,29 @@ impl Report {
         bytes as f64 / ((to - from) as f64 / 1000.0)
     }
 
-    /// Per comm: how long after `fault` its traffic came back, measured to the first
-    /// tick with bytes after its first empty tick (0 when it never stopped). `None`
-    /// when some comm stopped and never resumed.
+    /// How long after `fault` the slowest of `comms` was flowing again, in ms: per comm,
+    /// the first tick after the fault with bytes from which the comm also delivered in
+    /// each of the next three 500-ms windows. One empty tick is not an outage (a comm
+    /// sharing a link completes a message only every tick or two), and a message now
+    /// and then on a browned-out link is not flowing. `None` when some comm never
+    /// flowed again while the flow was watched.
     pub fn resume_after(&self, comms: &[usize], fault: u128) -> Option<u128> {
+        const WINDOW: u128 = 500;
+        const WINDOWS: u128 = 3;
+        let after: Vec<&Tick> = self.ticks.iter().filter(|t| t.t > fault).collect();
         let mut worst = 0;
         for &c in comms {
-            let after: Vec<&Tick> = self.ticks.iter().filter(|t| t.t > fault).collect();
             let b = |t: &Tick| t.bytes.get(c).copied().unwrap_or(0);
-            let Some(stop) = after.iter().position(|t| b(t) == 0) else {
-                continue;
+            let flowing = |i: usize| {
+                let start = after[i].t;
+                b(after[i]) > 0
+                    && (0..WINDOWS).all(|w| {
+                        let (lo, hi) = (start + w * WINDOW, start + (w + 1) * WINDOW);
+                        after[i..].iter().any(|t| t.t > lo && t.t <= hi && b(t) > 0)
+                    })
             };
-            let back = after[stop..].iter().find(|t| b(t) > 0)?;
-            worst = worst.max(back.t - fault);
+            let i = (0..after.len()).find(|&i| flowing(i))?;
+            worst = worst.max(after[i].t - fault);
         }
         Some(worst)
     }
