@@ -9,11 +9,12 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::conn::health::Verdict;
+use crate::conn::health::{Verdict, SLOW_FACTOR};
 use crate::routing::{
     CommId, CommSpec, Event, LaneId, LocalNic as RouteLocal, MoveReason, NicId, PeerId, RemoteNic,
 };
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair, NicSample};
+use crate::transport::tcp::fair::LaneSample;
 
 /// How a socket error is classified: a peer that closed or reset the connection is gone
 /// (its kernel answered, so the path works); anything else is a path failure.
@@ -145,7 +146,7 @@ impl Reactor {
                 tracing::warn!("railover: connect failed: {error}");
                 *pending.result.lock() = Some(Err(error.into()));
             }
-            Role::Probe { pair } => {
+            Role::Probe { pair, .. } => {
                 let pair = *pair;
                 self.probe_failed(pair, now);
             }
@@ -169,6 +170,16 @@ impl Reactor {
             }
             Role::Comm(c) => {
                 let c = *c;
+                if self
+                    .comms
+                    .get(c)
+                    .is_some_and(|m| m.shared.side == Side::Send)
+                {
+                    // Reset rather than close: what the kernel still holds is replayed on
+                    // the next lane, and draining it into a sick link would only compete
+                    // with the probes that test whether the link healed.
+                    let _ = socket2::SockRef::from(&lane.sock).set_linger(Some(Duration::ZERO));
+                }
                 self.drop_lane(k);
                 self.comm_lane_lost(c, k, error, reason, now);
                 return;
@@ -491,7 +502,8 @@ impl Reactor {
             nics: self.wire.clone(),
         };
         let limit = self.setup.probe_timeout;
-        match self.connect_pair(pair, hello, Role::Probe { pair }, now, limit) {
+        let role = Role::Probe { pair, started: now };
+        match self.connect_pair(pair, hello, role, now, limit) {
             Some(k) => {
                 // The payload must cross within the deadline: connecting is not enough
                 // (a browned-out link still connects).
@@ -502,6 +514,28 @@ impl Reactor {
                 lane.writer.push_ctrl(&vec![0u8; n]);
             }
             None => self.probe_failed(pair, now),
+        }
+    }
+
+    /// A probe's payload crossed within its deadline. A pair that failed by browning
+    /// out must also show a rate no worse than what made it fail: a slow link still
+    /// passes a deadline, and a tbf-like shaper lets a burst through at full speed.
+    pub(super) fn probe_answered(&mut self, pair: Pair, started: Instant, now: Instant) {
+        let secs = now
+            .saturating_duration_since(started)
+            .as_secs_f64()
+            .max(1e-6);
+        let rate = self.setup.probe_bytes as f64 / secs;
+        match self.probe_floor.get(&pair) {
+            Some(&floor) if rate < floor => {
+                tracing::debug!(
+                    "railover: probe of {pair}: {:.0} kB/s, below the {:.0} kB/s it must show after its brown-out",
+                    rate / 1e3,
+                    floor / 1e3
+                );
+                self.probe_failed(pair, now);
+            }
+            _ => self.router.handle_probe(pair, true, now),
         }
     }
 
@@ -549,6 +583,19 @@ impl Reactor {
             .clamp(Duration::from_millis(5), Duration::from_millis(100))
     }
 
+    /// Applies the NICs' fair shares (see `transport::tcp::fair`) to the lanes' sockets.
+    fn pace(&mut self, shares: &[LaneSample], now: Instant) {
+        let dt = now.saturating_duration_since(self.fair_at);
+        self.fair_at = now;
+        for (k, cap) in self.fair.sample(dt, shares) {
+            if let Some(lane) = self.lanes.get(k) {
+                if let Err(e) = crate::ffi::sys::set_max_pacing_rate(&lane.sock, cap) {
+                    tracing::debug!("railover: pacing lane {k}: {e}");
+                }
+            }
+        }
+    }
+
     /// Periodic work: silence and brown-out detection, keepalives, stranded receivers.
     pub(super) fn tick(&mut self, now: Instant) {
         let timeout = self.setup.completion_timeout;
@@ -556,6 +603,7 @@ impl Reactor {
         self.next_tick = now + self.tick_interval();
         // Lanes to fail, with how long they had been silent when that was the cause.
         let mut dead: Vec<(usize, ConnError, Option<Duration>)> = Vec::new();
+        let mut shares: Vec<LaneSample> = Vec::new();
         for (k, lane) in self.lanes.iter_mut() {
             if !matches!(lane.role, Role::Comm(_)) {
                 continue;
@@ -577,8 +625,22 @@ impl Reactor {
             // Waiting at both ends of the interval: the lane was backlogged through it.
             let backlogged = lane.backlogged && waiting;
             lane.backlogged = waiting;
+            if let Some(nic) = lane.nic {
+                shares.push(LaneSample {
+                    key: k,
+                    nic,
+                    bytes: delivered.saturating_sub(lane.delivered),
+                    backlogged,
+                });
+            }
+            lane.delivered = delivered;
             if let Verdict::Slow { rate, peak } = lane.progress.observe(now, delivered, backlogged)
             {
+                if let Role::Comm(c) = lane.role {
+                    if let Some(r) = self.comms.get(c).and_then(|c| c.route) {
+                        self.probe_floor.insert(r.current, peak / SLOW_FACTOR);
+                    }
+                }
                 let e = ConnError::Stalled(format!(
                     "brown-out: delivering {:.0} kB/s with data waiting, against {:.0} kB/s before",
                     rate / 1e3,
@@ -593,6 +655,7 @@ impl Reactor {
                 self.dirty.push(k);
             }
         }
+        self.pace(&shares, now);
         for (k, e, silent) in dead {
             let Role::Comm(c) = self.lanes[k].role else {
                 continue;
@@ -780,7 +843,7 @@ impl Reactor {
             let error = ConnError::Io(format!("link down on {name}"));
             match role {
                 Role::Comm(c) => self.comm_lane_lost(c, k, error, FailReason::LinkDown, now),
-                Role::Probe { pair } => self.probe_failed(pair, now),
+                Role::Probe { pair, .. } => self.probe_failed(pair, now),
                 Role::Migrating { comm, .. } => {
                     if let Some(cm) = self.comms.get_mut(comm) {
                         cm.migrating = None;

@@ -40,6 +40,7 @@ use crate::plugin::Error;
 use crate::routing::{self, FailReason, Move, Pair, RoutePublisher, Router, RouterConfig};
 use crate::telemetry::metrics::{Delta, Telemetry};
 use crate::topology::PathType;
+use crate::transport::tcp::fair::FairShare;
 use crate::transport::tcp::netlink::LinkWatcher;
 use crate::transport::tcp::{self, stream::FrameReader, stream::FrameWriter, stream::Inbound};
 use budget::SpinBudget;
@@ -311,6 +312,9 @@ impl ReactorHandle {
             graveyard: Vec::new(),
             failed_at: HashMap::new(),
             detection_latency: HashMap::new(),
+            probe_floor: HashMap::new(),
+            fair: FairShare::new(),
+            fair_at: now,
             metrics: MetricsState {
                 nic: vec![[0; 4]; setup.nics.len()],
                 probe_failures: vec![0; setup.nics.len()],
@@ -397,7 +401,8 @@ enum Role {
     /// Carrying a comm.
     Comm(usize),
     /// Probing a candidate pair for the router.
-    Probe { pair: Pair },
+    /// A health probe of `pair`, started at `started`.
+    Probe { pair: Pair, started: Instant },
     /// Answering a probe: receiving its payload before the `Welcome`.
     ProbeSink,
     /// Opening a comm's replacement lane.
@@ -420,6 +425,8 @@ struct Lane {
     /// Whether data was queued at the last tick, and the lane's progress history.
     backlogged: bool,
     progress: Progress,
+    /// Bytes delivered as of the last tick, for the NIC's fair shares.
+    delivered: u64,
 }
 
 struct Listener {
@@ -467,6 +474,13 @@ struct Reactor {
     failed_at: HashMap<usize, Instant>,
     /// Per comm: how long the failure went unnoticed (silence before a timeout).
     detection_latency: HashMap<usize, Duration>,
+    /// The least rate (bytes/s) a probe of a pair must show: set for pairs that failed
+    /// by browning out, which still answer a probe in time.
+    probe_floor: HashMap<Pair, f64>,
+    /// Pacing caps that share each NIC evenly between its backlogged lanes.
+    fair: FairShare,
+    /// When the fair shares were last sampled.
+    fair_at: Instant,
 }
 
 /// What the reactor accumulates between two metric samples.
@@ -727,11 +741,13 @@ impl Reactor {
             last_tx: now,
             backlogged: false,
             progress,
+            delivered: 0,
         });
         Ok(key)
     }
 
     fn drop_lane(&mut self, k: usize) {
+        self.fair.forget(k);
         if let Some(mut lane) = self.lanes.try_remove(k) {
             let _ = self.poll.registry().deregister(&mut lane.sock);
         }
@@ -877,11 +893,11 @@ impl Reactor {
                 Inbound::Eof => Err(ConnError::PeerClosed),
                 _ => Err(ConnError::Protocol("expected a probe payload".into())),
             },
-            Role::Probe { pair } => {
-                let pair = *pair;
+            Role::Probe { pair, started } => {
+                let (pair, started) = (*pair, *started);
                 match item {
                     Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
-                        self.router.handle_probe(pair, true, now);
+                        self.probe_answered(pair, started, now);
                         let lane = &mut self.lanes[k];
                         lane.role = Role::Closing;
                         lane.deadline = Some(now + LINGER);

@@ -1,5 +1,6 @@
 //! The TCP fabric: interfaces as NICs, one non-blocking stream per lane.
 
+pub mod fair;
 pub mod netlink;
 pub mod nic;
 pub mod stream;
