@@ -886,12 +886,14 @@ fault_test! {
         prom_wait(&tb, prom, "railover_nic_up{nic=\"rv0\"}", t, |v| v == 0.0);
         let moved = prom_wait(&tb, prom, "sum(railover_failovers_total{nic=\"rv0\"})", t, |v| v >= 1.0);
         prom_wait(&tb, prom, "railover_lanes{nic=\"rv0\"}", t, |v| v == 0.0);
+        // rv1 now carries every comm's lane: they share it under pacing caps.
+        let paced = prom_wait(&tb, prom, "railover_paced_lanes{nic=\"rv1\"}", t, |v| v >= 2.0);
         let b2 = prom_wait(&tb, prom, sent, t, |v| v > b1);
         tb.link_up(Side::A, 0);
         prom_wait(&tb, prom, "railover_nic_up{nic=\"rv0\"}", t, |v| v == 1.0);
         let back = prom_wait(&tb, prom, "sum(railover_failbacks_total)", t, |v| v >= 1.0);
         prom_wait(&tb, prom, sent, t, |v| v > b2);
-        println!("Prometheus saw: bytes {b1:.0} -> {b2:.0}, failovers {moved}, failbacks {back}");
+        println!("Prometheus saw: bytes {b1:.0} -> {b2:.0}, failovers {moved}, paced lanes on rv1 {paced}, failbacks {back}");
         let (recv, send) = flow.finish();
         assert_delivered_exactly_once(&recv, &send, comms);
         let _ = std::fs::remove_dir_all(&dir);

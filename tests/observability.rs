@@ -78,6 +78,7 @@ fn record_all(t: &Telemetry, nic: &str) {
             rail: Some(1),
             up,
             lanes,
+            paced_lanes: lanes / 2,
             tx_bytes: 1 << 20,
             rx_bytes: 1 << 19,
             tx_messages: 16,

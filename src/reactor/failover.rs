@@ -745,9 +745,13 @@ impl Reactor {
         self.metrics.last_sample = now;
         self.metrics.idle = Duration::ZERO;
         let mut lanes = vec![0u64; self.setup.nics.len()];
-        for (_, l) in self.lanes.iter() {
+        let mut paced = vec![0u64; self.setup.nics.len()];
+        for (k, l) in self.lanes.iter() {
             if let (Role::Comm(_), Some(n)) = (&l.role, l.nic) {
                 if let Some(x) = lanes.get_mut(n) {
+                    *x += 1;
+                }
+                if let Some(x) = paced.get_mut(n).filter(|_| self.fair.cap(k).is_some()) {
                     *x += 1;
                 }
             }
@@ -759,6 +763,7 @@ impl Reactor {
                 rail: nic.rail,
                 up: self.nic_up[i],
                 lanes: lanes[i],
+                paced_lanes: paced[i],
                 tx_bytes: c[0],
                 rx_bytes: c[1],
                 tx_messages: c[2],

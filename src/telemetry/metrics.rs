@@ -32,6 +32,8 @@ pub const BYTES_TOTAL: &str = "railover_bytes_total";
 pub const MESSAGES_TOTAL: &str = "railover_messages_total";
 /// `railover_lanes{nic}`.
 pub const LANES: &str = "railover_lanes";
+/// `railover_paced_lanes{nic}`.
+pub const PACED_LANES: &str = "railover_paced_lanes";
 /// `railover_nic_up{nic}`.
 pub const NIC_UP: &str = "railover_nic_up";
 /// `railover_nic_info{nic,rail}`.
@@ -124,6 +126,13 @@ pub const METRICS: &[MetricSpec] = &[
         labels: &["nic"],
         unit: "lanes",
         help: "Running lanes on the local NIC, across all comms; drops to 0 when its traffic moved away.",
+    },
+    MetricSpec {
+        name: PACED_LANES,
+        kind: MetricKind::Gauge,
+        labels: &["nic"],
+        unit: "lanes",
+        help: "Lanes of the local NIC held to an even share of it by a TCP pacing cap (busy lanes contending for one NIC, e.g. after a failover).",
     },
     MetricSpec {
         name: NIC_UP,
@@ -296,6 +305,8 @@ pub struct NicSample<'a> {
     pub up: bool,
     /// Running lanes on it now (`routing::LocalNicRoutes::lanes`).
     pub lanes: u64,
+    /// Of those, lanes under a pacing cap (`transport::tcp::fair`).
+    pub paced_lanes: u64,
     /// Bytes sent since the previous sample.
     pub tx_bytes: u64,
     /// Bytes received since the previous sample.
@@ -527,6 +538,7 @@ impl Telemetry {
             metrics::counter!(MESSAGES_TOTAL, &labels).increment(msgs);
         }
         metrics::gauge!(LANES, "nic" => nic.clone()).set(s.lanes as f64);
+        metrics::gauge!(PACED_LANES, "nic" => nic.clone()).set(s.paced_lanes as f64);
         metrics::gauge!(NIC_UP, "nic" => nic.clone()).set(if s.up { 1.0 } else { 0.0 });
         let rail = s.rail.map_or_else(|| "none".to_owned(), |r| r.to_string());
         metrics::gauge!(NIC_INFO, "nic" => nic, "rail" => rail).set(1.0);
@@ -795,6 +807,7 @@ mod tests {
             rail: Some(2),
             up: true,
             lanes: 3,
+            paced_lanes: 2,
             tx_bytes: 4096,
             rx_bytes: 1024,
             tx_messages: 2,
@@ -814,6 +827,7 @@ mod tests {
             r#"railover_bytes_total{nic="unit_nic0",direction="rx"} 1024"#,
             r#"railover_messages_total{nic="unit_nic0",direction="tx"} 2"#,
             r#"railover_lanes{nic="unit_nic0"} 3"#,
+            r#"railover_paced_lanes{nic="unit_nic0"} 2"#,
             r#"railover_nic_up{nic="unit_nic0"} 1"#,
             r#"railover_nic_info{nic="unit_nic0",rail="2"} 1"#,
             r#"railover_failovers_total{nic="unit_nic0",reason="nic_error"} 1"#,
