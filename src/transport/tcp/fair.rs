@@ -10,6 +10,12 @@
 //! room to grow into; lanes that are not backlogged are never capped, and a NIC with a
 //! single backlogged lane is never capped. RDMA NICs arbitrate between queue pairs in
 //! hardware and do not need this.
+//!
+//! Caps must not cost bandwidth. A lane can be backlogged because a remote NIC, not
+//! ours, is its bottleneck (incast); capping the others to an even share would then
+//! leave our NIC part idle. So caps are judged: if, capped, the NIC delivered less than
+//! [`UNDERUSED`] of its capacity for most of [`JUDGE`], the caps are lifted and the NIC is
+//! left alone for [`HOLD_OFF`].
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -22,6 +28,13 @@ pub const HEADROOM: f64 = 1.15;
 pub const DECAY: f64 = 0.995;
 /// A cap is rewritten only when it moves by more than this fraction.
 pub const HYSTERESIS: f64 = 0.05;
+/// How long caps run before they are judged (a moved lane needs some time to grow).
+pub const JUDGE: Duration = Duration::from_secs(1);
+/// Capped, a NIC that delivers less than this fraction of its capacity is losing
+/// bandwidth to the caps.
+pub const UNDERUSED: f64 = 0.8;
+/// After caps cost bandwidth, how long the NIC runs uncapped before they are tried again.
+pub const HOLD_OFF: Duration = Duration::from_secs(5);
 
 /// One lane's sample.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,10 +51,27 @@ pub struct LaneSample {
 /// A pacing change for one lane: `Some(bytes/s)` caps it, `None` lifts the cap.
 pub type Change = (usize, Option<u64>);
 
+/// Where one NIC stands.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Phase {
+    /// No contention: no caps.
+    Free,
+    /// Caps on for `age` since the last judgement, `under` of it underused.
+    Capped { age: Duration, under: Duration },
+    /// Caps cost bandwidth: none until `left` has run out.
+    HoldOff { left: Duration },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Nic {
+    /// Best aggregate delivery rate seen (bytes/s), decaying.
+    capacity: f64,
+    phase: Phase,
+}
+
 #[derive(Debug, Default)]
 pub struct FairShare {
-    /// Best aggregate delivery rate seen per NIC (bytes/s), decaying.
-    capacity: HashMap<usize, f64>,
+    nics: HashMap<usize, Nic>,
     /// The cap each lane has now.
     caps: HashMap<usize, u64>,
 }
@@ -63,7 +93,14 @@ impl FairShare {
 
     /// The capacity estimate of `nic` (bytes/s).
     pub fn capacity(&self, nic: usize) -> f64 {
-        self.capacity.get(&nic).copied().unwrap_or(0.0)
+        self.nics.get(&nic).map_or(0.0, |n| n.capacity)
+    }
+
+    /// Whether caps on `nic` are held off because they cost bandwidth.
+    pub fn held_off(&self, nic: usize) -> bool {
+        self.nics
+            .get(&nic)
+            .is_some_and(|n| matches!(n.phase, Phase::HoldOff { .. }))
     }
 
     /// Takes one sample of every live lane, `dt` after the previous one, and returns
@@ -81,15 +118,45 @@ impl FairShare {
             e.0 += l.bytes as f64 / secs;
             e.1 += usize::from(l.backlogged);
         }
-        for (&nic, &(rate, _)) in &per_nic {
-            let c = self.capacity.entry(nic).or_insert(0.0);
-            *c = (*c * DECAY).max(rate);
+        for (&nic, &(rate, backlogged)) in &per_nic {
+            let n = self.nics.entry(nic).or_insert(Nic {
+                capacity: 0.0,
+                phase: Phase::Free,
+            });
+            let underused = rate < UNDERUSED * n.capacity * DECAY;
+            n.capacity = (n.capacity * DECAY).max(rate);
+            let contended = backlogged >= 2;
+            n.phase = match n.phase {
+                Phase::Free if contended => Phase::Capped {
+                    age: Duration::ZERO,
+                    under: Duration::ZERO,
+                },
+                Phase::Free => Phase::Free,
+                Phase::Capped { .. } if !contended => Phase::Free,
+                Phase::Capped { age, under } => {
+                    let age = age + dt;
+                    let under = if underused { under + dt } else { under };
+                    if age < JUDGE {
+                        Phase::Capped { age, under }
+                    } else if under * 2 > age {
+                        Phase::HoldOff { left: HOLD_OFF }
+                    } else {
+                        Phase::Capped {
+                            age: Duration::ZERO,
+                            under: Duration::ZERO,
+                        }
+                    }
+                }
+                Phase::HoldOff { left } if left > dt => Phase::HoldOff { left: left - dt },
+                Phase::HoldOff { .. } => Phase::Free,
+            };
         }
-        self.capacity.retain(|n, _| per_nic.contains_key(n));
+        self.nics.retain(|n, _| per_nic.contains_key(n));
         for l in lanes {
             let (_, backlogged) = per_nic[&l.nic];
-            let want = if l.backlogged && backlogged >= 2 {
-                let share = self.capacity[&l.nic] * HEADROOM / backlogged as f64;
+            let nic = self.nics[&l.nic];
+            let want = if l.backlogged && matches!(nic.phase, Phase::Capped { .. }) {
+                let share = nic.capacity * HEADROOM / backlogged as f64;
                 Some((share as u64).max(1))
             } else {
                 None
@@ -202,6 +269,69 @@ mod tests {
             cap = f.cap(1).unwrap();
         }
         assert!(cap as f64 > first as f64 * 2.0, "{first} -> {cap}");
+    }
+
+    #[test]
+    fn caps_that_leave_the_nic_idle_are_lifted_and_held_off() {
+        let mut f = FairShare::new();
+        // Lane 2's bottleneck is elsewhere (a remote NIC): it stays at 1 MB/s, while lane
+        // 1 alone could fill the 10 MB/s NIC. Uncapped they fill it.
+        let s = |a: u64| [lane(1, 0, a, true), lane(2, 0, 100_000, true)];
+        f.sample(DT, &s(900_000));
+        let cap = f.cap(1).expect("contended: capped");
+        assert!(cap < 6_000_000, "{cap}");
+        // Capped, lane 1 runs at its cap and the NIC sits partly idle for a whole
+        // judging period: the caps go, and stay off.
+        let capped = (cap as f64 * DT.as_secs_f64()) as u64;
+        let mut lifted = None;
+        for i in 0..20 {
+            let changes = f.sample(DT, &s(capped));
+            if changes.contains(&(1, None)) {
+                lifted = Some(i);
+                break;
+            }
+        }
+        let i = lifted.expect("caps lifted");
+        assert!(
+            (9..=11).contains(&i),
+            "judged after about {JUDGE:?}: sample {i}"
+        );
+        assert!(f.held_off(0));
+        let hold = (HOLD_OFF.as_millis() / DT.as_millis()) as usize;
+        for _ in 0..hold - 1 {
+            f.sample(DT, &s(900_000));
+            assert_eq!(f.cap(1), None, "held off");
+        }
+        // Then they are tried again.
+        f.sample(DT, &s(900_000));
+        f.sample(DT, &s(900_000));
+        assert!(f.cap(1).is_some());
+    }
+
+    #[test]
+    fn caps_that_keep_the_nic_busy_stay() {
+        let mut f = FairShare::new();
+        // Two incumbents fill the NIC; a newcomer trickles, then grows into the room the
+        // caps leave while the NIC stays busy.
+        f.sample(DT, &[lane(1, 0, 500_000, true), lane(2, 0, 500_000, true)]);
+        let mut newcomer = 10_000u64;
+        for _ in 0..50 {
+            let cap = f.cap(1).unwrap_or(u64::MAX);
+            let inc = ((cap as f64 * DT.as_secs_f64()) as u64).min(500_000);
+            let room = 1_000_000u64.saturating_sub(2 * inc);
+            newcomer = (newcomer * 2).min(room.max(newcomer));
+            f.sample(
+                DT,
+                &[
+                    lane(1, 0, inc, true),
+                    lane(2, 0, inc, true),
+                    lane(3, 0, newcomer, true),
+                ],
+            );
+            assert!(!f.held_off(0));
+            assert!(f.cap(3).is_some());
+        }
+        assert!(newcomer >= 200_000, "the newcomer grew to {newcomer}");
     }
 
     #[test]
