@@ -127,9 +127,18 @@ fn process_lifecycle() {
         thread_names()
     );
 
-    // 4. And the plugin starts again afterwards, as after a dlclose/dlopen cycle.
+    // 4. And the plugin starts again afterwards, as after a dlclose/dlopen cycle. A
+    // connection attempt abandoned before it completed does not outlive it.
     let c = Ctx::init().unwrap();
     assert_eq!(settled_reactor_threads(), 1);
+    let (mut h, l) = c.listen(0).unwrap();
+    assert!(
+        c.connect(0, &mut h).unwrap().is_none(),
+        "the first call never completes"
+    );
+    assert_eq!(railover::plugin::pending_connects(), 1);
+    drop(l);
     c.finalize().unwrap();
+    assert_eq!(railover::plugin::pending_connects(), 0);
     assert_eq!(plugin_threads(), 0, "{:?}", thread_names());
 }

@@ -255,6 +255,8 @@ pub fn finalize(ctx: &Context) -> Result<(), Error> {
         }
     };
     if let Some(rt) = stop {
+        // Attempts NCCL started and never collected would otherwise outlive the plugin.
+        PENDING.lock().clear();
         rt.reactor.shutdown();
         rt.telemetry.shutdown();
         tracing::info!("railover: finalised, reactor stopped");
@@ -310,6 +312,11 @@ pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<Lis
 
 /// Pending connects, keyed by the id `connect` writes into NCCL's copy of the handle.
 static PENDING: Mutex<Vec<(u64, Arc<PendingConnect>)>> = Mutex::new(Vec::new());
+
+/// Connection attempts started and not yet collected by a final `connect` call.
+pub fn pending_connects() -> usize {
+    PENDING.lock().len()
+}
 
 /// Non-blocking connect: `Ok(None)` means "call again". NCCL passes the same handle
 /// buffer to every retry, so the first call records its progress id there.
