@@ -3,17 +3,8 @@
 
 use std::time::Duration;
 
+pub use crate::topology::RailRule;
 use crate::topology::PathType;
-
-/// Which rails a candidate pair's two ends may sit on (P2).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum RailRule {
-    /// Both ends must be on the same rail, and both rails must be known.
-    #[default]
-    Same,
-    /// Any local NIC may reach any remote NIC.
-    Any,
-}
 
 /// Policy settings of a [`Router`](super::Router).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
