@@ -134,114 +134,58 @@ fn pci(n: &NicInfo) -> *const std::ffi::c_char {
     n.pci_path.map_or(std::ptr::null(), |p| p.as_ptr())
 }
 
-unsafe extern "C" fn get_properties_v12(dev: c_int, props: *mut PropertiesV12) -> NcclResult {
-    guard("getProperties", || {
-        let n = props_common(dev)?;
-        let mut devs = [0; 8];
-        devs[0] = dev;
-        let p = PropertiesV12 {
-            name: n.name.as_ptr(),
-            pci_path: pci(&n),
-            guid: n.guid,
-            ptr_support: NCCL_PTR_HOST,
-            reg_is_global: 0,
-            force_flush: 0,
-            speed: n.tcp.speed_mbps,
-            port: 0,
-            latency: 0.0,
-            max_comms: MAX_COMMS,
-            max_recvs: 1,
-            net_device_type: NCCL_NET_DEVICE_HOST,
-            net_device_version: 0,
-            v_props: VDevicePropsV12 { ndevs: 1, devs },
-            max_p2p_bytes: MAX_P2P_BYTES,
-            max_coll_bytes: MAX_COLL_BYTES,
-            max_multi_request_size: 1,
-            rail_id: n
-                .rail
-                .and_then(|r| i16::try_from(r).ok())
-                .unwrap_or(NCCL_NET_ID_UNDEF),
-            plane_id: NCCL_NET_ID_UNDEF,
-        };
-        write(props, p, "props")
+/// The properties of `dev`, in the newest layout; older versions get a prefix of it.
+fn properties(dev: c_int) -> Result<PropertiesV12, Error> {
+    let n = props_common(dev)?;
+    let mut devs = [0; 8];
+    devs[0] = dev;
+    Ok(PropertiesV12 {
+        name: n.name.as_ptr(),
+        pci_path: pci(&n),
+        guid: n.guid,
+        ptr_support: NCCL_PTR_HOST,
+        reg_is_global: 0,
+        force_flush: 0,
+        speed: n.tcp.speed_mbps,
+        port: 0,
+        latency: 0.0,
+        max_comms: MAX_COMMS,
+        max_recvs: 1,
+        net_device_type: NCCL_NET_DEVICE_HOST,
+        net_device_version: 0,
+        v_props: VDevicePropsV12 { ndevs: 1, devs },
+        max_p2p_bytes: MAX_P2P_BYTES,
+        max_coll_bytes: MAX_COLL_BYTES,
+        max_multi_request_size: 1,
+        rail_id: n
+            .rail
+            .and_then(|r| i16::try_from(r).ok())
+            .unwrap_or(NCCL_NET_ID_UNDEF),
+        plane_id: NCCL_NET_ID_UNDEF,
     })
+}
+
+unsafe extern "C" fn get_properties_v12(dev: c_int, props: *mut PropertiesV12) -> NcclResult {
+    guard("getProperties", || write(props, properties(dev)?, "props"))
 }
 
 unsafe extern "C" fn get_properties_v11(dev: c_int, props: *mut PropertiesV11) -> NcclResult {
     guard("getProperties", || {
-        let n = props_common(dev)?;
-        let p = PropertiesV11 {
-            name: n.name.as_ptr(),
-            pci_path: pci(&n),
-            guid: n.guid,
-            ptr_support: NCCL_PTR_HOST,
-            reg_is_global: 0,
-            force_flush: 0,
-            speed: n.tcp.speed_mbps,
-            port: 0,
-            latency: 0.0,
-            max_comms: MAX_COMMS,
-            max_recvs: 1,
-            net_device_type: NCCL_NET_DEVICE_HOST,
-            net_device_version: 0,
-            v_props: VDevicePropsV11 {
-                ndevs: 1,
-                devs: [dev, 0, 0, 0],
-            },
-            max_p2p_bytes: MAX_P2P_BYTES,
-            max_coll_bytes: MAX_COLL_BYTES,
-            max_multi_request_size: 1,
-        };
-        write(props, p, "props")
+        write(props, PropertiesV11::from(properties(dev)?), "props")
     })
 }
 
 unsafe extern "C" fn get_properties_v9(dev: c_int, props: *mut PropertiesV9) -> NcclResult {
     guard("getProperties", || {
-        let n = props_common(dev)?;
-        let p = PropertiesV9 {
-            name: n.name.as_ptr(),
-            pci_path: pci(&n),
-            guid: n.guid,
-            ptr_support: NCCL_PTR_HOST,
-            reg_is_global: 0,
-            force_flush: 0,
-            speed: n.tcp.speed_mbps,
-            port: 0,
-            latency: 0.0,
-            max_comms: MAX_COMMS,
-            max_recvs: 1,
-            net_device_type: NCCL_NET_DEVICE_HOST,
-            net_device_version: 0,
-            v_props: VDevicePropsV11 {
-                ndevs: 1,
-                devs: [dev, 0, 0, 0],
-            },
-            max_p2p_bytes: MAX_P2P_BYTES,
-            max_coll_bytes: MAX_COLL_BYTES,
-        };
-        write(props, p, "props")
+        let p = PropertiesV11::from(properties(dev)?);
+        write(props, PropertiesV9::from(p), "props")
     })
 }
 
 unsafe extern "C" fn get_properties_v8(dev: c_int, props: *mut PropertiesV8) -> NcclResult {
     guard("getProperties", || {
-        let n = props_common(dev)?;
-        let p = PropertiesV8 {
-            name: n.name.as_ptr(),
-            pci_path: pci(&n),
-            guid: n.guid,
-            ptr_support: NCCL_PTR_HOST,
-            reg_is_global: 0,
-            speed: n.tcp.speed_mbps,
-            port: 0,
-            latency: 0.0,
-            max_comms: MAX_COMMS,
-            max_recvs: 1,
-            net_device_type: NCCL_NET_DEVICE_HOST,
-            net_device_version: 0,
-        };
-        write(props, p, "props")
+        let p = PropertiesV9::from(PropertiesV11::from(properties(dev)?));
+        write(props, PropertiesV8::from(p), "props")
     })
 }
 

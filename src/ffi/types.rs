@@ -203,6 +203,80 @@ pub struct PropertiesV12 {
     pub plane_id: i16,
 }
 
+// Each older layout keeps a prefix of the next newer one's fields: it is built from
+// that one, so the values are chosen once, for v12.
+
+impl From<PropertiesV12> for PropertiesV11 {
+    fn from(p: PropertiesV12) -> Self {
+        let mut devs = [0; 4];
+        devs.copy_from_slice(&p.v_props.devs[..4]);
+        PropertiesV11 {
+            name: p.name,
+            pci_path: p.pci_path,
+            guid: p.guid,
+            ptr_support: p.ptr_support,
+            reg_is_global: p.reg_is_global,
+            force_flush: p.force_flush,
+            speed: p.speed,
+            port: p.port,
+            latency: p.latency,
+            max_comms: p.max_comms,
+            max_recvs: p.max_recvs,
+            net_device_type: p.net_device_type,
+            net_device_version: p.net_device_version,
+            v_props: VDevicePropsV11 {
+                ndevs: p.v_props.ndevs.min(4),
+                devs,
+            },
+            max_p2p_bytes: p.max_p2p_bytes,
+            max_coll_bytes: p.max_coll_bytes,
+            max_multi_request_size: p.max_multi_request_size,
+        }
+    }
+}
+
+impl From<PropertiesV11> for PropertiesV9 {
+    fn from(p: PropertiesV11) -> Self {
+        PropertiesV9 {
+            name: p.name,
+            pci_path: p.pci_path,
+            guid: p.guid,
+            ptr_support: p.ptr_support,
+            reg_is_global: p.reg_is_global,
+            force_flush: p.force_flush,
+            speed: p.speed,
+            port: p.port,
+            latency: p.latency,
+            max_comms: p.max_comms,
+            max_recvs: p.max_recvs,
+            net_device_type: p.net_device_type,
+            net_device_version: p.net_device_version,
+            v_props: p.v_props,
+            max_p2p_bytes: p.max_p2p_bytes,
+            max_coll_bytes: p.max_coll_bytes,
+        }
+    }
+}
+
+impl From<PropertiesV9> for PropertiesV8 {
+    fn from(p: PropertiesV9) -> Self {
+        PropertiesV8 {
+            name: p.name,
+            pci_path: p.pci_path,
+            guid: p.guid,
+            ptr_support: p.ptr_support,
+            reg_is_global: p.reg_is_global,
+            speed: p.speed,
+            port: p.port,
+            latency: p.latency,
+            max_comms: p.max_comms,
+            max_recvs: p.max_recvs,
+            net_device_type: p.net_device_type,
+            net_device_version: p.net_device_version,
+        }
+    }
+}
+
 type Ptr = *mut c_void;
 type PtrPtr = *mut *mut c_void;
 
@@ -400,4 +474,56 @@ pub struct NetV8 {
     pub close_listen: unsafe extern "C" fn(Ptr) -> NcclResult,
     pub get_device_mr: Option<unsafe extern "C" fn(Ptr, Ptr, PtrPtr) -> NcclResult>,
     pub irecv_consumed: Option<unsafe extern "C" fn(Ptr, c_int, Ptr) -> NcclResult>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn older_property_layouts_carry_the_newest_values() {
+        let name = c"nic7";
+        let v12 = PropertiesV12 {
+            name: name.as_ptr(),
+            pci_path: std::ptr::null(),
+            guid: 0x1234,
+            ptr_support: 1,
+            reg_is_global: 0,
+            force_flush: 0,
+            speed: 25_000,
+            port: 2,
+            latency: 1.5,
+            max_comms: 99,
+            max_recvs: 1,
+            net_device_type: 0,
+            net_device_version: 3,
+            v_props: VDevicePropsV12 {
+                ndevs: 2,
+                devs: [7, 8, 0, 0, 0, 0, 0, 0],
+            },
+            max_p2p_bytes: 1 << 40,
+            max_coll_bytes: 512 << 20,
+            max_multi_request_size: 1,
+            rail_id: 3,
+            plane_id: -1,
+        };
+        let v11 = PropertiesV11::from(v12);
+        assert_eq!((v11.v_props.ndevs, v11.v_props.devs), (2, [7, 8, 0, 0]));
+        assert_eq!(v11.max_multi_request_size, 1);
+        let v9 = PropertiesV9::from(v11);
+        assert_eq!(v9.max_coll_bytes, 512 << 20);
+        let v8 = PropertiesV8::from(v9);
+        assert_eq!(v8.name, name.as_ptr());
+        assert_eq!(
+            (
+                v8.guid,
+                v8.speed,
+                v8.port,
+                v8.latency,
+                v8.max_comms,
+                v8.net_device_version
+            ),
+            (0x1234, 25_000, 2, 1.5, 99, 3)
+        );
+    }
 }

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-pub use crate::topology::RailRule;
 use crate::topology::PathType;
+pub use crate::topology::RailRule;
 
 /// Policy settings of a [`Router`](super::Router).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
