@@ -587,7 +587,19 @@ impl Reactor {
     fn pace(&mut self, shares: &[LaneSample], now: Instant) {
         let dt = now.saturating_duration_since(self.fair_at);
         self.fair_at = now;
-        for (k, cap) in self.fair.sample(dt, shares) {
+        let held: Vec<bool> = (0..self.setup.nics.len())
+            .map(|n| self.fair.held_off(n))
+            .collect();
+        let changes = self.fair.sample(dt, shares);
+        for (n, was) in held.into_iter().enumerate() {
+            if !was && self.fair.held_off(n) {
+                tracing::info!(
+                    "railover: {}: pacing caps left the NIC underused (another bottleneck?); uncapped for a while",
+                    self.setup.nics[n].name
+                );
+            }
+        }
+        for (k, cap) in changes {
             if let Some(lane) = self.lanes.get(k) {
                 if let Err(e) = crate::ffi::sys::set_max_pacing_rate(&lane.sock, cap) {
                     tracing::debug!("railover: pacing lane {k}: {e}");

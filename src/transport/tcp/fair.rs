@@ -26,6 +26,8 @@ pub const HEADROOM: f64 = 1.15;
 /// Per sample, the capacity estimate forgets this fraction of itself, so a NIC that
 /// became slower is judged by what it does now within some seconds.
 pub const DECAY: f64 = 0.995;
+/// Weight of the previous value in the smoothed aggregate rate of a NIC.
+pub const SMOOTHING: f64 = 0.75;
 /// A cap is rewritten only when it moves by more than this fraction.
 pub const HYSTERESIS: f64 = 0.05;
 /// How long caps run before they are judged (a moved lane needs some time to grow).
@@ -64,7 +66,10 @@ enum Phase {
 
 #[derive(Debug, Clone, Copy)]
 struct Nic {
-    /// Best aggregate delivery rate seen (bytes/s), decaying.
+    /// Aggregate delivery rate (bytes/s), smoothed over a few samples so that one
+    /// bursty sample neither inflates the capacity nor looks like idleness.
+    rate: f64,
+    /// Best smoothed aggregate rate seen (bytes/s), decaying.
     capacity: f64,
     phase: Phase,
 }
@@ -120,11 +125,13 @@ impl FairShare {
         }
         for (&nic, &(rate, backlogged)) in &per_nic {
             let n = self.nics.entry(nic).or_insert(Nic {
+                rate,
                 capacity: 0.0,
                 phase: Phase::Free,
             });
-            let underused = rate < UNDERUSED * n.capacity * DECAY;
-            n.capacity = (n.capacity * DECAY).max(rate);
+            n.rate = SMOOTHING * n.rate + (1.0 - SMOOTHING) * rate;
+            let underused = n.rate < UNDERUSED * n.capacity * DECAY;
+            n.capacity = (n.capacity * DECAY).max(n.rate);
             let contended = backlogged >= 2;
             n.phase = match n.phase {
                 Phase::Free if contended => Phase::Capped {
@@ -263,7 +270,7 @@ mod tests {
         // Both lanes run at their caps (their sum exceeds the old estimate), so the
         // estimate and the caps climb towards a faster link.
         let mut cap = first;
-        for _ in 0..20 {
+        for _ in 0..40 {
             let b = (cap as f64 * DT.as_secs_f64()) as u64;
             f.sample(DT, &two(b));
             cap = f.cap(1).unwrap();
@@ -305,6 +312,20 @@ mod tests {
         // Then they are tried again.
         f.sample(DT, &s(900_000));
         f.sample(DT, &s(900_000));
+        assert!(f.cap(1).is_some());
+    }
+
+    #[test]
+    fn one_bursty_sample_does_not_look_like_idleness_afterwards() {
+        let mut f = FairShare::new();
+        let two = |b: u64| [lane(1, 0, b, true), lane(2, 0, b, true)];
+        f.sample(DT, &two(500_000));
+        // Acks arrive in a burst: one sample shows twice the link's rate.
+        f.sample(DT, &two(1_000_000));
+        for _ in 0..40 {
+            f.sample(DT, &two(500_000));
+            assert!(!f.held_off(0), "a steady, full NIC judged underused");
+        }
         assert!(f.cap(1).is_some());
     }
 
