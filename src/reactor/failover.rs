@@ -36,12 +36,18 @@ fn reason_of(e: &ConnError) -> FailReason {
 
 /// How long a receiver whose lane died waits for the sender's replacement lane. When the
 /// receiver noticed first (its carrier, a socket error) the sender may only notice at its
-/// completion timeout; when the receiver noticed by silence, the sender has too.
-fn receiver_grace(reason: FailReason, timeout: Duration, probe: Duration) -> Duration {
+/// completion timeout, which started when the lane fell `silent`; when the receiver
+/// noticed by silence, the sender has too.
+fn receiver_grace(
+    reason: FailReason,
+    timeout: Duration,
+    probe: Duration,
+    silent: Duration,
+) -> Duration {
     let slack = probe + Duration::from_millis(500);
     match reason {
         FailReason::Timeout => slack,
-        _ => timeout + slack,
+        _ => timeout.saturating_sub(silent) + slack,
     }
 }
 
@@ -180,8 +186,9 @@ impl Reactor {
                     // with the probes that test whether the link healed.
                     let _ = socket2::SockRef::from(&lane.sock).set_linger(Some(Duration::ZERO));
                 }
+                let silent = now.saturating_duration_since(lane.last_rx);
                 self.drop_lane(k);
-                self.comm_lane_lost(c, k, error, reason, now);
+                self.comm_lane_lost(c, k, error, reason, silent, now);
                 return;
             }
             Role::Closing => {}
@@ -189,13 +196,15 @@ impl Reactor {
         self.drop_lane(k);
     }
 
-    /// The active lane `k` of comm `c` is gone (already dropped).
+    /// The active lane `k` of comm `c` is gone (already dropped); it had received
+    /// nothing for `silent`.
     pub(super) fn comm_lane_lost(
         &mut self,
         c: usize,
         k: usize,
         error: ConnError,
         reason: FailReason,
+        silent: Duration,
         now: Instant,
     ) {
         let comm = &mut self.comms[c];
@@ -238,6 +247,7 @@ impl Reactor {
                     reason,
                     self.setup.completion_timeout,
                     self.setup.probe_timeout,
+                    silent,
                 );
                 comm.stranded.get_or_insert(now + grace);
                 comm.detected.get_or_insert((now, reason));
@@ -858,8 +868,11 @@ impl Reactor {
             let role = std::mem::replace(&mut lane.role, Role::Closing);
             self.graveyard.push(lane.sock);
             let error = ConnError::Io(format!("link down on {name}"));
+            let silent = now.saturating_duration_since(lane.last_rx);
             match role {
-                Role::Comm(c) => self.comm_lane_lost(c, k, error, FailReason::LinkDown, now),
+                Role::Comm(c) => {
+                    self.comm_lane_lost(c, k, error, FailReason::LinkDown, silent, now)
+                }
                 Role::Probe { pair, .. } => self.probe_failed(pair, now),
                 Role::Migrating { comm, .. } => {
                     if let Some(cm) = self.comms.get_mut(comm) {
@@ -880,5 +893,36 @@ impl Reactor {
                 Role::Handshake { .. } | Role::ProbeSink | Role::Closing => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_receiver_waits_for_the_senders_timeout_only_as_long_as_it_has_left() {
+        let (timeout, probe) = (1000 * MS, 200 * MS);
+        // Noticed by silence: the sender's timeout has run as well.
+        assert_eq!(
+            receiver_grace(FailReason::Timeout, timeout, probe, 1000 * MS),
+            700 * MS
+        );
+        // Its own carrier, at once: the sender needs its whole timeout.
+        assert_eq!(
+            receiver_grace(FailReason::LinkDown, timeout, probe, Duration::ZERO),
+            1700 * MS
+        );
+        // Its carrier dropped after the lane had gone quiet: that much has run already.
+        assert_eq!(
+            receiver_grace(FailReason::LinkDown, timeout, probe, 600 * MS),
+            1100 * MS
+        );
+        assert_eq!(
+            receiver_grace(FailReason::NicError, timeout, probe, 5000 * MS),
+            700 * MS
+        );
     }
 }
