@@ -79,6 +79,20 @@ impl Progress {
     }
 }
 
+/// The least rate (bytes/s) a health probe must show on a pair that failed by browning
+/// out at `peak`: the bar the detector used. A slow link still answers a probe within its
+/// deadline when the link is fast enough in absolute terms.
+pub fn recovery_floor(peak: f64) -> f64 {
+    peak / SLOW_FACTOR
+}
+
+/// The rate (bytes/s) of a probe that moved `bytes` in `elapsed`, and whether it clears
+/// `floor` (without a floor, any rate does).
+pub fn probe_rate(bytes: usize, elapsed: Duration, floor: Option<f64>) -> (f64, bool) {
+    let rate = bytes as f64 / elapsed.as_secs_f64().max(1e-6);
+    (rate, floor.map_or(true, |f| rate >= f))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,5 +157,20 @@ mod tests {
         let mut r = vec![(7_500_000, true); 2];
         r.extend(vec![(0, true); 4]);
         assert_eq!(run(&r), Some(5));
+    }
+
+    #[test]
+    fn a_probe_of_a_browned_out_pair_must_show_the_rate_it_lost() {
+        // The lane moved 16 MB/s at best and failed delivering under 1/20 of that.
+        let floor = recovery_floor(16_000_000.0);
+        assert_eq!(floor, 800_000.0);
+        // 256 KiB in 0.83 s crosses a 200 ms deadline on a fast link's 1 % and fails.
+        let (rate, ok) = probe_rate(262_144, 830 * MS, Some(floor));
+        assert!(!ok && (rate - 315_836.0).abs() < 1.0, "{rate}");
+        // In 10 ms it passes; without a floor any answer does.
+        assert!(probe_rate(262_144, 10 * MS, Some(floor)).1);
+        assert!(probe_rate(262_144, 5000 * MS, None).1);
+        // A zero elapsed time is not a division by zero.
+        assert!(probe_rate(1, Duration::ZERO, Some(floor)).1);
     }
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::conn::health::{Verdict, SLOW_FACTOR};
+use crate::conn::health::{self, Verdict};
 use crate::routing::{
     CommId, CommSpec, Event, LaneId, LocalNic as RouteLocal, MoveReason, NicId, PeerId, RemoteNic,
 };
@@ -531,21 +531,18 @@ impl Reactor {
     /// out must also show a rate no worse than what made it fail: a slow link still
     /// passes a deadline, and a tbf-like shaper lets a burst through at full speed.
     pub(super) fn probe_answered(&mut self, pair: Pair, started: Instant, now: Instant) {
-        let secs = now
-            .saturating_duration_since(started)
-            .as_secs_f64()
-            .max(1e-6);
-        let rate = self.setup.probe_bytes as f64 / secs;
-        match self.probe_floor.get(&pair) {
-            Some(&floor) if rate < floor => {
-                tracing::debug!(
-                    "railover: probe of {pair}: {:.0} kB/s, below the {:.0} kB/s it must show after its brown-out",
-                    rate / 1e3,
-                    floor / 1e3
-                );
-                self.probe_failed(pair, now);
-            }
-            _ => self.router.handle_probe(pair, true, now),
+        let floor = self.probe_floor.get(&pair).copied();
+        let took = now.saturating_duration_since(started);
+        let (rate, ok) = health::probe_rate(self.setup.probe_bytes, took, floor);
+        if ok {
+            self.router.handle_probe(pair, true, now);
+        } else {
+            tracing::debug!(
+                "railover: probe of {pair}: {:.0} kB/s, below the {:.0} kB/s it must show after its brown-out",
+                rate / 1e3,
+                floor.unwrap_or(0.0) / 1e3
+            );
+            self.probe_failed(pair, now);
         }
     }
 
@@ -660,7 +657,8 @@ impl Reactor {
             {
                 if let Role::Comm(c) = lane.role {
                     if let Some(r) = self.comms.get(c).and_then(|c| c.route) {
-                        self.probe_floor.insert(r.current, peak / SLOW_FACTOR);
+                        self.probe_floor
+                            .insert(r.current, health::recovery_floor(peak));
                     }
                 }
                 let e = ConnError::Stalled(format!(
