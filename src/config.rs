@@ -119,6 +119,9 @@ pub struct Config {
     pub sysfs_root: PathBuf,
     /// `RAILOVER_RAILS`: explicit NIC → rail map.
     pub rails: Option<RailMap>,
+    /// `RAILOVER_FAIR_SHARE`: pace the busy TCP lanes of a NIC to even shares (on by
+    /// default; see `transport::tcp::fair`).
+    pub fair_share: bool,
     /// `RAILOVER_LOOPBACK_NICS`: when not 0, this many NICs on loopback addresses
     /// (127.100.<i>.1) instead of the interfaces: a multi-NIC node without root, for the
     /// demo and tests.
@@ -137,6 +140,7 @@ impl Default for Config {
             completion_timeout: Duration::from_millis(1000),
             probe_timeout: Duration::from_millis(200),
             probe_bytes: 256 << 10,
+            fair_share: true,
             loopback_nics: 0,
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
@@ -241,6 +245,19 @@ impl Config {
                 value: v.clone(),
                 accepted: "an integer number of bytes from 0 to 67108864",
             })? as usize;
+        }
+        if let Some(v) = get("RAILOVER_FAIR_SHARE") {
+            cfg.fair_share = match v.trim().to_ascii_lowercase().as_str() {
+                "on" | "1" | "true" => true,
+                "off" | "0" | "false" => false,
+                _ => {
+                    return Err(ConfigError {
+                        var: "RAILOVER_FAIR_SHARE",
+                        value: v,
+                        accepted: "on or off",
+                    })
+                }
+            };
         }
         if let Some(v) = get("RAILOVER_LOOPBACK_NICS") {
             cfg.loopback_nics = parse_u64(&v, 0, 16).ok_or(ConfigError {
@@ -351,6 +368,7 @@ mod tests {
             ("RAILOVER_PROBE_TIMEOUT_MS", "soon"),
             ("RAILOVER_PROBE_BYTES", "lots"),
             ("RAILOVER_LOOPBACK_NICS", "17"),
+            ("RAILOVER_FAIR_SHARE", "maybe"),
             ("RAILOVER_FAILBACK_INTERVAL_MS", "0"),
             ("RAILOVER_FAILBACK_PROBES", "0"),
             ("RAILOVER_RAIL_RULE", "nearest"),
@@ -381,6 +399,8 @@ mod tests {
         assert_eq!(c.spin, Duration::ZERO);
         assert_eq!(c.log, LogLevel::Info);
         assert_eq!(c.ifname.names, vec!["lo".to_string()]);
+        assert!(c.fair_share, "on by default");
+        assert!(!cfg(&[("RAILOVER_FAIR_SHARE", "OFF")]).unwrap().fair_share);
         let c = cfg(&[
             ("RAILOVER_COMPLETION_TIMEOUT_MS", "250"),
             ("RAILOVER_RAIL_RULE", "any"),

@@ -98,6 +98,7 @@ impl Runtime {
             completion_timeout: config.completion_timeout,
             probe_timeout: config.probe_timeout,
             probe_bytes: config.probe_bytes,
+            fair_share: config.fair_share,
             router: config.router,
             telemetry: Arc::new(Telemetry::start(&metrics_cfg, None)),
         };

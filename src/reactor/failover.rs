@@ -594,6 +594,9 @@ impl Reactor {
     fn pace(&mut self, shares: &[LaneSample], now: Instant) {
         let dt = now.saturating_duration_since(self.fair_at);
         self.fair_at = now;
+        if !self.setup.fair_share {
+            return;
+        }
         let held: Vec<bool> = (0..self.setup.nics.len())
             .map(|n| self.fair.held_off(n))
             .collect();

@@ -64,6 +64,8 @@ pub struct Setup {
     pub probe_timeout: Duration,
     /// Bytes a probe must move across the pair within `probe_timeout`.
     pub probe_bytes: usize,
+    /// Whether busy lanes of a NIC are paced to even shares.
+    pub fair_share: bool,
     pub router: RouterConfig,
     /// Where counters and events are recorded (the reactor batches them).
     pub telemetry: Arc<Telemetry>,
