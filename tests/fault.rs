@@ -580,6 +580,45 @@ fault_test! {
 }
 
 fault_test! {
+    fn pacing_gives_way_when_a_lane_is_held_back_elsewhere() {
+        // Two comms share rail 0. One lane then meets a bottleneck of its own (10 % of
+        // the link, as when its far end is congested by other senders); the other must
+        // get the rest of the link. Pacing caps of half the link each would hold it to
+        // 1.15 / 2 of it: the caps must notice the idle NIC and give way.
+        let tb = bed(2);
+        let flow = Flow::start(&tb, FlowOpts { seconds: 14.0, ..FlowOpts::default() });
+        let comms = flow.dev_of.len();
+        let on_rail0 = flow.comms_on(&[0]);
+        flow.wait_ticks(20);
+        let ports = tb.tcp_ports(Side::A, 0);
+        assert_eq!(ports.len(), 2, "one lane per comm on rail 0: {ports:?}");
+        let t0 = unix_ms();
+        tb.squeeze_flow(Side::A, 0, ports[0], tb.rate_mbit() * 100);
+        flow.wait_more_ticks(100);
+        let (recv, send) = flow.finish();
+        assert_delivered_exactly_once(&recv, &send, comms);
+        let (from, to) = (t0 + 2000, t0 + 10000);
+        let mut rates: Vec<f64> = on_rail0.iter().map(|&c| recv.rate(&[c], from, to)).collect();
+        rates.sort_by(f64::total_cmp);
+        let (slow, fast) = (rates[0], rates[1]);
+        let link = link_bytes_per_s(&tb);
+        println!(
+            "rail 0: squeezed lane {:.1} Mbit/s, the other {:.1} Mbit/s (link {:.0})",
+            slow * 8.0 / 1e6,
+            fast * 8.0 / 1e6,
+            link * 8.0 / 1e6
+        );
+        assert!(slow < 0.15 * link, "the squeeze did not take: {slow:.0} B/s");
+        assert!(
+            fast >= 0.75 * (link - slow),
+            "the free lane got {:.1} Mbit/s of the {:.1} left",
+            fast * 8.0 / 1e6,
+            (link - slow) * 8.0 / 1e6
+        );
+    }
+}
+
+fault_test! {
     fn failover_silent_blackhole_both_ways_is_caught_by_the_completion_timeout() {
         if needs_failover() {
             return;

@@ -309,6 +309,83 @@ impl Testbed {
         .unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// Holds the TCP connections leaving `side` on `rail` from local port `sport` to
+    /// `kbit`, while the rest of the link keeps the testbed's rate: a bottleneck that
+    /// only that connection meets, as when its far end is congested by others (incast).
+    /// The link's shaper becomes an `htb` with two classes and a `u32` port filter.
+    pub fn squeeze_flow(&self, side: Side, rail: usize, sport: u16, kbit: u64) {
+        let dev = Self::ifname(rail);
+        let ns = self.ns(side);
+        let rate = format!("{}kbit", self.rate_mbit * 1000);
+        let slow = format!("{kbit}kbit");
+        let port = sport.to_string();
+        let class = |id: &str, parent: &str, r: &str| {
+            vec![
+                "-n", ns, "class", "add", "dev", &dev, "parent", parent, "classid", id, "htb",
+                "rate", r, "ceil", r,
+            ]
+            .into_iter()
+            .map(str::to_owned)
+            .collect::<Vec<String>>()
+        };
+        let steps: Vec<Vec<String>> = vec![
+            ["-n", ns, "qdisc", "del", "dev", &dev, "root"]
+                .map(str::to_owned)
+                .to_vec(),
+            [
+                "-n", ns, "qdisc", "add", "dev", &dev, "root", "handle", "1:", "htb", "default",
+                "10",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+            class("1:1", "1:", &rate),
+            class("1:10", "1:1", &rate),
+            class("1:20", "1:1", &slow),
+            [
+                "-n", ns, "filter", "add", "dev", &dev, "parent", "1:", "protocol", "ip", "prio",
+                "1", "u32", "match", "ip", "sport", &port, "0xffff", "flowid", "1:20",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        ];
+        for args in steps {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            sh("tc", &args).unwrap_or_else(|e| panic!("{e}"));
+        }
+    }
+
+    /// The local ports of the TCP connections `side` has open from `rail`'s address to
+    /// the other end's.
+    pub fn tcp_ports(&self, side: Side, rail: usize) -> Vec<u16> {
+        let me = Self::addr(side, rail).to_string();
+        let peer = Self::addr(Self::other(side), rail).to_string();
+        let out = sh(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                self.ns(side),
+                "ss",
+                "-Htn",
+                "state",
+                "established",
+            ],
+        )
+        .unwrap_or_default();
+        let mut ports: Vec<u16> = out
+            .lines()
+            .filter_map(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                let (local, remote) = (w.get(2)?, w.get(3)?);
+                let (lip, lport) = local.rsplit_once(':')?;
+                let (rip, _) = remote.rsplit_once(':')?;
+                (lip == me && rip == peer).then(|| lport.parse().ok())?
+            })
+            .collect();
+        ports.sort_unstable();
+        ports
+    }
+
     /// Puts one end back to the testbed's rate.
     pub fn restore_rate(&self, side: Side, rail: usize) {
         self.set_rate_kbit(side, rail, self.rate_mbit * 1000);
