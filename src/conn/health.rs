@@ -47,6 +47,11 @@ impl Progress {
         }
     }
 
+    /// The byte total of the last sample (0 before the first).
+    pub fn last_total(&self) -> u64 {
+        self.last.map_or(0, |(_, total)| total)
+    }
+
     /// One sample: `total` bytes moved so far, and whether the lane had data waiting
     /// through the whole interval since the previous sample.
     pub fn observe(&mut self, now: Instant, total: u64, backlogged: bool) -> Verdict {

@@ -592,24 +592,17 @@ impl Reactor {
 
     /// Applies the NICs' fair shares (see `transport::tcp::fair`) to the lanes' sockets.
     fn pace(&mut self, shares: &[LaneSample], now: Instant) {
-        let dt = now.saturating_duration_since(self.fair_at);
-        self.fair_at = now;
         if !self.setup.fair_share {
             return;
         }
-        let held: Vec<bool> = (0..self.setup.nics.len())
-            .map(|n| self.fair.held_off(n))
-            .collect();
-        let changes = self.fair.sample(dt, shares);
-        for (n, was) in held.into_iter().enumerate() {
-            if !was && self.fair.held_off(n) {
-                tracing::info!(
-                    "railover: {}: pacing caps left the NIC underused (another bottleneck?); uncapped for a while",
-                    self.setup.nics[n].name
-                );
-            }
+        let sampled = self.fair.sample(now, shares);
+        for n in sampled.held_off {
+            tracing::info!(
+                "railover: {}: pacing caps left the NIC underused (another bottleneck?); uncapped for a while",
+                self.setup.nics[n].name
+            );
         }
-        for (k, cap) in changes {
+        for (k, cap) in sampled.changes {
             if let Some(lane) = self.lanes.get(k) {
                 if let Err(e) = crate::ffi::sys::set_max_pacing_rate(&lane.sock, cap) {
                     tracing::debug!("railover: pacing lane {k}: {e}");
@@ -651,11 +644,10 @@ impl Reactor {
                 shares.push(LaneSample {
                     key: k,
                     nic,
-                    bytes: delivered.saturating_sub(lane.delivered),
+                    bytes: delivered.saturating_sub(lane.progress.last_total()),
                     backlogged,
                 });
             }
-            lane.delivered = delivered;
             if let Verdict::Slow { rate, peak } = lane.progress.observe(now, delivered, backlogged)
             {
                 if let Role::Comm(c) = lane.role {

@@ -316,7 +316,6 @@ impl ReactorHandle {
             detection_latency: HashMap::new(),
             probe_floor: HashMap::new(),
             fair: FairShare::new(),
-            fair_at: now,
             metrics: MetricsState {
                 nic: vec![[0; 4]; setup.nics.len()],
                 probe_failures: vec![0; setup.nics.len()],
@@ -402,8 +401,7 @@ enum Role {
     },
     /// Carrying a comm.
     Comm(usize),
-    /// Probing a candidate pair for the router.
-    /// A health probe of `pair`, started at `started`.
+    /// Probing a candidate pair for the router, since `started`.
     Probe { pair: Pair, started: Instant },
     /// Answering a probe: receiving its payload before the `Welcome`.
     ProbeSink,
@@ -427,8 +425,6 @@ struct Lane {
     /// Whether data was queued at the last tick, and the lane's progress history.
     backlogged: bool,
     progress: Progress,
-    /// Bytes delivered as of the last tick, for the NIC's fair shares.
-    delivered: u64,
 }
 
 struct Listener {
@@ -481,8 +477,6 @@ struct Reactor {
     probe_floor: HashMap<Pair, f64>,
     /// Pacing caps that share each NIC evenly between its backlogged lanes.
     fair: FairShare,
-    /// When the fair shares were last sampled.
-    fair_at: Instant,
 }
 
 /// What the reactor accumulates between two metric samples.
@@ -743,7 +737,6 @@ impl Reactor {
             last_tx: now,
             backlogged: false,
             progress,
-            delivered: 0,
         });
         Ok(key)
     }

@@ -1,6 +1,6 @@
 //! Fair shares between the TCP lanes of one NIC. No sockets, no clock reads: the reactor
-//! samples each lane's delivered bytes at a fixed interval and applies the pacing caps
-//! this returns (`SO_MAX_PACING_RATE`).
+//! samples each lane's delivered bytes at a fixed interval, passing the time in, and
+//! applies the pacing caps this returns (`SO_MAX_PACING_RATE`).
 //!
 //! Why: a lane moved onto a NIC by failover is a fresh TCP connection. Where the NIC's
 //! queue is a FIFO (no per-flow fair queueing), the incumbent lanes keep it full and the
@@ -17,8 +17,8 @@
 //! [`UNDERUSED`] of its capacity for most of [`JUDGE`], the caps are lifted and the NIC is
 //! left alone for [`HOLD_OFF`].
 
-use std::collections::HashMap;
-use std::time::Duration;
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 /// Caps sit this much above the even share, so that the sum of the caps exceeds the
 /// NIC's capacity and the capacity estimate can still grow when the link gets faster.
@@ -53,6 +53,15 @@ pub struct LaneSample {
 /// A pacing change for one lane: `Some(bytes/s)` caps it, `None` lifts the cap.
 pub type Change = (usize, Option<u64>);
 
+/// What one sample decided.
+#[derive(Debug, Default, PartialEq)]
+pub struct Sampled {
+    /// The caps to change.
+    pub changes: Vec<Change>,
+    /// NICs whose caps were just lifted and held off because they cost bandwidth.
+    pub held_off: Vec<usize>,
+}
+
 /// Where one NIC stands.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Phase {
@@ -76,6 +85,8 @@ struct Nic {
 
 #[derive(Debug, Default)]
 pub struct FairShare {
+    /// When the previous sample was taken.
+    last: Option<Instant>,
     nics: HashMap<usize, Nic>,
     /// The cap each lane has now.
     caps: HashMap<usize, u64>,
@@ -108,14 +119,19 @@ impl FairShare {
             .is_some_and(|n| matches!(n.phase, Phase::HoldOff { .. }))
     }
 
-    /// Takes one sample of every live lane, `dt` after the previous one, and returns
-    /// the caps to change. Lanes not in `lanes` are forgotten.
-    pub fn sample(&mut self, dt: Duration, lanes: &[LaneSample]) -> Vec<Change> {
+    /// Takes one sample of every live lane at `now` and says which caps to change.
+    /// Lanes not in `lanes` are forgotten; the first sample only sets the clock.
+    pub fn sample(&mut self, now: Instant, lanes: &[LaneSample]) -> Sampled {
+        let dt = self
+            .last
+            .replace(now)
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
         let secs = dt.as_secs_f64();
-        let mut changes = Vec::new();
-        self.caps.retain(|k, _| lanes.iter().any(|l| l.key == *k));
+        let mut out = Sampled::default();
+        let live: HashSet<usize> = lanes.iter().map(|l| l.key).collect();
+        self.caps.retain(|k, _| live.contains(k));
         if secs <= 0.0 {
-            return changes;
+            return out;
         }
         let mut per_nic: HashMap<usize, (f64, usize)> = HashMap::new();
         for l in lanes {
@@ -146,6 +162,7 @@ impl FairShare {
                     if age < JUDGE {
                         Phase::Capped { age, under }
                     } else if under * 2 > age {
+                        out.held_off.push(nic);
                         Phase::HoldOff { left: HOLD_OFF }
                     } else {
                         Phase::Capped {
@@ -179,10 +196,10 @@ impl FairShare {
                     Some(w) => self.caps.insert(l.key, w),
                     None => self.caps.remove(&l.key),
                 };
-                changes.push((l.key, want));
+                out.changes.push((l.key, want));
             }
         }
-        changes
+        out
     }
 }
 
@@ -191,6 +208,19 @@ mod tests {
     use super::*;
 
     const DT: Duration = Duration::from_millis(100);
+
+    /// One sample, `DT` after the previous one (the first at a fixed start).
+    fn step(f: &mut FairShare, lanes: &[LaneSample]) -> Sampled {
+        let now = match f.last {
+            Some(t) => t + DT,
+            None => {
+                let t0 = Instant::now();
+                f.sample(t0, &[]);
+                t0 + DT
+            }
+        };
+        f.sample(now, lanes)
+    }
 
     fn lane(key: usize, nic: usize, bytes: u64, backlogged: bool) -> LaneSample {
         LaneSample {
@@ -205,7 +235,9 @@ mod tests {
     fn a_lone_lane_is_never_capped() {
         let mut f = FairShare::new();
         for _ in 0..10 {
-            assert!(f.sample(DT, &[lane(1, 0, 1_000_000, true)]).is_empty());
+            assert!(step(&mut f, &[lane(1, 0, 1_000_000, true)])
+                .changes
+                .is_empty());
         }
         assert_eq!(f.cap(1), None);
         assert_eq!(f.capacity(0), 10_000_000.0);
@@ -220,7 +252,7 @@ mod tests {
             lane(2, 0, 600_000, true),
             lane(3, 0, 50_000, true),
         ];
-        let changes = f.sample(DT, &s);
+        let changes = step(&mut f, &s).changes;
         assert_eq!(changes.len(), 3);
         let even = 12_500_000.0 / 3.0;
         for k in [1, 2, 3] {
@@ -240,7 +272,7 @@ mod tests {
             lane(3, 1, 600_000, true),
             lane(4, 1, 600_000, true),
         ];
-        f.sample(DT, &s);
+        step(&mut f, &s);
         assert_eq!(f.cap(1), None, "the only backlogged lane of NIC 0");
         assert_eq!(f.cap(2), None, "not backlogged");
         assert_eq!(f.cap(3), Some((12_000_000.0 * HEADROOM / 2.0) as u64));
@@ -250,10 +282,13 @@ mod tests {
     #[test]
     fn caps_are_lifted_when_the_contention_ends() {
         let mut f = FairShare::new();
-        f.sample(DT, &[lane(1, 0, 500_000, true), lane(2, 0, 500_000, true)]);
+        step(
+            &mut f,
+            &[lane(1, 0, 500_000, true), lane(2, 0, 500_000, true)],
+        );
         assert!(f.cap(1).is_some() && f.cap(2).is_some());
         // Lane 2 goes away, lane 1 runs alone: its cap is lifted.
-        let changes = f.sample(DT, &[lane(1, 0, 500_000, true)]);
+        let changes = step(&mut f, &[lane(1, 0, 500_000, true)]).changes;
         assert_eq!(changes, vec![(1, None)]);
         assert_eq!(f.cap(2), None, "a closed lane is forgotten");
     }
@@ -262,17 +297,17 @@ mod tests {
     fn small_moves_do_not_rewrite_a_cap_and_a_faster_link_raises_it() {
         let mut f = FairShare::new();
         let two = |b: u64| [lane(1, 0, b, true), lane(2, 0, b, true)];
-        f.sample(DT, &two(500_000));
+        step(&mut f, &two(500_000));
         let first = f.cap(1).unwrap();
         // A slightly lower sample: the estimate barely decays, nothing is rewritten.
-        assert!(f.sample(DT, &two(490_000)).is_empty());
+        assert!(step(&mut f, &two(490_000)).changes.is_empty());
         assert_eq!(f.cap(1), Some(first));
         // Both lanes run at their caps (their sum exceeds the old estimate), so the
         // estimate and the caps climb towards a faster link.
         let mut cap = first;
         for _ in 0..40 {
             let b = (cap as f64 * DT.as_secs_f64()) as u64;
-            f.sample(DT, &two(b));
+            step(&mut f, &two(b));
             cap = f.cap(1).unwrap();
         }
         assert!(cap as f64 > first as f64 * 2.0, "{first} -> {cap}");
@@ -284,7 +319,7 @@ mod tests {
         // Lane 2's bottleneck is elsewhere (a remote NIC): it stays at 1 MB/s, while lane
         // 1 alone could fill the 10 MB/s NIC. Uncapped they fill it.
         let s = |a: u64| [lane(1, 0, a, true), lane(2, 0, 100_000, true)];
-        f.sample(DT, &s(900_000));
+        step(&mut f, &s(900_000));
         let cap = f.cap(1).expect("contended: capped");
         assert!(cap < 6_000_000, "{cap}");
         // Capped, lane 1 runs at its cap and the NIC sits partly idle for a whole
@@ -292,8 +327,9 @@ mod tests {
         let capped = (cap as f64 * DT.as_secs_f64()) as u64;
         let mut lifted = None;
         for i in 0..20 {
-            let changes = f.sample(DT, &s(capped));
-            if changes.contains(&(1, None)) {
+            let sampled = step(&mut f, &s(capped));
+            if sampled.changes.contains(&(1, None)) {
+                assert_eq!(sampled.held_off, vec![0], "the lift is reported");
                 lifted = Some(i);
                 break;
             }
@@ -306,12 +342,12 @@ mod tests {
         assert!(f.held_off(0));
         let hold = (HOLD_OFF.as_millis() / DT.as_millis()) as usize;
         for _ in 0..hold - 1 {
-            f.sample(DT, &s(900_000));
+            step(&mut f, &s(900_000));
             assert_eq!(f.cap(1), None, "held off");
         }
         // Then they are tried again.
-        f.sample(DT, &s(900_000));
-        f.sample(DT, &s(900_000));
+        step(&mut f, &s(900_000));
+        step(&mut f, &s(900_000));
         assert!(f.cap(1).is_some());
     }
 
@@ -319,11 +355,11 @@ mod tests {
     fn one_bursty_sample_does_not_look_like_idleness_afterwards() {
         let mut f = FairShare::new();
         let two = |b: u64| [lane(1, 0, b, true), lane(2, 0, b, true)];
-        f.sample(DT, &two(500_000));
+        step(&mut f, &two(500_000));
         // Acks arrive in a burst: one sample shows twice the link's rate.
-        f.sample(DT, &two(1_000_000));
+        step(&mut f, &two(1_000_000));
         for _ in 0..40 {
-            f.sample(DT, &two(500_000));
+            step(&mut f, &two(500_000));
             assert!(!f.held_off(0), "a steady, full NIC judged underused");
         }
         assert!(f.cap(1).is_some());
@@ -334,15 +370,18 @@ mod tests {
         let mut f = FairShare::new();
         // Two incumbents fill the NIC; a newcomer trickles, then grows into the room the
         // caps leave while the NIC stays busy.
-        f.sample(DT, &[lane(1, 0, 500_000, true), lane(2, 0, 500_000, true)]);
+        step(
+            &mut f,
+            &[lane(1, 0, 500_000, true), lane(2, 0, 500_000, true)],
+        );
         let mut newcomer = 10_000u64;
         for _ in 0..50 {
             let cap = f.cap(1).unwrap_or(u64::MAX);
             let inc = ((cap as f64 * DT.as_secs_f64()) as u64).min(500_000);
             let room = 1_000_000u64.saturating_sub(2 * inc);
             newcomer = (newcomer * 2).min(room.max(newcomer));
-            f.sample(
-                DT,
+            step(
+                &mut f,
                 &[
                     lane(1, 0, inc, true),
                     lane(2, 0, inc, true),
@@ -359,10 +398,10 @@ mod tests {
     fn a_slower_link_is_forgotten_slowly_and_never_collapses() {
         let mut f = FairShare::new();
         let two = |b: u64| [lane(1, 0, b, true), lane(2, 0, b, true)];
-        f.sample(DT, &two(1_000_000));
+        step(&mut f, &two(1_000_000));
         // The link halves: the estimate decays towards the new aggregate, never below.
         for _ in 0..2000 {
-            f.sample(DT, &two(500_000));
+            step(&mut f, &two(500_000));
         }
         let c = f.capacity(0);
         assert!((c - 10_000_000.0).abs() < 1.0, "{c}");
