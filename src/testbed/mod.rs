@@ -230,45 +230,35 @@ impl Testbed {
         c
     }
 
+    /// `tc` inside `side`'s namespace.
+    fn tc(&self, side: Side, args: &[&str]) -> Result<String, String> {
+        let mut all = vec!["-n", self.ns(side)];
+        all.extend_from_slice(args);
+        sh("tc", &all)
+    }
+
     fn tbf(&self, verb: &str, side: Side, rail: usize, kbit: u64) -> Result<String, String> {
         let dev = Self::ifname(rail);
         let rate = format!("{kbit}kbit");
         let burst = format!("{}b", burst_bytes(kbit));
-        sh(
-            "tc",
+        self.tc(
+            side,
             &[
-                "-n",
-                self.ns(side),
-                "qdisc",
-                verb,
-                "dev",
-                &dev,
-                "root",
-                "tbf",
-                "rate",
-                &rate,
-                "burst",
-                &burst,
-                "latency",
-                LATENCY,
+                "qdisc", verb, "dev", &dev, "root", "tbf", "rate", &rate, "burst", &burst,
+                "latency", LATENCY,
             ],
         )
     }
 
+    /// Removes the shaper of one end, dropping what it queued.
+    fn drop_shaper(&self, side: Side, rail: usize) -> Result<String, String> {
+        self.tc(side, &["qdisc", "del", "dev", &Self::ifname(rail), "root"])
+    }
+
     /// `tc qdisc show` for one end, to check the shaping is in place.
     pub fn qdisc(&self, side: Side, rail: usize) -> String {
-        sh(
-            "tc",
-            &[
-                "-n",
-                self.ns(side),
-                "qdisc",
-                "show",
-                "dev",
-                &Self::ifname(rail),
-            ],
-        )
-        .unwrap_or_default()
+        self.tc(side, &["qdisc", "show", "dev", &Self::ifname(rail)])
+            .unwrap_or_default()
     }
 
     pub fn link_down(&self, side: Side, rail: usize) {
@@ -300,13 +290,9 @@ impl Testbed {
     /// queued packets, and one larger than the new, smaller burst never leaves, which
     /// would stop the link instead of slowing it.
     pub fn set_rate_kbit(&self, side: Side, rail: usize, kbit: u64) {
-        let dev = Self::ifname(rail);
-        sh(
-            "tc",
-            &["-n", self.ns(side), "qdisc", "del", "dev", &dev, "root"],
-        )
-        .and_then(|_| self.tbf("add", side, rail, kbit))
-        .unwrap_or_else(|e| panic!("{e}"));
+        self.drop_shaper(side, rail)
+            .and_then(|_| self.tbf("add", side, rail, kbit))
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// Holds the TCP connections leaving `side` on `rail` from local port `sport` to
@@ -315,43 +301,32 @@ impl Testbed {
     /// The link's shaper becomes an `htb` with two classes and a `u32` port filter.
     pub fn squeeze_flow(&self, side: Side, rail: usize, sport: u16, kbit: u64) {
         let dev = Self::ifname(rail);
-        let ns = self.ns(side);
         let rate = format!("{}kbit", self.rate_mbit * 1000);
         let slow = format!("{kbit}kbit");
         let port = sport.to_string();
         let class = |id: &str, parent: &str, r: &str| {
-            vec![
-                "-n", ns, "class", "add", "dev", &dev, "parent", parent, "classid", id, "htb",
-                "rate", r, "ceil", r,
-            ]
-            .into_iter()
-            .map(str::to_owned)
-            .collect::<Vec<String>>()
+            self.tc(
+                side,
+                &[
+                    "class", "add", "dev", &dev, "parent", parent, "classid", id, "htb", "rate", r,
+                    "ceil", r,
+                ],
+            )
         };
-        let steps: Vec<Vec<String>> = vec![
-            ["-n", ns, "qdisc", "del", "dev", &dev, "root"]
-                .map(str::to_owned)
-                .to_vec(),
-            [
-                "-n", ns, "qdisc", "add", "dev", &dev, "root", "handle", "1:", "htb", "default",
-                "10",
-            ]
-            .map(str::to_owned)
-            .to_vec(),
-            class("1:1", "1:", &rate),
-            class("1:10", "1:1", &rate),
-            class("1:20", "1:1", &slow),
-            [
-                "-n", ns, "filter", "add", "dev", &dev, "parent", "1:", "protocol", "ip", "prio",
-                "1", "u32", "match", "ip", "sport", &port, "0xffff", "flowid", "1:20",
-            ]
-            .map(str::to_owned)
-            .to_vec(),
+        let htb = [
+            "qdisc", "add", "dev", &dev, "root", "handle", "1:", "htb", "default", "10",
         ];
-        for args in steps {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            sh("tc", &args).unwrap_or_else(|e| panic!("{e}"));
-        }
+        let filter = [
+            "filter", "add", "dev", &dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            "match", "ip", "sport", &port, "0xffff", "flowid", "1:20",
+        ];
+        self.drop_shaper(side, rail)
+            .and_then(|_| self.tc(side, &htb))
+            .and_then(|_| class("1:1", "1:", &rate))
+            .and_then(|_| class("1:10", "1:1", &rate))
+            .and_then(|_| class("1:20", "1:1", &slow))
+            .and_then(|_| self.tc(side, &filter))
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// The local ports of the TCP connections `side` has open from `rail`'s address to
