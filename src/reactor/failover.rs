@@ -620,9 +620,9 @@ impl Reactor {
         let mut dead: Vec<(usize, ConnError, Option<Duration>)> = Vec::new();
         let mut shares: Vec<LaneSample> = Vec::new();
         for (k, lane) in self.lanes.iter_mut() {
-            if !matches!(lane.role, Role::Comm(_)) {
+            let Role::Comm(c) = lane.role else {
                 continue;
-            }
+            };
             let silent = now.saturating_duration_since(lane.last_rx);
             if silent > timeout {
                 let e =
@@ -650,11 +650,9 @@ impl Reactor {
             }
             if let Verdict::Slow { rate, peak } = lane.progress.observe(now, delivered, backlogged)
             {
-                if let Role::Comm(c) = lane.role {
-                    if let Some(r) = self.comms.get(c).and_then(|c| c.route) {
-                        self.probe_floor
-                            .insert(r.current, health::recovery_floor(peak));
-                    }
+                if let Some(r) = self.comms.get(c).and_then(|c| c.route) {
+                    self.probe_floor
+                        .insert(r.current, health::recovery_floor(peak));
                 }
                 let e = ConnError::Stalled(format!(
                     "brown-out: delivering {:.0} kB/s with data waiting, against {:.0} kB/s before",
