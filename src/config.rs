@@ -127,7 +127,7 @@ pub struct Config {
     /// demo and tests.
     pub loopback_nics: usize,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
-    /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`.
+    /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`, `RAILOVER_GIVEUP_MS`.
     pub router: RouterConfig,
 }
 
@@ -238,6 +238,14 @@ impl Config {
             "an integer number of milliseconds from 10 to 3600000",
         )? {
             cfg.router.failback_interval = d;
+        }
+        if let Some(d) = ms(
+            "RAILOVER_GIVEUP_MS",
+            0,
+            3_600_000,
+            "an integer number of milliseconds from 0 to 3600000",
+        )? {
+            cfg.router.giveup = d;
         }
         if let Some(v) = get("RAILOVER_PROBE_BYTES") {
             cfg.probe_bytes = parse_u64(&v, 0, 64 << 20).ok_or(ConfigError {
@@ -371,6 +379,7 @@ mod tests {
             ("RAILOVER_FAIR_SHARE", "maybe"),
             ("RAILOVER_FAILBACK_INTERVAL_MS", "0"),
             ("RAILOVER_FAILBACK_PROBES", "0"),
+            ("RAILOVER_GIVEUP_MS", "forever"),
             ("RAILOVER_RAIL_RULE", "nearest"),
             ("RAILOVER_DISTANCE_LIMIT", "NVL"),
             ("RAILOVER_RAILS", "eth0"),
@@ -406,9 +415,11 @@ mod tests {
             ("RAILOVER_RAIL_RULE", "any"),
             ("RAILOVER_DISTANCE_LIMIT", "sys"),
             ("RAILOVER_FAILBACK_PROBES", "5"),
+            ("RAILOVER_GIVEUP_MS", "5000"),
             ("RAILOVER_RAILS", "rv0:1,rv1:0"),
         ])
         .unwrap();
+        assert_eq!(c.router.giveup, Duration::from_millis(5000));
         assert_eq!(c.completion_timeout, Duration::from_millis(250));
         assert_eq!(c.router.rail_rule, RailRule::Any);
         assert_eq!(c.router.distance_limit, PathType::Sys);

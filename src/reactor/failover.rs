@@ -407,7 +407,7 @@ impl Reactor {
     /// Carries out what the router decided: probes, moves, give-ups; publishes routes.
     pub(super) fn drive_router(&mut self, now: Instant) {
         while let Some(p) = self.router.poll_probe() {
-            self.start_probe(p.pair, now);
+            self.start_probe(p.pair, p.retry, now);
         }
         while let Some(mv) = self.router.poll_move() {
             self.routes_dirty = true;
@@ -495,7 +495,7 @@ impl Reactor {
         Some(k)
     }
 
-    fn start_probe(&mut self, pair: Pair, now: Instant) {
+    fn start_probe(&mut self, pair: Pair, retry: u32, now: Instant) {
         // A probe presents the token of any live comm to that peer.
         let token = self
             .comms
@@ -511,7 +511,7 @@ impl Reactor {
             purpose: Purpose::Probe,
             nics: self.wire.clone(),
         };
-        let limit = self.setup.probe_timeout;
+        let limit = self.probe_deadline(pair.local.0 as usize, retry);
         let role = Role::Probe { pair, started: now };
         match self.connect_pair(pair, hello, role, now, limit) {
             Some(k) => {
@@ -525,6 +525,24 @@ impl Reactor {
             }
             None => self.probe_failed(pair, now),
         }
+    }
+
+    /// The deadline of a probe through local NIC `nic`: the probe waits behind what the
+    /// NIC's lanes have queued in the kernel, at the rate the NIC has been delivering.
+    fn probe_deadline(&self, nic: usize, retry: u32) -> Duration {
+        let queued: u64 = self
+            .lanes
+            .iter()
+            .filter(|(_, l)| l.nic == Some(nic) && matches!(l.role, Role::Comm(_)))
+            .map(|(_, l)| crate::ffi::sys::tcp_send_queue(&l.sock).unwrap_or(0))
+            .sum();
+        health::probe_deadline(
+            self.setup.probe_timeout,
+            retry,
+            queued,
+            self.setup.probe_bytes,
+            self.fair.capacity(nic),
+        )
     }
 
     /// A probe's payload crossed within its deadline. A pair that failed by browning
@@ -687,10 +705,17 @@ impl Reactor {
             self.lane_failed(k, e, FailReason::Timeout, now);
         }
         // A receiver whose sender never came back: the peer is gone or has no pair left.
+        // While one of our NICs is up the sender may still be re-probing candidates, for
+        // as long as its give-up window; with none up, no lane can reach us.
+        let window = if self.nic_up.iter().any(|&up| up) {
+            self.setup.router.giveup
+        } else {
+            Duration::ZERO
+        };
         let stranded: Vec<usize> = self
             .comms
             .iter()
-            .filter(|(_, c)| c.stranded.is_some_and(|deadline| now >= deadline))
+            .filter(|(_, c)| c.stranded.is_some_and(|deadline| now >= deadline + window))
             .map(|(k, _)| k)
             .collect();
         for c in stranded {

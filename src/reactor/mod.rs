@@ -378,7 +378,8 @@ struct Comm {
     migrating: Option<usize>,
     /// A failure was detected at this time and traffic has not resumed yet.
     detected: Option<(Instant, FailReason)>,
-    /// Receive side: the lane was lost at this time and no replacement has arrived.
+    /// Receive side: the lane was lost and no replacement has arrived; the comm fails at
+    /// this deadline, extended by the give-up window while one of our NICs is up.
     stranded: Option<Instant>,
 }
 

@@ -31,6 +31,17 @@ pub struct RouterConfig {
     /// How long a probe result (good or bad) stays valid for a pair that carries no lanes;
     /// after that the pair is probed again before use. Default 1000 ms.
     pub health_ttl: Duration,
+    /// How long a failed lane may wait for a backup pair while some candidate is still up
+    /// (its local NIC has carrier) but none has passed a probe; candidates are re-probed
+    /// with backoff meanwhile. After this the comm is given up. A lane whose candidates are
+    /// all excluded by rule or carrier is given up at once. Default 30 s (NCCL aborts the
+    /// job on an error, so waiting is cheaper than failing).
+    pub giveup: Duration,
+    /// The first re-probe delay after a failed probe of a candidate; it doubles with each
+    /// further failure up to `retry_max`. Default 100 ms.
+    pub retry_base: Duration,
+    /// The cap on the re-probe delay. Default 1 s.
+    pub retry_max: Duration,
     /// Seed of the tie-break RNG. Tests and `railover sim` fix it; production seeds it from
     /// the OS once.
     pub seed: u64,
@@ -46,6 +57,9 @@ impl Default for RouterConfig {
             holddown_base: Duration::from_secs(5),
             holddown_max: Duration::from_secs(60),
             health_ttl: Duration::from_millis(1000),
+            giveup: Duration::from_secs(30),
+            retry_base: Duration::from_millis(100),
+            retry_max: Duration::from_secs(1),
             seed: 0,
         }
     }
@@ -58,6 +72,8 @@ impl RouterConfig {
         self.failback_interval = self.failback_interval.max(Duration::from_millis(1));
         self.failback_probes_k = self.failback_probes_k.max(1);
         self.holddown_max = self.holddown_max.max(self.holddown_base);
+        self.retry_base = self.retry_base.max(Duration::from_millis(1));
+        self.retry_max = self.retry_max.max(self.retry_base);
         self
     }
 }

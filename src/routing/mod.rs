@@ -196,6 +196,10 @@ pub struct Move {
 pub struct ProbeRequest {
     /// The pair to test.
     pub pair: Pair,
+    /// Probes of this pair that failed in a row before this one. A probe that crosses a
+    /// busy link may miss its deadline behind queued traffic, so the reactor gives each
+    /// retry a longer deadline.
+    pub retry: u32,
 }
 
 /// The rule that kept a candidate pair from being chosen.
@@ -217,9 +221,12 @@ pub enum Exclusion {
     },
     /// The local NIC has no carrier.
     Down,
-    /// The pair failed recently (a lane error or a failed probe), or it is an original pair
-    /// still serving its fail-back hold-down.
-    Unhealthy,
+    /// The pair failed recently (a lane error or a failed probe) and has not passed a
+    /// probe since; it is re-probed with backoff while a lane waits for it.
+    Unhealthy {
+        /// Probes of the pair that failed in a row.
+        failed_probes: u32,
+    },
 }
 
 impl fmt::Display for Exclusion {
@@ -236,7 +243,12 @@ impl fmt::Display for Exclusion {
                 write!(f, "distance limit: {distance} is further than {limit}")
             }
             Exclusion::Down => f.write_str("local NIC down"),
-            Exclusion::Unhealthy => f.write_str("pair unhealthy"),
+            Exclusion::Unhealthy { failed_probes: 0 } => f.write_str("pair unhealthy"),
+            Exclusion::Unhealthy { failed_probes: n } => write!(
+                f,
+                "pair unhealthy: {n} probe{} failed in a row",
+                if n == 1 { "" } else { "s" }
+            ),
         }
     }
 }
@@ -247,8 +259,11 @@ impl fmt::Display for Exclusion {
 pub enum Event {
     /// No candidate pair passed the checks for a failed lane; the comm cannot continue on
     /// it (P5: the reactor returns an error to NCCL and logs a WARN naming each candidate
-    /// and the rule that excluded it). Reported once per failure; the lane stays stranded
-    /// and is moved if a pair becomes eligible or its original pair recovers.
+    /// and the rule that excluded it). Reported at once when no candidate is even up (every
+    /// one excluded by rail rule, distance or carrier), otherwise only once
+    /// [`RouterConfig::giveup`] has passed since the failure with no candidate passing a
+    /// probe. Reported once per failure; the lane stays stranded and is moved if a pair
+    /// becomes eligible.
     NoEligiblePair {
         /// The comm.
         comm: CommId,

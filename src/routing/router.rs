@@ -19,14 +19,25 @@ use super::{
 /// When a lane's pair fails, every other (local, remote) pair of its comm is a candidate.
 /// A candidate must pass, in order, the rail rule, the distance limit, the local NIC's
 /// carrier and the health check. Health is "good" when the pair carries lanes without a
-/// reported failure, or answered a probe within `health_ttl`; "bad" after a failure within
-/// `health_ttl`, or while it is an original pair serving its fail-back test; otherwise
-/// "unknown". Unknown candidates are probed first ([`Router::poll_probe`]), and the lane
-/// waits until none of its candidates is unknown, so that it is spread over every pair that
-/// works rather than over the first to answer. It then goes to the good candidate with the
-/// least load (the larger of the lanes on its local NIC and on its remote NIC, across all
-/// comms, then their sum, then the nearer local NIC); the seeded RNG breaks remaining ties.
-/// Every other lane on a failed pair moves at once too, because they share its path.
+/// reported failure, or answered a probe within `health_ttl`; "bad" after a failure, for
+/// `health_ttl` (a lane failure) or for the re-probe backoff (a failed probe); otherwise
+/// "unknown". An original pair under its fail-back watch is a candidate like any other:
+/// the watch only governs moving lanes *home*. Unknown candidates are probed first
+/// ([`Router::poll_probe`]), and the lane waits until none of its candidates is unknown, so
+/// that it is spread over every pair that works rather than over the first to answer. It
+/// then goes to the good candidate with the least load (the larger of the lanes on its
+/// local NIC and on its remote NIC, across all comms, then their sum, then the nearer local
+/// NIC); the seeded RNG breaks remaining ties. Every other lane on a failed pair moves at
+/// once too, because they share its path.
+///
+/// # Giving up (P5)
+///
+/// A lane is given up ([`Event::NoEligiblePair`]) at once only when no candidate is even
+/// up: every one is excluded by the rail rule, the distance limit or its local carrier.
+/// While some candidate is up but unhealthy, the lane waits: each failed probe holds the
+/// pair "bad" for a backoff (`retry_base`, doubling to `retry_max`), after which it is
+/// probed again, until `giveup` has passed since the failure. One probe missed behind a
+/// busy link therefore never ends a comm.
 ///
 /// # Fail-back (P7)
 ///
@@ -59,6 +70,9 @@ pub struct Router {
     probes: VecDeque<ProbeRequest>,
     events: VecDeque<Event>,
     stats: Stats,
+    /// When waiting lanes must be looked at again: a candidate's "bad" verdict expires (it
+    /// is re-probed) or a give-up deadline passes.
+    wake_at: Option<Instant>,
     /// The latest `now` seen, to catch a clock that goes backwards in debug builds.
     last_now: Option<Instant>,
 }
@@ -88,9 +102,11 @@ impl Lane {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LaneState {
     Active,
-    /// Its pair failed; it waits for a backup. `reported` once `NoEligiblePair` went out.
+    /// Its pair failed at `since`; it waits for a backup. `reported` once
+    /// `NoEligiblePair` went out.
     Pending {
         reason: FailReason,
+        since: Instant,
         reported: bool,
     },
 }
@@ -104,6 +120,8 @@ struct PairState {
     holddown: Duration,
     last_failure: Option<Instant>,
     last_failback: Option<Instant>,
+    /// Probes that failed in a row; reset by a good probe or the carrier returning.
+    failed_probes: u32,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -179,6 +197,7 @@ impl Router {
             probes: VecDeque::new(),
             events: VecDeque::new(),
             stats: Stats::default(),
+            wake_at: None,
             last_now: None,
         }
     }
@@ -251,6 +270,7 @@ impl Router {
             let state = if self.down.contains(&local) {
                 LaneState::Pending {
                     reason: FailReason::LinkDown,
+                    since: now,
                     reported: false,
                 }
             } else {
@@ -299,12 +319,7 @@ impl Router {
             Event::NoEligiblePair { comm: c, .. } => *c != comm,
             Event::TopologyUnknown { .. } => true,
         });
-        let away: BTreeSet<Pair> = self.displaced_originals();
-        for (pair, ps) in &mut self.pairs {
-            if !away.contains(pair) {
-                ps.watch = None;
-            }
-        }
+        self.drop_idle_watches();
         true
     }
 
@@ -358,6 +373,7 @@ impl Router {
         if ok {
             self.stats.probes_ok += 1;
             if !stale {
+                ps.failed_probes = 0;
                 ps.health = Health::Good(now);
                 if let Some(w) = &mut ps.watch {
                     w.streak += 1;
@@ -366,6 +382,7 @@ impl Router {
             }
         } else {
             self.stats.probes_failed += 1;
+            ps.failed_probes = ps.failed_probes.saturating_add(1);
             self.fail_pair(pair, FailReason::Probe, now);
         }
         self.settle(now);
@@ -399,6 +416,7 @@ impl Router {
             return;
         }
         for (_, ps) in self.pairs.iter_mut().filter(|(p, _)| p.local == nic) {
+            ps.failed_probes = 0;
             if matches!(ps.health, Health::Bad(_)) {
                 ps.health = Health::Unknown;
             }
@@ -407,10 +425,15 @@ impl Router {
     }
 
     /// Fires the timers due at `now`: the fail-back probes of original pairs (skipped, and
-    /// the good streak reset, while their local NIC is down). Calling it early, or twice,
-    /// does nothing.
+    /// the good streak reset, while their local NIC is down), the re-probes of unhealthy
+    /// candidates of waiting lanes, and their give-up deadlines. Calling it early, or
+    /// twice, does nothing.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.tick(now);
+        if self.wake_at.is_some_and(|t| t <= now) {
+            self.wake_at = None;
+            self.settle(now);
+        }
         let due: Vec<Pair> = self
             .pairs
             .iter()
@@ -449,6 +472,7 @@ impl Router {
         self.pairs
             .values()
             .filter_map(|ps| ps.watch.map(|w| w.next_probe))
+            .chain(self.wake_at)
             .min()
     }
 
@@ -569,6 +593,7 @@ impl Router {
                 if l.state == LaneState::Active && l.current == pair {
                     l.state = LaneState::Pending {
                         reason,
+                        since: now,
                         reported: false,
                     };
                     originals.push(l.original);
@@ -649,9 +674,10 @@ impl Router {
         }
     }
 
-    /// Chooses a backup for every lane that waits for one and can be decided now.
+    /// Chooses a backup for every lane that waits for one and can be decided now, gives up
+    /// lanes that cannot wait any longer, and sets when to look again.
     fn settle(&mut self, now: Instant) {
-        let waiting: Vec<(CommId, usize, FailReason, bool)> = self
+        let waiting: Vec<(CommId, usize, FailReason, Instant, bool)> = self
             .comms
             .iter()
             .flat_map(|(&comm, c)| {
@@ -659,18 +685,22 @@ impl Router {
                     .iter()
                     .enumerate()
                     .filter_map(move |(i, l)| match l.state {
-                        LaneState::Pending { reason, reported } => {
-                            Some((comm, i, reason, reported))
-                        }
+                        LaneState::Pending {
+                            reason,
+                            since,
+                            reported,
+                        } => Some((comm, i, reason, since, reported)),
                         LaneState::Active => None,
                     })
             })
             .collect();
+        self.wake_at = None;
         if waiting.is_empty() {
             return;
         }
         let mut loads = self.loads();
-        for (comm, lane, reason, reported) in waiting {
+        let mut homecoming = false;
+        for (comm, lane, reason, since, reported) in waiting {
             let candidates = self.candidates(&self.comms[&comm], &loads, now);
             for c in &candidates {
                 if c.topology_unknown && self.topology_reported.insert(c.pair.local) {
@@ -690,42 +720,74 @@ impl Router {
             if unknown {
                 continue; // decide once every candidate has answered
             }
-            match self.pick(&candidates) {
-                Some(to) => {
-                    let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];
-                    self.moves.push_back(Move {
-                        comm,
-                        lane: LaneId(lane),
-                        from: l.current,
-                        to,
-                        reason: MoveReason::Failover(reason),
-                    });
-                    l.current = to;
-                    l.state = LaneState::Active;
-                    self.stats.failovers.bump(reason);
-                    loads.add(to);
-                }
-                None if !reported => {
-                    let exclusions = candidates
-                        .iter()
-                        .filter_map(|c| match c.verdict {
-                            Verdict::Excluded(e) => Some((c.pair, e)),
-                            _ => None,
-                        })
-                        .collect();
-                    self.events.push_back(Event::NoEligiblePair {
-                        comm,
-                        lane: LaneId(lane),
-                        exclusions,
-                    });
-                    self.stats.no_eligible_pair += 1;
-                    let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];
-                    l.state = LaneState::Pending {
-                        reason,
-                        reported: true,
-                    };
-                }
-                None => {}
+            if let Some(to) = self.pick(&candidates) {
+                let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];
+                self.moves.push_back(Move {
+                    comm,
+                    lane: LaneId(lane),
+                    from: l.current,
+                    to,
+                    reason: MoveReason::Failover(reason),
+                });
+                homecoming |= to == l.original;
+                l.current = to;
+                l.state = LaneState::Active;
+                self.stats.failovers.bump(reason);
+                loads.add(to);
+                continue;
+            }
+            // Nothing eligible now. Unhealthy candidates are probed again when their
+            // verdict expires; the lane waits for them until its give-up deadline.
+            let retries = candidates
+                .iter()
+                .filter(|c| matches!(c.verdict, Verdict::Excluded(Exclusion::Unhealthy { .. })))
+                .filter_map(|c| self.bad_until(c.pair))
+                .min();
+            let deadline = since + self.config.giveup;
+            let give_up = retries.is_none() || now >= deadline;
+            if reported || !give_up {
+                let next = if reported {
+                    retries
+                } else {
+                    retries.map(|r| r.min(deadline))
+                };
+                self.wake_at = self.wake_at.into_iter().chain(next).min();
+                continue;
+            }
+            let exclusions = candidates
+                .iter()
+                .filter_map(|c| match c.verdict {
+                    Verdict::Excluded(e) => Some((c.pair, e)),
+                    _ => None,
+                })
+                .collect();
+            self.events.push_back(Event::NoEligiblePair {
+                comm,
+                lane: LaneId(lane),
+                exclusions,
+            });
+            self.stats.no_eligible_pair += 1;
+            let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];
+            l.state = LaneState::Pending {
+                reason,
+                since,
+                reported: true,
+            };
+            self.wake_at = self.wake_at.into_iter().chain(retries).min();
+        }
+        if homecoming {
+            // A lane failed over onto its own original pair: it is home, and that pair's
+            // fail-back watch ends unless other lanes are still away from it.
+            self.drop_idle_watches();
+        }
+    }
+
+    /// Ends the fail-back watch of every pair that no displaced lane calls home.
+    fn drop_idle_watches(&mut self) {
+        let away: BTreeSet<Pair> = self.displaced_originals();
+        for (pair, ps) in &mut self.pairs {
+            if !away.contains(pair) {
+                ps.watch = None;
             }
         }
     }
@@ -757,7 +819,9 @@ impl Router {
                     Verdict::Excluded(Exclusion::Down)
                 } else {
                     match self.health(pair, loads, now) {
-                        Health::Bad(_) => Verdict::Excluded(Exclusion::Unhealthy),
+                        Health::Bad(_) => Verdict::Excluded(Exclusion::Unhealthy {
+                            failed_probes: self.pairs.get(&pair).map_or(0, |ps| ps.failed_probes),
+                        }),
                         Health::Unknown => Verdict::Unknown {
                             probing: self.pairs.get(&pair).is_some_and(|ps| ps.probing),
                         },
@@ -786,15 +850,36 @@ impl Router {
         let Some(ps) = self.pairs.get(&pair) else {
             return Health::Unknown;
         };
-        if ps.watch.is_some() {
-            // An original pair earns lanes back only through its fail-back test.
-            return Health::Bad(now);
-        }
-        let ttl = self.config.health_ttl;
         match ps.health {
-            Health::Good(at) if loads.pair.contains_key(&pair) || now < at + ttl => ps.health,
-            Health::Bad(at) if now < at + ttl => ps.health,
+            Health::Good(at)
+                if loads.pair.contains_key(&pair) || now < at + self.config.health_ttl =>
+            {
+                ps.health
+            }
+            Health::Bad(at) if now < at + self.bad_for(ps) => ps.health,
             _ => Health::Unknown,
+        }
+    }
+
+    /// How long a failure keeps a pair "bad": `health_ttl` after a lane failure, the
+    /// re-probe backoff after failed probes.
+    fn bad_for(&self, ps: &PairState) -> Duration {
+        match ps.failed_probes {
+            0 => self.config.health_ttl,
+            n => self
+                .config
+                .retry_base
+                .saturating_mul(1u32 << (n - 1).min(16))
+                .min(self.config.retry_max),
+        }
+    }
+
+    /// When a "bad" pair's verdict expires (it is probed again on its next use).
+    fn bad_until(&self, pair: Pair) -> Option<Instant> {
+        let ps = self.pairs.get(&pair)?;
+        match ps.health {
+            Health::Bad(at) => Some(at + self.bad_for(ps)),
+            _ => None,
         }
     }
 
@@ -814,8 +899,10 @@ impl Router {
     }
 
     fn request_probe(&mut self, pair: Pair) {
-        self.pairs.entry(pair).or_default().probing = true;
-        self.probes.push_back(ProbeRequest { pair });
+        let ps = self.pairs.entry(pair).or_default();
+        ps.probing = true;
+        let retry = ps.failed_probes;
+        self.probes.push_back(ProbeRequest { pair, retry });
         self.stats.probes_requested += 1;
     }
 

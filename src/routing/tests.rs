@@ -34,6 +34,8 @@ struct Sim {
     /// When false, probe requests pile up in `pending_probes` for the test to answer.
     auto_probe: bool,
     pending_probes: Vec<Pair>,
+    /// Every probe request, with the time it was handed out.
+    probe_log: Vec<(Instant, ProbeRequest)>,
     moves: Vec<Move>,
     events: Vec<Event>,
 }
@@ -50,6 +52,7 @@ impl Sim {
             dead_until: BTreeMap::new(),
             auto_probe: true,
             pending_probes: Vec::new(),
+            probe_log: Vec::new(),
             moves: Vec::new(),
             events: Vec::new(),
         }
@@ -79,6 +82,7 @@ impl Sim {
             }
             while let Some(p) = self.router.poll_probe() {
                 progress = true;
+                self.probe_log.push((self.now, p));
                 if self.auto_probe {
                     let ok = self.probe_ok(p.pair);
                     self.router.handle_probe(p.pair, ok, self.now);
@@ -677,25 +681,34 @@ fn all_down_names_each_exclusion_then_recovers_when_a_nic_returns() {
     sim.advance_to(ms(5_000));
     assert_eq!(sim.router.stats().no_eligible_pair, lanes as u64);
 
-    // NIC 2 returns at 5 s. Its same-rail pair is an original pair, so it must pass the
-    // fail-back test first (3 good probes, one a second); then every lane lands on it.
+    // NIC 2 returns at 5 s. Its same-rail pair is an original pair under its fail-back
+    // watch, and a candidate like any other: it is probed at once and every lane lands on
+    // it as soon as it answers, without serving the fail-back test.
     sim.take_moves();
-    sim.nic_up(2);
     let start = sim.router.stats();
-    sim.advance_to(ms(7_999));
-    assert!(sim.take_moves().is_empty());
-    sim.advance_to(ms(8_000));
+    sim.nic_up(2);
     let moves = sim.take_moves();
     assert_eq!(moves.len(), lanes);
     assert!(moves.iter().all(|m| m.to == pair(2, 2)));
+    assert!(moves
+        .iter()
+        .all(|m| m.reason == MoveReason::Failover(FailReason::LinkDown)));
     let end = sim.router.stats();
-    // The lanes that started on (2, 2) failed back; the others failed over to it.
-    assert_eq!(end.failbacks - start.failbacks, 2);
-    assert_eq!(end.failovers.total() - start.failovers.total(), 6);
+    assert_eq!(end.failbacks, start.failbacks);
+    assert_eq!(
+        end.failovers.total() - start.failovers.total(),
+        lanes as u64
+    );
     assert!(sim
         .all_lanes()
         .iter()
         .all(|l| l.status == LaneStatus::Active));
+    // The lanes that started on (2, 2) are home: only the other originals stay watched,
+    // and their probes (local NICs down) send nothing.
+    let probes = sim.router.stats().probes_requested;
+    sim.advance_to(ms(9_000));
+    assert_eq!(sim.router.stats().probes_requested, probes);
+    assert!(sim.take_moves().is_empty());
 }
 
 #[test]
@@ -751,17 +764,34 @@ fn two_sided_failure_with_same_rail_leaves_nothing_on_two_nics() {
         }]
     );
     sim.fail_lane(0, 1, FailReason::Timeout);
-    let events: Vec<Event> = sim
-        .events
-        .iter()
-        .filter(|e| matches!(e, Event::NoEligiblePair { .. }))
-        .cloned()
-        .collect();
+    let stranded = |sim: &Sim| -> Vec<Event> {
+        sim.events
+            .iter()
+            .filter(|e| matches!(e, Event::NoEligiblePair { .. }))
+            .cloned()
+            .collect()
+    };
+    // (1, 1) still has its local carrier: it is re-probed until the give-up deadline.
+    let giveup = RouterConfig::default().giveup;
+    sim.advance_to(giveup - ms(1));
+    assert_eq!(stranded(&sim), vec![]);
+    let retried = sim.router.stats().probes_failed;
+    assert!(retried >= 10, "re-probed with backoff: {retried} probes");
+    sim.advance_to(giveup);
+    let events = stranded(&sim);
+    let failed_probes = match events.first() {
+        Some(Event::NoEligiblePair { exclusions, .. }) => match exclusions[3].1 {
+            Exclusion::Unhealthy { failed_probes } => failed_probes,
+            other => panic!("(1, 1) excluded as {other:?}"),
+        },
+        other => panic!("no give-up: {other:?}"),
+    };
+    assert!(failed_probes >= 10, "{failed_probes}");
     let exclusions = vec![
         (pair(0, 0), Exclusion::Down),
         (pair(0, 1), mismatch(Some(0), Some(1))),
         (pair(1, 0), mismatch(Some(1), Some(0))),
-        (pair(1, 1), Exclusion::Unhealthy),
+        (pair(1, 1), Exclusion::Unhealthy { failed_probes }),
     ];
     assert_eq!(
         events,
@@ -781,11 +811,152 @@ fn two_sided_failure_with_same_rail_leaves_nothing_on_two_nics() {
     assert_eq!(sim.router.stats().no_eligible_pair, 2);
     assert_eq!(
         events[1].to_string(),
-        "comm 0 lane 1: no eligible NIC pair: nic0 -> peer1/nic0 (local NIC down); \
+        format!(
+            "comm 0 lane 1: no eligible NIC pair: nic0 -> peer1/nic0 (local NIC down); \
          nic0 -> peer1/nic1 (rail rule: local rail 0 != remote rail 1); \
          nic1 -> peer1/nic0 (rail rule: local rail 1 != remote rail 0); \
-         nic1 -> peer1/nic1 (pair unhealthy)"
+         nic1 -> peer1/nic1 (pair unhealthy: {failed_probes} probes failed in a row)"
+        )
     );
+}
+
+// ---- giving up (P5) ----
+
+fn no_eligible_pair(sim: &Sim) -> usize {
+    sim.events
+        .iter()
+        .filter(|e| matches!(e, Event::NoEligiblePair { .. }))
+        .count()
+}
+
+#[test]
+fn a_pair_under_failback_watch_is_a_candidate_like_any_other() {
+    // Two rails. (0, 0) is cut and restored: its lane waits on (1, 1) for the fail-back
+    // test. Then (1, 1) is cut before that test is over: the lane goes home at once.
+    let mut sim = router_with_rails(2, 1, config(3));
+    sim.nic_down(0);
+    assert_eq!(
+        sim.router.current_pair(CommId(0), LaneId(0)),
+        Some(pair(1, 1))
+    );
+    sim.advance_to(ms(500));
+    sim.nic_up(0);
+    sim.advance_to(ms(1_500)); // one good fail-back probe at 1 s; three are needed
+    assert_eq!(
+        sim.router.current_pair(CommId(0), LaneId(0)),
+        Some(pair(1, 1))
+    );
+    sim.take_moves();
+    sim.nic_down(1);
+    assert_eq!(no_eligible_pair(&sim), 0, "{:?}", sim.events);
+    let moves = sim.take_moves();
+    assert_eq!(moves.len(), 2, "{moves:?}");
+    assert!(moves.iter().all(|m| m.to == pair(0, 0)));
+    assert!(sim
+        .all_lanes()
+        .iter()
+        .all(|l| l.status == LaneStatus::Active && l.current == pair(0, 0)));
+    // Lane 0 is home, so (0, 0) is no longer watched; only lane 1's original is probed.
+    let before = sim.probe_log.len();
+    sim.advance_to(ms(4_000));
+    assert!(sim.probe_log[before..]
+        .iter()
+        .all(|(_, p)| p.pair == pair(1, 1)));
+}
+
+#[test]
+fn a_missed_probe_is_retried_with_backoff_not_final() {
+    // Lane on (1, 1); (0, 0) carries nothing, so it must be probed when (1, 1) fails. Its
+    // first probes miss their deadline (a busy link), the fourth passes.
+    let mut sim = Sim::new(config(6));
+    sim.add(0, rails_spec(2, &[(1, 1)]));
+    sim.advance_to(ms(2_000)); // (0, 0)'s health from the connect has expired
+    sim.auto_probe = false;
+    sim.nic_down(1);
+    let t0 = sim.now;
+    let mut answered = Vec::new();
+    for attempt in 0..4u32 {
+        let (at, req) = *sim.probe_log.last().expect("a probe request");
+        assert_eq!(req.pair, pair(0, 0));
+        assert_eq!(req.retry, attempt, "a retry says how many failed before");
+        answered.push(at.duration_since(t0));
+        assert_eq!(std::mem::take(&mut sim.pending_probes), vec![pair(0, 0)]);
+        sim.router.handle_probe(req.pair, attempt == 3, sim.now);
+        sim.drive();
+        assert_eq!(no_eligible_pair(&sim), 0, "one missed probe ended the comm");
+        if attempt < 3 {
+            assert!(sim.moves.is_empty());
+            let next = sim.router.poll_timeout().expect("a re-probe is scheduled");
+            sim.advance_to(next.duration_since(sim.t0));
+        }
+    }
+    // Re-probed 100, 200 and 400 ms after each miss.
+    assert_eq!(answered, vec![ms(0), ms(100), ms(300), ms(700)]);
+    let moves = sim.take_moves();
+    assert_eq!(moves.len(), 1);
+    assert_eq!(moves[0].to, pair(0, 0));
+    assert_eq!(moves[0].reason, MoveReason::Failover(FailReason::LinkDown));
+}
+
+#[test]
+fn give_up_at_the_window_and_not_a_millisecond_before() {
+    let cfg = RouterConfig {
+        giveup: ms(5_000),
+        ..config(2)
+    };
+    let mut sim = Sim::new(cfg);
+    sim.add(0, rails_spec(2, &[(1, 1)]));
+    sim.dead_remote.insert(0); // (0, 0) has carrier but never answers
+    sim.advance_to(ms(1_000));
+    sim.nic_down(1);
+    sim.advance_to(ms(5_999));
+    assert_eq!(no_eligible_pair(&sim), 0);
+    assert_eq!(
+        sim.all_lanes()[0].status,
+        LaneStatus::Moving,
+        "still waiting for a backup"
+    );
+    let retries = sim.router.stats().probes_failed;
+    assert!(retries >= 5, "{retries}");
+    // The backoff is capped at `retry_max`: no gap between probes is longer.
+    let gaps: Vec<Duration> = sim
+        .probe_log
+        .windows(2)
+        .filter(|w| w[0].1.pair == pair(0, 0) && w[1].1.pair == pair(0, 0))
+        .map(|w| w[1].0 - w[0].0)
+        .collect();
+    assert!(
+        gaps.iter().all(|&g| g <= RouterConfig::default().retry_max),
+        "{gaps:?}"
+    );
+    sim.advance_to(ms(6_000));
+    assert_eq!(no_eligible_pair(&sim), 1, "{:?}", sim.events);
+    assert_eq!(sim.router.stats().no_eligible_pair, 1);
+}
+
+#[test]
+fn a_pair_that_answers_inside_the_window_rescues_the_lane() {
+    let mut sim = router_with_rails(2, 1, config(2));
+    sim.dead_until.insert(pair(0, 0), sim.at(ms(12_000)));
+    sim.fail_lane(0, 0, FailReason::Timeout); // (0, 0) is dead for a while
+    sim.nic_down(1); // and now its only alternative has no carrier
+    sim.take_moves();
+    sim.advance_to(ms(11_999));
+    assert!(sim.take_moves().is_empty());
+    sim.advance_to(ms(14_100));
+    assert_eq!(no_eligible_pair(&sim), 0);
+    let moves = sim.take_moves();
+    assert_eq!(moves.len(), 2, "{moves:?}");
+    assert!(moves.iter().all(|m| m.to == pair(0, 0)));
+}
+
+#[test]
+fn nothing_up_gives_up_at_once() {
+    let mut sim = router_with_rails(2, 1, config(2));
+    sim.nic_down(0);
+    assert_eq!(no_eligible_pair(&sim), 0);
+    sim.nic_down(1);
+    assert_eq!(no_eligible_pair(&sim), 2, "{:?}", sim.events);
 }
 
 // ---- fail-back ----
