@@ -831,6 +831,213 @@ fault_test! {
     }
 }
 
+fault_test! {
+    fn failover_a_watched_original_pair_takes_traffic_when_its_backup_fails() {
+        if needs_failover() {
+            return;
+        }
+        // Rail 0 is cut and restored: its comms wait on rail 1 while rail 0 serves its
+        // fail-back test. Rail 1 is cut before that test is over: rail 0 is up, so every
+        // comm must go there rather than be given up.
+        let tb = bed(2);
+        let flow = Flow::start(&tb, FlowOpts { seconds: 9.0, ..FlowOpts::default() });
+        let comms = flow.dev_of.len();
+        let all: Vec<usize> = (0..comms).collect();
+        flow.wait_ticks(20);
+        tb.link_down(Side::A, 0);
+        flow.wait_more_ticks(8);
+        tb.link_up(Side::A, 0);
+        tb.wait_carrier(Duration::from_secs(5)).unwrap();
+        flow.wait_more_ticks(8);
+        let t1 = unix_ms();
+        tb.link_down(Side::A, 1);
+        let (recv, send) = flow.finish();
+        assert_delivered_exactly_once(&recv, &send, comms);
+        assert_resumed(&recv, &all, t1, "backup cut while the original pair was watched");
+        check_lanes(&send, &[1], t1 + timeout_ms() + 1500);
+    }
+}
+
+fault_test! {
+    fn failover_a_missed_probe_on_a_busy_link_is_retried_not_final() {
+        if needs_failover() {
+            return;
+        }
+        // Another job keeps rail 0 full. The comm under test runs on rail 1, whose only
+        // backup is rail 0, and its probes get 10 ms: 256 KiB needs 10.5 ms on an idle
+        // 200 Mbit/s link, so the first probe always misses. Retries, each with a
+        // doubled deadline, must carry it over.
+        let tb = bed(2);
+        let quiet = ("RAILOVER_METRICS_PORT", "0".to_string());
+        let busy = Flow::start(
+            &tb,
+            FlowOpts {
+                seconds: 14.0,
+                devs: Some(vec![0]),
+                env: vec![quiet.clone()],
+                ..FlowOpts::default()
+            },
+        );
+        let flow = Flow::start(
+            &tb,
+            FlowOpts {
+                seconds: 12.0,
+                per_dev: 1,
+                devs: Some(vec![1]),
+                env: vec![quiet, ("RAILOVER_PROBE_TIMEOUT_MS", "10".to_string())],
+                ..FlowOpts::default()
+            },
+        );
+        flow.wait_ticks(20);
+        let t0 = unix_ms();
+        tb.link_down(Side::A, 1);
+        let (recv, send) = flow.finish();
+        let (brecv, bsend) = busy.finish();
+        assert_delivered_exactly_once(&recv, &send, 1);
+        assert_delivered_exactly_once(&brecv, &bsend, bsend.num("comms") as usize);
+        let missed = send.num("probes_failed");
+        // First delivery after the cut. The moved comm then competes with the other job's
+        // full queues (TCP between processes, no shared pacing), so its rate is not judged.
+        let first = recv.ticks.iter().find(|t| t.t > t0 && t.bytes[0] > 0).map(|t| t.t - t0);
+        println!("probe misses before a pass: {missed}; first delivery {first:?} ms after the cut");
+        assert!(missed >= 1, "a 10 ms probe passed on a loaded link?\n{}", send.brief());
+        // Misses at 10, 20, 40 … 320 ms with 100 ms … 1 s between them: about 4.5 s here.
+        assert!(
+            first.is_some_and(|ms| ms <= 8000),
+            "no delivery within 8 s of the cut: {first:?}\n{}",
+            recv.brief()
+        );
+    }
+}
+
+/// One fault of the endurance schedule: which ends of which rails go down, for how long,
+/// and how long everything then stays up.
+#[derive(Debug)]
+struct Flap {
+    ends: Vec<(Side, usize)>,
+    down: Duration,
+    up: Duration,
+}
+
+/// A seeded schedule of flaps over `rails` rails lasting about `total`: one side of a
+/// rail, both ends of a rail, or two rails at once; never every rail.
+fn flap_schedule(seed: u64, rails: usize, total: Duration) -> Vec<Flap> {
+    assert!(rails >= 3, "two rails at once must leave one up");
+    let mut x = seed | 1;
+    let mut next = move |n: u64| {
+        // xorshift64*: small, seedable, good enough to pick faults.
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) % n
+    };
+    let mut out = Vec::new();
+    let mut t = Duration::ZERO;
+    while t < total {
+        let r = next(rails as u64) as usize;
+        let side = if next(2) == 0 { Side::A } else { Side::B };
+        let ends = match next(3) {
+            0 => vec![(side, r)],
+            1 => vec![(Side::A, r), (Side::B, r)],
+            _ => {
+                let r2 = (r + 1 + next(rails as u64 - 1) as usize) % rails;
+                vec![(side, r), (Testbed::other(side), r2)]
+            }
+        };
+        let down = Duration::from_millis(1000 + next(2001));
+        let up = Duration::from_millis(2000 + next(3001));
+        t += down + up;
+        out.push(Flap { ends, down, up });
+    }
+    out
+}
+
+fault_test! {
+    fn failover_endurance_random_flapping_never_all_rails() {
+        if needs_failover() {
+            return;
+        }
+        // RAILOVER_ENDURANCE_S (default 60; 180 or more for the full run) and
+        // RAILOVER_ENDURANCE_SEED (default: from the clock, printed to replay).
+        let secs: u64 = std::env::var("RAILOVER_ENDURANCE_S")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(60);
+        let seed: u64 = std::env::var("RAILOVER_ENDURANCE_SEED")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| unix_ms() as u64);
+        let rails = 3;
+        let plan = flap_schedule(seed, rails, Duration::from_secs(secs));
+        let span: Duration = plan.iter().map(|f| f.down + f.up).sum();
+        println!(
+            "endurance: seed {seed} (RAILOVER_ENDURANCE_SEED={seed} replays it), {} flaps over {span:?}",
+            plan.len()
+        );
+        let tb = bed(rails);
+        let flow = Flow::start(
+            &tb,
+            FlowOpts { seconds: span.as_secs_f64() + 3.0, ..FlowOpts::default() },
+        );
+        let comms = flow.dev_of.len();
+        flow.wait_ticks(20);
+        for (i, f) in plan.iter().enumerate() {
+            println!("flap {i}: {:?} down for {:?}, then up for {:?}", f.ends, f.down, f.up);
+            for &(side, r) in &f.ends {
+                tb.link_down(side, r);
+            }
+            // Fault pacing, not synchronisation: the timing is the fault.
+            std::thread::sleep(f.down);
+            for &(side, r) in &f.ends {
+                tb.link_up(side, r);
+            }
+            std::thread::sleep(f.up);
+        }
+        let (recv, send) = flow.finish();
+        println!(
+            "endurance: {} messages, receiver probes failed {}, sender probes failed {}",
+            recv.num("msgs"),
+            recv.num("probes_failed"),
+            send.num("probes_failed")
+        );
+        assert_delivered_exactly_once(&recv, &send, comms);
+    }
+}
+
+#[test]
+fn flap_schedule_is_seeded_and_never_cuts_every_rail() {
+    let total = Duration::from_secs(180);
+    let a = flap_schedule(7, 3, total);
+    let b = flap_schedule(7, 3, total);
+    assert_eq!(
+        format!("{a:?}"),
+        format!("{b:?}"),
+        "same seed, same schedule"
+    );
+    assert_ne!(
+        format!("{a:?}"),
+        format!("{:?}", flap_schedule(8, 3, total))
+    );
+    let span: Duration = a.iter().map(|f| f.down + f.up).sum();
+    assert!(span >= total && span < total + Duration::from_secs(8));
+    let mut kinds = [0; 3];
+    for f in &a {
+        let rails: std::collections::BTreeSet<usize> = f.ends.iter().map(|e| e.1).collect();
+        assert!(rails.len() < 3, "{f:?} cuts every rail");
+        assert!((1000..=3000).contains(&f.down.as_millis()), "{f:?}");
+        assert!((2000..=5000).contains(&f.up.as_millis()), "{f:?}");
+        kinds[match (f.ends.len(), rails.len()) {
+            (1, _) => 0,
+            (2, 1) => 1,
+            _ => 2,
+        }] += 1;
+    }
+    assert!(
+        kinds.iter().all(|&k| k > 0),
+        "every kind of flap occurs: {kinds:?}"
+    );
+}
+
 #[test]
 fn lane_balance_rule() {
     assert!(check_lane_balance(&[0, 3, 3, 2], &[0]).is_ok());

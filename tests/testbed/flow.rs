@@ -13,6 +13,8 @@ pub const EXE: &str = env!("CARGO_BIN_EXE_railover");
 #[derive(Debug, Clone)]
 pub struct FlowOpts {
     pub per_dev: usize,
+    /// Only these rails get comms (`None`: every rail).
+    pub devs: Option<Vec<usize>>,
     pub size: usize,
     pub depth: usize,
     /// The sender sends for this long.
@@ -27,6 +29,7 @@ impl Default for FlowOpts {
     fn default() -> Self {
         FlowOpts {
             per_dev: 2,
+            devs: None,
             size: 512 << 10,
             depth: 8,
             seconds: 8.0,
@@ -46,6 +49,10 @@ impl FlowOpts {
             ("--grace", self.grace.to_string()),
         ]
         .into_iter()
+        .chain(self.devs.as_ref().map(|d| {
+            let list: Vec<String> = d.iter().map(usize::to_string).collect();
+            ("--devs", list.join(","))
+        }))
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect()
     }

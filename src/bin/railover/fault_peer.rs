@@ -26,6 +26,7 @@ roles:
 
 options (recv/send):
   --per-dev K     comms per device (default 1)
+  --devs LIST     recv: only these devices get comms, e.g. 0,2 (default all)
   --size BYTES    message size, suffix k/m allowed (default 512k)
   --depth D       requests in flight per comm (default 8)
   --seconds S     send for S seconds (default 5); recv gives up at S + 2 x grace
@@ -45,6 +46,8 @@ const MAX_BAD_LINES: u32 = 20;
 #[derive(Debug, Clone)]
 struct Opts {
     per_dev: usize,
+    /// Devices that get comms; `None`: all.
+    devs: Option<Vec<usize>>,
     size: usize,
     depth: usize,
     seconds: f64,
@@ -68,6 +71,7 @@ fn parse_size(s: &str) -> Option<usize> {
 fn parse_opts(args: &[String]) -> Result<Opts, String> {
     let mut o = Opts {
         per_dev: 1,
+        devs: None,
         size: 512 << 10,
         depth: 8,
         seconds: 5.0,
@@ -84,6 +88,13 @@ fn parse_opts(args: &[String]) -> Result<Opts, String> {
         let bad = || format!("{flag} {val:?} is not valid");
         match flag.as_str() {
             "--per-dev" => o.per_dev = val.parse().map_err(|_| bad())?,
+            "--devs" => {
+                let devs: Vec<usize> = val
+                    .split(',')
+                    .map(|d| d.trim().parse().map_err(|_| bad()))
+                    .collect::<Result<_, _>>()?;
+                o.devs = Some(devs);
+            }
             "--size" => o.size = parse_size(val).ok_or_else(bad)?,
             "--depth" => o.depth = val.parse().map_err(|_| bad())?,
             "--seconds" => o.seconds = val.parse().map_err(|_| bad())?,
@@ -269,9 +280,13 @@ impl Tally {
 
     fn summary(&self, role: &str, comms: usize, ended: usize, failed: usize, stalled: usize) {
         let codes: Vec<String> = self.codes.iter().map(|(c, n)| format!("{c}:{n}")).collect();
+        // The router's probe tally, from the route snapshot the plugin publishes.
+        let probes_failed = railover::plugin::runtime()
+            .map_or(0, |rt| rt.reactor.routes.load().stats.probes_failed);
         say(&format!(
             "summary role={role} comms={comms} msgs={} bytes={} ended={ended} failed={failed} \
-             stalled={stalled} bad={} req_errors={} codes={} first_error={} last_error={}",
+             stalled={stalled} bad={} req_errors={} codes={} first_error={} last_error={} \
+             probes_failed={probes_failed}",
             self.msgs,
             self.bytes,
             self.bad,
@@ -447,10 +462,17 @@ fn receiver(o: &Opts) -> i32 {
         if ndev < 1 {
             return Err("no devices".into());
         }
-        let m = o.per_dev * ndev as usize;
+        let devs = o
+            .devs
+            .clone()
+            .unwrap_or_else(|| (0..ndev as usize).collect());
+        if let Some(d) = devs.iter().find(|&&d| d >= ndev as usize) {
+            return Err(format!("--devs names device {d} of {ndev}"));
+        }
+        let m = o.per_dev * devs.len();
         let mut listeners = Vec::new();
         for i in 0..m {
-            let dev = (i % ndev as usize) as i32;
+            let dev = devs[i % devs.len()] as i32;
             let (h, l) = ctx
                 .listen(dev)
                 .map_err(|e| format!("listen dev {dev}: {e}"))?;
