@@ -982,7 +982,13 @@ fault_test! {
         let comms = flow.dev_of.len();
         flow.wait_ticks(20);
         for (i, f) in plan.iter().enumerate() {
-            println!("flap {i}: {:?} down for {:?}, then up for {:?}", f.ends, f.down, f.up);
+            println!(
+                "flap {i} at t={}: {:?} down for {:?}, then up for {:?}",
+                unix_ms(),
+                f.ends,
+                f.down,
+                f.up
+            );
             for &(side, r) in &f.ends {
                 tb.link_down(side, r);
             }
@@ -1000,6 +1006,10 @@ fault_test! {
             recv.num("probes_failed"),
             send.num("probes_failed")
         );
+        if recv.num("req_errors") + send.num("req_errors") > 0 || recv.exit != Some(0) {
+            // A long run is worth its whole story when it fails.
+            println!("--- receiver log ---\n{}\n--- sender log ---\n{}", recv.stderr, send.stderr);
+        }
         assert_delivered_exactly_once(&recv, &send, comms);
     }
 }

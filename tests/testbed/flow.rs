@@ -210,6 +210,8 @@ pub struct Report {
     pub bad: Vec<String>,
     pub summary: BTreeMap<String, String>,
     pub stderr_tail: String,
+    /// Everything the endpoint wrote to stderr (the plugin's log).
+    pub stderr: String,
     /// Running lanes per local NIC over time (`lanes` lines, printed by the sender).
     pub lanes: Vec<(u128, Vec<usize>)>,
 }
@@ -220,6 +222,7 @@ impl Report {
             role: p.name.clone(),
             exit,
             stderr_tail: p.stderr_tail(15),
+            stderr: p.stderr_tail(usize::MAX),
             ..Report::default()
         };
         for l in p.lines() {
