@@ -139,3 +139,32 @@ fn abi_v9() {
 fn abi_v8() {
     conformance(8);
 }
+
+/// Bad `RAILOVER_*` values, non-UTF-8 ones included, fail `init` with one WARN through
+/// the logger NCCL hands in; a filter that matches no interface warns too
+/// (`tests/abi/env_warn.c`).
+#[test]
+fn bad_environment_values_warn_through_nccls_logger() {
+    let prog = support::compile_c(
+        "env_warn.c",
+        "env_warn",
+        &["-std=gnu11", "-O1", "-g", "-Wall", "-Wextra"],
+        &["-ldl"],
+    );
+    let out = Command::new(&prog)
+        .arg(support::plugin_so())
+        .env_remove("RAILOVER_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", prog.display()));
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    let failures: Vec<&str> = text.lines().filter(|l| l.starts_with("FAIL")).collect();
+    assert!(
+        out.status.success() && failures.is_empty(),
+        "env_warn exited with {}:\n{}",
+        out.status,
+        failures.join("\n")
+    );
+    assert!(text.contains("PASS ifname.matches_nothing"), "{text}");
+}

@@ -54,13 +54,15 @@ pub struct Runtime {
 
 impl Runtime {
     fn start() -> Result<Runtime, Error> {
+        // Before the configuration, so that a bad value reaches NCCL's log as a WARN.
+        crate::telemetry::log::install();
         let config = Config::from_env()?;
+        crate::telemetry::log::set_stderr_level(config.log);
         let metrics_cfg = ExporterConfig::from_env()?;
-        crate::telemetry::log::install(config.log);
         let tcp_nics = if config.loopback_nics > 0 {
             tcp::nic::loopback_nics(config.loopback_nics)
         } else {
-            tcp::nic::discover(&config.ifname, &config.sysfs_root)?
+            discover_nics(&config)?
         };
         let topo = match Topology::discover_fabric(&config.sysfs_root, Fabric::Tcp) {
             Ok(t) => Some(t),
@@ -147,6 +149,49 @@ impl Runtime {
     pub fn stats(&self) -> &ReactorStats {
         &self.reactor.stats
     }
+}
+
+/// The interfaces `RAILOVER_IFNAME` selects; a WARN naming the filter and every interface
+/// there is when it selects none (NCCL then sees 0 devices).
+fn discover_nics(config: &Config) -> Result<Vec<TcpNic>, Error> {
+    let all = tcp::nic::interfaces()?;
+    let chosen = tcp::nic::select(&all, &config.ifname);
+    if chosen.is_empty() {
+        let filter = if config.ifname.given {
+            format!(
+                "RAILOVER_IFNAME={}{}{}",
+                if config.ifname.exclude { "^" } else { "" },
+                if config.ifname.exact { "=" } else { "" },
+                config.ifname.names.join(",")
+            )
+        } else {
+            "the default selection (every up interface with an address)".to_string()
+        };
+        let there: Vec<String> = all
+            .iter()
+            .map(|i| {
+                format!(
+                    "{} ({}{}{})",
+                    i.name,
+                    i.ip,
+                    if i.up { "" } else { ", down" },
+                    if i.loopback {
+                        ", loopback: only when named"
+                    } else {
+                        ""
+                    }
+                )
+            })
+            .collect();
+        tracing::warn!(
+            "railover: {filter} matches no usable interface, so railover offers 0 devices; interfaces with an address: {}",
+            if there.is_empty() { "none".to_string() } else { there.join(", ") }
+        );
+    }
+    Ok(chosen
+        .iter()
+        .map(|i| tcp::nic::describe(i, &config.sysfs_root))
+        .collect())
 }
 
 fn intern(s: &str) -> &'static CStr {

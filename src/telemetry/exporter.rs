@@ -20,7 +20,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use crate::config::ConfigError;
+use crate::config::{ConfigError, EnvReader};
 
 /// The base port variable: an integer, or `off`.
 pub const PORT_VAR: &str = "RAILOVER_METRICS_PORT";
@@ -84,28 +84,34 @@ impl ExporterConfig {
         ExporterConfig { endpoint: None }
     }
 
-    /// Reads the process environment.
+    /// Reads the process environment. A value that is not UTF-8 is an error, not unset.
     pub fn from_env() -> Result<Self, ConfigError> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        let env = EnvReader::default();
+        let parsed = Self::from_lookup(|k| env.get(k));
+        env.finish(parsed)
     }
 
     /// Parses from any key lookup (tests pass a map).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+    pub fn from_lookup(get: impl Fn(&'static str) -> Option<String>) -> Result<Self, ConfigError> {
         let mut endpoint = EndpointConfig {
             addr: DEFAULT_ADDR,
             base_port: DEFAULT_PORT,
             local_rank: None,
         };
+        // Every variable is checked even when the endpoint is off: a bad value is an error
+        // whether or not it is used today.
+        let mut off = false;
         if let Some(v) = get(PORT_VAR) {
             let t = v.trim();
             if t.eq_ignore_ascii_case("off") {
-                return Ok(Self::off());
+                off = true;
+            } else {
+                endpoint.base_port = t.parse().map_err(|_| ConfigError {
+                    var: PORT_VAR,
+                    value: v.clone(),
+                    accepted: PORT_ACCEPTED,
+                })?;
             }
-            endpoint.base_port = t.parse().map_err(|_| ConfigError {
-                var: PORT_VAR,
-                value: v.clone(),
-                accepted: PORT_ACCEPTED,
-            })?;
         }
         if let Some(v) = get(ADDR_VAR) {
             endpoint.addr = v.trim().parse().map_err(|_| ConfigError {
@@ -123,7 +129,10 @@ impl ExporterConfig {
                 value: v.clone(),
                 accepted: RANK_ACCEPTED,
             })?;
-            if endpoint.base_port != 0 && u32::from(endpoint.base_port) + u32::from(rank) > 65535 {
+            if !off
+                && endpoint.base_port != 0
+                && u32::from(endpoint.base_port) + u32::from(rank) > 65535
+            {
                 return Err(ConfigError {
                     var: PORT_VAR,
                     value: get(PORT_VAR).unwrap_or_else(|| DEFAULT_PORT.to_string()),
@@ -131,6 +140,9 @@ impl ExporterConfig {
                 });
             }
             endpoint.local_rank = Some(rank);
+        }
+        if off {
+            return Ok(Self::off());
         }
         Ok(ExporterConfig {
             endpoint: Some(endpoint),
@@ -436,6 +448,12 @@ mod tests {
         assert!(e.to_string().contains("IPv4 or IPv6"), "{e}");
         let e = cfg(&[("LOCAL_RANK", "-1")]).unwrap_err();
         assert_eq!((e.var, e.value.as_str()), ("LOCAL_RANK", "-1"));
+        let e = cfg(&[
+            ("RAILOVER_METRICS_PORT", "off"),
+            ("RAILOVER_METRICS_ADDR", "nowhere"),
+        ])
+        .unwrap_err();
+        assert_eq!(e.var, "RAILOVER_METRICS_ADDR", "checked even when off");
         let e = cfg(&[("RAILOVER_METRICS_PORT", "65535"), ("LOCAL_RANK", "1")]).unwrap_err();
         assert_eq!(
             (e.var, e.value.as_str()),
