@@ -443,6 +443,24 @@ pub fn reg_mr(
     }
 }
 
+/// A request on `comm`, or `Ok(None)` when all its slots are busy. A comm that is closed
+/// is the caller's mistake and fails at once; a comm whose peer closed or failed still
+/// hands out the request, already failed, so that `test` reports the remote error, as
+/// NCCL's own transports do.
+fn new_request(comm: &Arc<CommShared>) -> Result<Option<Arc<Request>>, Error> {
+    if comm.is_closed() {
+        return Err(Error::InvalidArgument("comm is closed".into()));
+    }
+    if !comm.try_take_slot() {
+        return Ok(None);
+    }
+    let req = Arc::new(Request::new(comm.clone()));
+    if let Some(e) = comm.failure() {
+        req.fail(e);
+    }
+    Ok(Some(req))
+}
+
 /// Queues a send; `Ok(None)` when all request slots are busy ("call again").
 pub fn isend(
     comm: &Arc<CommShared>,
@@ -453,11 +471,12 @@ pub fn isend(
         return Err(Error::InvalidArgument("isend on a receive comm".into()));
     }
     mr.check(comm, buf.addr(), buf.len())?;
-    comm.check_usable()?;
-    if !comm.try_take_slot() {
+    let Some(req) = new_request(comm)? else {
         return Ok(None);
+    };
+    if req.is_finished() {
+        return Ok(Some(req));
     }
-    let req = Arc::new(Request::new(comm.clone()));
     comm.queue.push(Command::Send {
         comm: comm.clone(),
         req: req.clone(),
@@ -476,11 +495,12 @@ pub fn irecv(
         return Err(Error::InvalidArgument("irecv on a send comm".into()));
     }
     mr.check(comm, buf.addr(), buf.len())?;
-    comm.check_usable()?;
-    if !comm.try_take_slot() {
+    let Some(req) = new_request(comm)? else {
         return Ok(None);
+    };
+    if req.is_finished() {
+        return Ok(Some(req));
     }
-    let req = Arc::new(Request::new(comm.clone()));
     comm.queue.push(Command::Recv {
         comm: comm.clone(),
         req: req.clone(),
