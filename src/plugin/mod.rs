@@ -102,7 +102,14 @@ impl Runtime {
             probe_bytes: config.probe_bytes,
             fair_share: config.fair_share,
             router: config.router,
-            telemetry: Arc::new(Telemetry::start(&metrics_cfg, None)),
+            telemetry: Arc::new(Telemetry::start_with_nics(
+                &metrics_cfg,
+                None,
+                &nics
+                    .iter()
+                    .map(|n| (n.tcp.name.as_str(), n.rail))
+                    .collect::<Vec<_>>(),
+            )),
         };
         let telemetry = setup.telemetry.clone();
         let reactor = match ReactorHandle::spawn(setup) {
