@@ -291,8 +291,9 @@ pub fn legacy_context() -> Result<Arc<Context>, Error> {
 }
 
 /// `finalize`: the last context stops the reactor and joins its thread, because NCCL may
-/// unload the library right after.
-pub fn finalize(ctx: &Context) -> Result<(), Error> {
+/// unload the library right after. `Ok(true)` when this was the last one: every comm,
+/// listener, registration and request of the runtime is dead then.
+pub fn finalize(ctx: &Context) -> Result<bool, Error> {
     if ctx.legacy {
         return Err(Error::InvalidArgument(
             "the process-wide context of v8–v10 is not finalised".into(),
@@ -313,8 +314,9 @@ pub fn finalize(ctx: &Context) -> Result<(), Error> {
         rt.reactor.shutdown();
         rt.telemetry.shutdown();
         tracing::info!("railover: finalised, reactor stopped");
+        return Ok(true);
     }
-    Ok(())
+    Ok(false)
 }
 
 /// The runtime in use (for `devices`/`getProperties`, which carry no context).
