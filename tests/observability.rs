@@ -202,6 +202,70 @@ fn endpoint_serves_recorded_series_over_tcp() {
     assert!(t.render().contains("railover_replayed_bytes_total"));
 }
 
+/// Reads until the server closes the connection (or `limit` passes); whether it did.
+fn closed_by_server(s: &mut TcpStream, limit: Duration) -> bool {
+    s.set_read_timeout(Some(limit)).unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+}
+
+/// 1,000 clients that connect and say nothing do not hold up a scrape: the endpoint
+/// serves connections concurrently, keeps a bounded number open (closing the longest idle
+/// to admit new ones) and closes idle ones after its deadline.
+#[test]
+fn a_thousand_idle_connections_do_not_delay_a_scrape() {
+    use railover::telemetry::exporter::{CONNECTION_DEADLINE, MAX_CONNECTIONS};
+    let t = Telemetry::start(&loopback_any_port(), None);
+    let addr = t.local_addr().expect("endpoint on 127.0.0.1");
+    t.record_probe_failures("idle0", 7);
+    let series = r#"railover_probe_failures_total{nic="idle0"}"#;
+    let started = Instant::now();
+    let (_, body) = http_get(addr, "/metrics").unwrap();
+    let alone = started.elapsed();
+    assert_eq!(value(&body, series), Some(7.0), "{body}");
+
+    let mut idle: Vec<TcpStream> = (0..1000)
+        .map(|i| {
+            TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+                .unwrap_or_else(|e| panic!("idle connection {i}: {e}"))
+        })
+        .collect();
+    let started = Instant::now();
+    let (status, body) = http_get(addr, "/metrics").unwrap();
+    let crowded = started.elapsed();
+    println!("scrape alone {alone:?}, with 1000 idle connections open {crowded:?}");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(value(&body, series), Some(7.0), "{body}");
+    // The bound the endpoint must meet is 1 s of delay; the margin is for a loaded host.
+    assert!(
+        crowded < alone + Duration::from_secs(1),
+        "a scrape took {crowded:?} with 1000 idle connections open (alone: {alone:?})"
+    );
+
+    // The oldest were closed to make room at once; the newest when their deadline passed.
+    assert!(
+        closed_by_server(&mut idle[0], Duration::from_secs(10)),
+        "the oldest idle connection is still open"
+    );
+    let newest = idle.len() - 1;
+    assert!(
+        closed_by_server(
+            &mut idle[newest],
+            CONNECTION_DEADLINE + Duration::from_secs(10)
+        ),
+        "an idle connection stayed open past {CONNECTION_DEADLINE:?}"
+    );
+    const { assert!(MAX_CONNECTIONS < 1000, "the test must exceed the limit") };
+    drop(idle);
+    t.shutdown();
+}
+
 /// Collects what `tracing` events the closure emits on this thread.
 fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
     #[derive(Clone, Default)]
