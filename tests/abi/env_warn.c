@@ -67,10 +67,16 @@ static ncclResult_t init_once(void** ctx) {
 static void bad_value(const char* var, const char* value, const char* shown) {
   char name[256];
   snprintf(name, sizeof name, "bad.%s", var);
+  const char* had = getenv(var);
+  char* old = had ? strdup(had) : NULL;
   setenv(var, value, 1);
   void* ctx;
   ncclResult_t r = init_once(&ctx);
-  unsetenv(var);
+  if (old)
+    setenv(var, old, 1);
+  else
+    unsetenv(var);
+  free(old);
   if (r == ncclSuccess) {
     net->finalize(ctx);
     check(0, name, "init accepted %s=%s", var, shown);
