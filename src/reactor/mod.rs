@@ -1326,6 +1326,32 @@ mod tests {
     fn assert_send_sync<T: Send + Sync>() {}
 
     #[test]
+    fn a_stopped_queue_refuses_commands_and_closes_its_waker() {
+        let poll = Poll::new().unwrap();
+        let q = Arc::new(CommandQueue::new(
+            Waker::new(poll.registry(), WAKER).unwrap(),
+        ));
+        let comm = Arc::new(CommShared::new(Side::Send, 0, q.clone(), 0));
+        let queued = Arc::new(Done::default());
+        q.push(Command::CloseComm {
+            comm: comm.clone(),
+            done: queued.clone(),
+        });
+        q.stop();
+        assert!(queued.wait(Duration::ZERO), "released by the stop");
+        assert!(q.waker.lock().is_none(), "the eventfd is closed");
+        let later = Arc::new(Done::default());
+        q.parked.store(true, Ordering::SeqCst);
+        q.push(Command::CloseComm {
+            comm,
+            done: later.clone(),
+        });
+        assert!(later.wait(Duration::ZERO), "refused at once");
+        assert_eq!(q.len.load(Ordering::SeqCst), 0);
+        assert!(q.take().is_empty());
+    }
+
+    #[test]
     fn shared_state_is_thread_safe() {
         assert_send_sync::<CommandQueue>();
         assert_send_sync::<ReactorStats>();
