@@ -104,7 +104,9 @@ int main(int argc, char** argv) {
     printf("FAIL dlsym: %s\n", dlerror());
     return 1;
   }
+  /* No endpoint, and where a value turns it on, on loopback only. */
   setenv("RAILOVER_METRICS_PORT", "off", 1);
+  setenv("RAILOVER_METRICS_ADDR", "127.0.0.1", 1);
   setenv("RAILOVER_IFNAME", "lo", 1);
 
   /* Values the parsers refuse, as text. */
@@ -131,6 +133,41 @@ int main(int argc, char** argv) {
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
     bad_value(vars[i], "lo\xff\xfe", "lo\xef\xbf\xbd");
+
+  /* Odd values for every variable: each is either accepted or refused with one WARN
+   * naming the variable; nothing is refused silently. */
+  static const char* odd[] = {"",   " ",    "0",  "-1", "1e3", "18446744073709551616",
+                              "off", "on",  "^",  "=",  ",",   "lo,",
+                              "\t", "%s%n", "1\n2", "\xc3\x28", "65536", "::"};
+  int refused = 0, accepted = 0;
+  for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) {
+    for (size_t j = 0; j < sizeof odd / sizeof odd[0]; j++) {
+      const char* had = getenv(vars[i]);
+      char* old = had ? strdup(had) : NULL;
+      setenv(vars[i], odd[j], 1);
+      void* ctx;
+      ncclResult_t r = init_once(&ctx);
+      if (old)
+        setenv(vars[i], old, 1);
+      else
+        unsetenv(vars[i]);
+      free(old);
+      if (r == ncclSuccess) {
+        accepted++;
+        net->finalize(ctx);
+        continue;
+      }
+      refused++;
+      char name[256];
+      snprintf(name, sizeof name, "odd.%s.%zu", vars[i], j);
+      if (!(r == ncclInvalidArgument && g_warns == 1 && strstr(g_last_warn, vars[i]) &&
+            strstr(g_last_warn, "expected")))
+        check(0, name, "init = %d with %d WARN line(s); last: \"%s\"", r, g_warns,
+              g_last_warn);
+    }
+  }
+  printf("odd values: %d refused, each with one WARN naming its variable; %d accepted\n",
+         refused, accepted);
 
   /* A filter that matches nothing: init succeeds with 0 devices and one WARN naming the
    * filter and the interfaces that exist (loopback is always there). */
