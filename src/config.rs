@@ -160,13 +160,17 @@ impl fmt::Display for Config {
 }
 
 impl Config {
-    /// Reads the process environment.
+    /// Reads the process environment. A value that is not UTF-8 is an error, not unset.
     pub fn from_env() -> Result<Config, ConfigError> {
-        Config::from_lookup(|k| std::env::var(k).ok())
+        let env = EnvReader::default();
+        let parsed = Config::from_lookup(|k| env.get(k));
+        env.finish(parsed)
     }
 
     /// Parses from any key lookup (tests pass a map; nothing reads the real environment).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+    pub fn from_lookup(
+        get: impl Fn(&'static str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
         let mut cfg = Config::default();
         if let Some(v) = get("RAILOVER_IFNAME") {
             cfg.ifname = IfFilter::parse(&v).map_err(|_| ConfigError {
@@ -321,6 +325,52 @@ impl Config {
             cfg.sysfs_root = PathBuf::from(v);
         }
         Ok(cfg)
+    }
+}
+
+/// Reads variables from the process environment for a parser and remembers the first one
+/// whose value is not UTF-8. The parser sees that value with its bad bytes replaced by
+/// U+FFFD, so most parsers reject it with their own list of what is accepted; a parser
+/// that would take it anyway (a path, a name) is overruled by [`EnvReader::finish`].
+#[derive(Debug, Default)]
+pub struct EnvReader {
+    not_utf8: std::cell::RefCell<Option<(&'static str, String)>>,
+}
+
+/// What [`EnvReader::finish`] reports for a non-UTF-8 value the variable's parser took.
+pub const UTF8_ACCEPTED: &str =
+    "valid UTF-8 text (the value holds bytes that are not UTF-8, shown as \u{fffd})";
+
+impl EnvReader {
+    /// The value of `var`, if set.
+    pub fn get(&self, var: &'static str) -> Option<String> {
+        let raw = std::env::var_os(var)?;
+        match raw.into_string() {
+            Ok(v) => Some(v),
+            Err(raw) => {
+                let lossy = raw.to_string_lossy().into_owned();
+                self.not_utf8
+                    .borrow_mut()
+                    .get_or_insert((var, lossy.clone()));
+                Some(lossy)
+            }
+        }
+    }
+
+    /// The parse result, unless a value read was not UTF-8: then that is the error (the
+    /// parser's own, when it rejected that very variable).
+    pub fn finish<T>(self, parsed: Result<T, ConfigError>) -> Result<T, ConfigError> {
+        let Some((var, value)) = self.not_utf8.into_inner() else {
+            return parsed;
+        };
+        match parsed {
+            Err(e) if e.var == var => Err(e),
+            _ => Err(ConfigError {
+                var,
+                value,
+                accepted: UTF8_ACCEPTED,
+            }),
+        }
     }
 }
 

@@ -139,3 +139,57 @@ fn abi_v9() {
 fn abi_v8() {
     conformance(8);
 }
+
+/// Bad `RAILOVER_*` values, non-UTF-8 ones included, fail `init` with one WARN through
+/// the logger NCCL hands in; a filter that matches no interface warns too
+/// (`tests/abi/env_warn.c`).
+#[test]
+fn bad_environment_values_warn_through_nccls_logger() {
+    let prog = support::compile_c(
+        "env_warn.c",
+        "env_warn",
+        &["-std=gnu11", "-O1", "-g", "-Wall", "-Wextra"],
+        &["-ldl"],
+    );
+    let out = Command::new(&prog)
+        .arg(support::plugin_so())
+        .env_remove("RAILOVER_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", prog.display()));
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    let failures: Vec<&str> = text.lines().filter(|l| l.starts_with("FAIL")).collect();
+    assert!(
+        out.status.success() && failures.is_empty(),
+        "env_warn exited with {}:\n{}",
+        out.status,
+        failures.join("\n")
+    );
+    assert!(text.contains("PASS ifname.matches_nothing"), "{text}");
+}
+
+/// `env_warn.c` lists the variables it attacks by hand: every variable the plugin reads
+/// must be on that list, so a new one cannot go untested.
+#[test]
+fn env_warn_attacks_every_variable_the_plugin_reads() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let c = std::fs::read_to_string(root.join("tests/abi/env_warn.c")).expect("env_warn.c");
+    let mut read = std::collections::BTreeSet::new();
+    for src in ["src/config.rs", "src/telemetry/exporter.rs"] {
+        let text = std::fs::read_to_string(root.join(src)).expect(src);
+        for (i, _) in text.match_indices("\"RAILOVER_") {
+            let name: String = text[i + 1..]
+                .chars()
+                .take_while(|ch| ch.is_ascii_uppercase() || *ch == '_')
+                .collect();
+            read.insert(name);
+        }
+    }
+    assert!(read.len() >= 15, "found only {read:?}");
+    let missing: Vec<&String> = read
+        .iter()
+        .filter(|v| !c.contains(&format!("\"{v}\"")))
+        .collect();
+    assert!(missing.is_empty(), "env_warn.c does not attack {missing:?}");
+}

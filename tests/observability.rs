@@ -202,6 +202,70 @@ fn endpoint_serves_recorded_series_over_tcp() {
     assert!(t.render().contains("railover_replayed_bytes_total"));
 }
 
+/// Reads until the server closes the connection (or `limit` passes); whether it did.
+fn closed_by_server(s: &mut TcpStream, limit: Duration) -> bool {
+    s.set_read_timeout(Some(limit)).unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) => return e.kind() == std::io::ErrorKind::ConnectionReset,
+        }
+    }
+}
+
+/// 1,000 clients that connect and say nothing do not hold up a scrape: the endpoint
+/// serves connections concurrently, keeps a bounded number open (closing the longest idle
+/// to admit new ones) and closes idle ones after its deadline.
+#[test]
+fn a_thousand_idle_connections_do_not_delay_a_scrape() {
+    use railover::telemetry::exporter::{CONNECTION_DEADLINE, MAX_CONNECTIONS};
+    let t = Telemetry::start(&loopback_any_port(), None);
+    let addr = t.local_addr().expect("endpoint on 127.0.0.1");
+    t.record_probe_failures("idle0", 7);
+    let series = r#"railover_probe_failures_total{nic="idle0"}"#;
+    let started = Instant::now();
+    let (_, body) = http_get(addr, "/metrics").unwrap();
+    let alone = started.elapsed();
+    assert_eq!(value(&body, series), Some(7.0), "{body}");
+
+    let mut idle: Vec<TcpStream> = (0..1000)
+        .map(|i| {
+            TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+                .unwrap_or_else(|e| panic!("idle connection {i}: {e}"))
+        })
+        .collect();
+    let started = Instant::now();
+    let (status, body) = http_get(addr, "/metrics").unwrap();
+    let crowded = started.elapsed();
+    println!("scrape alone {alone:?}, with 1000 idle connections open {crowded:?}");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(value(&body, series), Some(7.0), "{body}");
+    // The bound the endpoint must meet is 1 s of delay; the margin is for a loaded host.
+    assert!(
+        crowded < alone + Duration::from_secs(1),
+        "a scrape took {crowded:?} with 1000 idle connections open (alone: {alone:?})"
+    );
+
+    // The oldest were closed to make room at once; the newest when their deadline passed.
+    assert!(
+        closed_by_server(&mut idle[0], Duration::from_secs(10)),
+        "the oldest idle connection is still open"
+    );
+    let newest = idle.len() - 1;
+    assert!(
+        closed_by_server(
+            &mut idle[newest],
+            CONNECTION_DEADLINE + Duration::from_secs(10)
+        ),
+        "an idle connection stayed open past {CONNECTION_DEADLINE:?}"
+    );
+    const { assert!(MAX_CONNECTIONS < 1000, "the test must exceed the limit") };
+    drop(idle);
+    t.shutdown();
+}
+
 /// Collects what `tracing` events the closure emits on this thread.
 fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
     #[derive(Clone, Default)]
@@ -424,6 +488,14 @@ fn dashboard_imports_as_is() {
 fn alert_rules_use_only_exported_metrics() {
     let text = std::fs::read_to_string(root().join("dashboards/alerts.yml")).unwrap();
     let used = railover_names(&text);
+    let in_exprs: BTreeSet<String> = alert_exprs()
+        .iter()
+        .flat_map(|e| railover_names(e))
+        .collect();
+    assert!(
+        in_exprs.is_subset(&used) && in_exprs.len() >= 5,
+        "{in_exprs:?}"
+    );
     for name in &used {
         assert!(
             metrics::spec(name).is_some(),
@@ -439,6 +511,209 @@ fn alert_rules_use_only_exported_metrics() {
         assert!(used.contains(needed), "no alert on {needed}");
     }
     assert!(text.contains("absent("), "no alert for absent metrics");
+}
+
+/// The `expr` of every rule in `dashboards/alerts.yml`, folded block scalars joined into
+/// one line.
+fn alert_exprs() -> Vec<String> {
+    let text = std::fs::read_to_string(root().join("dashboards/alerts.yml")).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    let mut exprs = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        i += 1;
+        let Some(rest) = line.trim_start().strip_prefix("expr:") else {
+            continue;
+        };
+        let rest = rest.trim();
+        if rest.starts_with('>') || rest.starts_with('|') {
+            let mut block = Vec::new();
+            while i < lines.len() && (lines[i].trim().is_empty() || indent(lines[i]) > indent(line))
+            {
+                block.push(lines[i].trim());
+                i += 1;
+            }
+            exprs.push(block.join(" "));
+        } else {
+            exprs.push(rest.trim_matches(|c| c == '"' || c == '\'').to_owned());
+        }
+    }
+    let rules = lines
+        .iter()
+        .filter(|l| l.trim_start().starts_with("- alert:"))
+        .count();
+    assert_eq!(exprs.len(), rules, "one expr per alert rule: {exprs:?}");
+    exprs
+}
+
+/// One sample of an exposition text: name, labels, value.
+type Sample = (String, Vec<(String, String)>, f64);
+
+fn samples(text: &str) -> Vec<Sample> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').expect("name and value");
+            let value = value.parse().unwrap_or_else(|_| panic!("value of {l}"));
+            let (name, labels) = match series.split_once('{') {
+                None => (series, Vec::new()),
+                Some((name, rest)) => {
+                    let inner = rest.strip_suffix('}').expect("closing brace");
+                    let labels = inner
+                        .split(',')
+                        .filter(|kv| !kv.is_empty())
+                        .map(|kv| {
+                            let (k, v) = kv.split_once('=').expect("label=value");
+                            (k.to_owned(), v.trim_matches('"').to_owned())
+                        })
+                        .collect();
+                    (name, labels)
+                }
+            };
+            (name.to_owned(), labels, value)
+        })
+        .collect()
+}
+
+/// The plugin, started with two loopback NICs, serves every series the dashboard and the
+/// alert rules read from its first scrape, at 0 for each NIC and failure reason, before
+/// anything has happened. Runs the check in a process of its own, so that no other test's
+/// series are in the recorder.
+#[test]
+fn idle_scrape_serves_every_dashboard_and_alert_series() {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(exe)
+        .args(["--exact", "idle_scrape_child", "--ignored", "--nocapture"])
+        .env_remove("RAILOVER_IFNAME")
+        .env_remove("LOCAL_RANK")
+        .env_remove("OMPI_COMM_WORLD_LOCAL_RANK")
+        .env_remove("SLURM_LOCALID")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "idle scrape check failed:\n{text}");
+    assert!(
+        text.contains("idle scrape: checked"),
+        "the check did not run:\n{text}"
+    );
+}
+
+#[test]
+#[ignore = "run by idle_scrape_serves_every_dashboard_and_alert_series, in a process of its own"]
+fn idle_scrape_child() {
+    std::env::set_var("RAILOVER_LOOPBACK_NICS", "2");
+    std::env::set_var("RAILOVER_METRICS_PORT", "0");
+    std::env::set_var("RAILOVER_METRICS_ADDR", "127.0.0.1");
+    let ctx = railover::ffi::driver::Ctx::init().expect("init");
+    let addr = railover::plugin::runtime()
+        .unwrap()
+        .telemetry
+        .local_addr()
+        .expect("endpoint");
+    let (status, body) = http_get(addr, "/metrics").unwrap();
+    assert_eq!(status, 200, "{body}");
+    let got = samples(&body);
+    let nics = ["lo.0", "lo.1"];
+    let directions = ["tx", "rx"];
+    let reasons: Vec<&str> = FailReason::ALL.iter().map(|r| r.as_str()).collect();
+
+    let mut used: BTreeSet<String> = dashboard_exprs()
+        .iter()
+        .chain(alert_exprs().iter())
+        .flat_map(|e| railover_names(e))
+        .collect();
+    let mut queries = Vec::new();
+    strings_under(
+        &dashboard()["templating"],
+        &["query", "definition"],
+        &mut queries,
+    );
+    used.extend(queries.iter().flat_map(|q| railover_names(q)));
+    assert!(used.len() >= 10, "too few names found: {used:?}");
+
+    let find = |name: &str, want: &[(&str, &str)]| {
+        got.iter().find(|(n, labels, _)| {
+            n == name
+                && want
+                    .iter()
+                    .all(|(k, v)| labels.iter().any(|(lk, lv)| lk == k && lv == v))
+        })
+    };
+    let mut checked = 0;
+    for name in &used {
+        let spec = metrics::spec(name).unwrap_or_else(|| panic!("{name} is not exported"));
+        // Every label set the metric takes on an idle node with these NICs.
+        let mut sets: Vec<Vec<(&str, &str)>> = vec![Vec::new()];
+        for &label in spec.labels {
+            let values: Vec<&str> = match label {
+                "nic" => nics.to_vec(),
+                "direction" => directions.to_vec(),
+                "reason" => reasons.clone(),
+                "rail" => continue, // whatever rail the NIC has; the nic label finds it
+                other => panic!("{} has an unexpected label {other}", spec.name),
+            };
+            sets = sets
+                .iter()
+                .flat_map(|s| {
+                    values.iter().map(move |v| {
+                        let mut s = s.clone();
+                        s.push((label, *v));
+                        s
+                    })
+                })
+                .collect();
+        }
+        for set in &sets {
+            let series: Vec<String> = match spec.kind {
+                metrics::MetricKind::Histogram => ["_count", "_sum"]
+                    .iter()
+                    .map(|sfx| format!("{}{sfx}", spec.name))
+                    .collect(),
+                _ => vec![spec.name.to_owned()],
+            };
+            for s in &series {
+                let (_, _, v) = find(s, set).unwrap_or_else(|| {
+                    panic!("the first scrape lacks {s}{set:?}, which the dashboard or an alert reads:\n{body}")
+                });
+                if spec.kind != metrics::MetricKind::Gauge {
+                    assert_eq!(*v, 0.0, "{s}{set:?} on an idle node");
+                }
+                checked += 1;
+            }
+            if spec.kind == metrics::MetricKind::Histogram {
+                let mut inf = set.clone();
+                inf.push(("le", "+Inf"));
+                let bucket = format!("{}_bucket", spec.name);
+                assert!(find(&bucket, &inf).is_some(), "no {bucket}{inf:?}:\n{body}");
+            }
+        }
+    }
+    // Bounded cardinality: no label value beyond the NICs, directions and reasons.
+    for (name, labels, _) in got.iter().filter(|(n, _, _)| n.starts_with("railover_")) {
+        for (k, v) in labels {
+            let ok = match k.as_str() {
+                "nic" => nics.contains(&v.as_str()),
+                "direction" => directions.contains(&v.as_str()),
+                "reason" => reasons.contains(&v.as_str()),
+                "rail" | "le" => true,
+                _ => false,
+            };
+            assert!(ok, "{name} has label {k}={v:?}");
+        }
+    }
+    ctx.finalize().unwrap();
+    println!(
+        "idle scrape: checked {checked} series of {} names",
+        used.len()
+    );
 }
 
 #[test]

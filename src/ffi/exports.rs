@@ -93,7 +93,13 @@ fn libc_dl_info_zeroed() -> libc::Dl_info {
 unsafe extern "C" fn finalize(ctx: Ptr) -> NcclResult {
     guard("finalize", || {
         let c = CONTEXTS.remove(ctx)?;
-        plugin::finalize(&c)
+        if plugin::finalize(&c)? {
+            // Handles NCCL never closed belong to the stopped runtime: forget them, or each
+            // init/finalize cycle would keep its comms (and their memory) for good. Using
+            // one later is an unknown handle, ncclInvalidArgument.
+            handle::forget_all();
+        }
+        Ok(())
     })
 }
 

@@ -57,6 +57,30 @@ impl<T> Registry<T> {
     pub fn retain(&self, keep: impl Fn(&T) -> bool) {
         self.map.lock().retain(|_, v| keep(v));
     }
+
+    /// How many objects are registered.
+    pub fn len(&self) -> usize {
+        self.map.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn clear(&self) {
+        // Dropped outside the lock: nothing in a drop may call back into the registry.
+        let old = std::mem::take(&mut *self.map.lock());
+        drop(old);
+    }
+}
+
+/// Forgets every comm, listener, registration and request (the last `finalize`; contexts
+/// are removed one by one by their own `finalize`).
+pub(super) fn forget_all() {
+    REQUESTS.clear();
+    MRS.clear();
+    COMMS.clear();
+    LISTENS.clear();
 }
 
 pub static CONTEXTS: Registry<Context> = Registry::new("context");

@@ -90,14 +90,9 @@ impl CommShared {
         self.failed.lock().get_or_insert(e);
     }
 
-    pub(crate) fn check_usable(&self) -> Result<(), Error> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(Error::InvalidArgument("comm is closed".into()));
-        }
-        match &*self.failed.lock() {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
+    /// Why the comm can no longer carry data, once it cannot.
+    pub(crate) fn failure(&self) -> Option<Error> {
+        self.failed.lock().clone()
     }
 
     pub(crate) fn is_closed(&self) -> bool {

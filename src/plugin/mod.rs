@@ -54,13 +54,15 @@ pub struct Runtime {
 
 impl Runtime {
     fn start() -> Result<Runtime, Error> {
+        // Before the configuration, so that a bad value reaches NCCL's log as a WARN.
+        crate::telemetry::log::install();
         let config = Config::from_env()?;
+        crate::telemetry::log::set_stderr_level(config.log);
         let metrics_cfg = ExporterConfig::from_env()?;
-        crate::telemetry::log::install(config.log);
         let tcp_nics = if config.loopback_nics > 0 {
             tcp::nic::loopback_nics(config.loopback_nics)
         } else {
-            tcp::nic::discover(&config.ifname, &config.sysfs_root)?
+            discover_nics(&config)?
         };
         let topo = match Topology::discover_fabric(&config.sysfs_root, Fabric::Tcp) {
             Ok(t) => Some(t),
@@ -100,7 +102,14 @@ impl Runtime {
             probe_bytes: config.probe_bytes,
             fair_share: config.fair_share,
             router: config.router,
-            telemetry: Arc::new(Telemetry::start(&metrics_cfg, None)),
+            telemetry: Arc::new(Telemetry::start_with_nics(
+                &metrics_cfg,
+                None,
+                &nics
+                    .iter()
+                    .map(|n| (n.tcp.name.as_str(), n.rail))
+                    .collect::<Vec<_>>(),
+            )),
         };
         let telemetry = setup.telemetry.clone();
         let reactor = match ReactorHandle::spawn(setup) {
@@ -147,6 +156,49 @@ impl Runtime {
     pub fn stats(&self) -> &ReactorStats {
         &self.reactor.stats
     }
+}
+
+/// The interfaces `RAILOVER_IFNAME` selects; a WARN naming the filter and every interface
+/// there is when it selects none (NCCL then sees 0 devices).
+fn discover_nics(config: &Config) -> Result<Vec<TcpNic>, Error> {
+    let all = tcp::nic::interfaces()?;
+    let chosen = tcp::nic::select(&all, &config.ifname);
+    if chosen.is_empty() {
+        let filter = if config.ifname.given {
+            format!(
+                "RAILOVER_IFNAME={}{}{}",
+                if config.ifname.exclude { "^" } else { "" },
+                if config.ifname.exact { "=" } else { "" },
+                config.ifname.names.join(",")
+            )
+        } else {
+            "the default selection (every up interface with an address)".to_string()
+        };
+        let there: Vec<String> = all
+            .iter()
+            .map(|i| {
+                format!(
+                    "{} ({}{}{})",
+                    i.name,
+                    i.ip,
+                    if i.up { "" } else { ", down" },
+                    if i.loopback {
+                        ", loopback: only when named"
+                    } else {
+                        ""
+                    }
+                )
+            })
+            .collect();
+        tracing::warn!(
+            "railover: {filter} matches no usable interface, so railover offers 0 devices; interfaces with an address: {}",
+            if there.is_empty() { "none".to_string() } else { there.join(", ") }
+        );
+    }
+    Ok(chosen
+        .iter()
+        .map(|i| tcp::nic::describe(i, &config.sysfs_root))
+        .collect())
 }
 
 fn intern(s: &str) -> &'static CStr {
@@ -239,8 +291,9 @@ pub fn legacy_context() -> Result<Arc<Context>, Error> {
 }
 
 /// `finalize`: the last context stops the reactor and joins its thread, because NCCL may
-/// unload the library right after.
-pub fn finalize(ctx: &Context) -> Result<(), Error> {
+/// unload the library right after. `Ok(true)` when this was the last one: every comm,
+/// listener, registration and request of the runtime is dead then.
+pub fn finalize(ctx: &Context) -> Result<bool, Error> {
     if ctx.legacy {
         return Err(Error::InvalidArgument(
             "the process-wide context of v8–v10 is not finalised".into(),
@@ -261,8 +314,9 @@ pub fn finalize(ctx: &Context) -> Result<(), Error> {
         rt.reactor.shutdown();
         rt.telemetry.shutdown();
         tracing::info!("railover: finalised, reactor stopped");
+        return Ok(true);
     }
-    Ok(())
+    Ok(false)
 }
 
 /// The runtime in use (for `devices`/`getProperties`, which carry no context).
@@ -398,6 +452,24 @@ pub fn reg_mr(
     }
 }
 
+/// A request on `comm`, or `Ok(None)` when all its slots are busy. A comm that is closed
+/// is the caller's mistake and fails at once; a comm whose peer closed or failed still
+/// hands out the request, already failed, so that `test` reports the remote error, as
+/// NCCL's own transports do.
+fn new_request(comm: &Arc<CommShared>) -> Result<Option<Arc<Request>>, Error> {
+    if comm.is_closed() {
+        return Err(Error::InvalidArgument("comm is closed".into()));
+    }
+    if !comm.try_take_slot() {
+        return Ok(None);
+    }
+    let req = Arc::new(Request::new(comm.clone()));
+    if let Some(e) = comm.failure() {
+        req.fail(e);
+    }
+    Ok(Some(req))
+}
+
 /// Queues a send; `Ok(None)` when all request slots are busy ("call again").
 pub fn isend(
     comm: &Arc<CommShared>,
@@ -408,11 +480,12 @@ pub fn isend(
         return Err(Error::InvalidArgument("isend on a receive comm".into()));
     }
     mr.check(comm, buf.addr(), buf.len())?;
-    comm.check_usable()?;
-    if !comm.try_take_slot() {
+    let Some(req) = new_request(comm)? else {
         return Ok(None);
+    };
+    if req.is_finished() {
+        return Ok(Some(req));
     }
-    let req = Arc::new(Request::new(comm.clone()));
     comm.queue.push(Command::Send {
         comm: comm.clone(),
         req: req.clone(),
@@ -431,11 +504,12 @@ pub fn irecv(
         return Err(Error::InvalidArgument("irecv on a send comm".into()));
     }
     mr.check(comm, buf.addr(), buf.len())?;
-    comm.check_usable()?;
-    if !comm.try_take_slot() {
+    let Some(req) = new_request(comm)? else {
         return Ok(None);
+    };
+    if req.is_finished() {
+        return Ok(Some(req));
     }
-    let req = Arc::new(Request::new(comm.clone()));
     comm.queue.push(Command::Recv {
         comm: comm.clone(),
         req: req.clone(),

@@ -157,33 +157,51 @@ pub struct CommandQueue {
     /// Commands queued and not yet taken; read without the lock by the parking check.
     len: AtomicUsize,
     parked: AtomicBool,
-    /// The reactor has exited: nothing will process commands any more.
+    /// The reactor has exited: nothing will process commands any more. Set under `q`'s
+    /// lock, so a command is either taken by the reactor or refused by `push`.
     stopped: AtomicBool,
-    waker: Waker,
+    /// Taken (and its eventfd closed) when the reactor exits: comms NCCL never closed keep
+    /// this queue alive past `finalize`, and must not keep a file descriptor with it.
+    waker: Mutex<Option<Waker>>,
 }
 
 impl CommandQueue {
-    /// Queues a command; wakes the reactor only if it is parked.
+    fn new(waker: Waker) -> CommandQueue {
+        CommandQueue {
+            q: Mutex::new(VecDeque::new()),
+            len: AtomicUsize::new(0),
+            parked: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            waker: Mutex::new(Some(waker)),
+        }
+    }
+
+    /// Queues a command; wakes the reactor only if it is parked. After the reactor has
+    /// exited the command is refused instead: its request fails, its close completes.
     pub fn push(&self, c: Command) {
-        self.q.lock().push_back(c);
+        {
+            let mut q = self.q.lock();
+            if self.stopped.load(Ordering::Acquire) {
+                drop(q);
+                refuse(c);
+                return;
+            }
+            q.push_back(c);
+        }
         // Dekker-style hand-off with the reactor's `park`: both sides write their flag
         // with SeqCst before reading the other's, so at least one sees the other.
         self.len.fetch_add(1, Ordering::SeqCst);
         if self.parked.swap(false, Ordering::SeqCst) {
-            let _ = self.waker.wake();
+            if let Some(w) = self.waker.lock().as_ref() {
+                let _ = w.wake();
+            }
         }
     }
 
     /// A queue no reactor serves, for unit tests of the objects that hold one.
     #[cfg(test)]
     pub(crate) fn for_tests(waker: Waker) -> CommandQueue {
-        CommandQueue {
-            q: Mutex::new(VecDeque::new()),
-            len: AtomicUsize::new(0),
-            parked: AtomicBool::new(false),
-            stopped: AtomicBool::new(false),
-            waker,
-        }
+        CommandQueue::new(waker)
     }
 
     /// The reactor thread has exited.
@@ -195,6 +213,34 @@ impl CommandQueue {
         let cmds = std::mem::take(&mut *self.q.lock());
         self.len.fetch_sub(cmds.len(), Ordering::SeqCst);
         cmds
+    }
+
+    /// The reactor is exiting: refuse what is queued and what comes later, and close the
+    /// waker's eventfd.
+    fn stop(&self) {
+        let left = {
+            let mut q = self.q.lock();
+            self.stopped.store(true, Ordering::Release);
+            std::mem::take(&mut *q)
+        };
+        self.len.fetch_sub(left.len(), Ordering::SeqCst);
+        left.into_iter().for_each(refuse);
+        self.waker.lock().take();
+    }
+}
+
+/// A command no reactor will run: nobody is left waiting on it.
+fn refuse(c: Command) {
+    match c {
+        Command::Send { req, .. } | Command::Recv { req, .. } => {
+            req.fail(Error::InvalidUsage("the plugin was finalised".into()))
+        }
+        Command::CloseComm { done, .. } => done.signal(),
+        Command::Connect { pending, .. } => {
+            *pending.result.lock() =
+                Some(Err(Error::InvalidUsage("the plugin was finalised".into())))
+        }
+        _ => {}
     }
 }
 
@@ -279,13 +325,7 @@ impl ReactorHandle {
             let _ = getrandom::getrandom(&mut b);
             router_cfg.seed = u64::from_le_bytes(b) | 1;
         }
-        let queue = Arc::new(CommandQueue {
-            q: Mutex::new(VecDeque::new()),
-            len: AtomicUsize::new(0),
-            parked: AtomicBool::new(false),
-            stopped: AtomicBool::new(false),
-            waker,
-        });
+        let queue = Arc::new(CommandQueue::new(waker));
         let stats = Arc::new(ReactorStats::default());
         let now = Instant::now();
         let mut reactor = Reactor {
@@ -581,13 +621,8 @@ impl Reactor {
             self.flush_dirty(now);
         }
         self.close_everything();
-        self.queue.stopped.store(true, Ordering::Release);
         // Anyone still waiting on a close: the comm is gone with the reactor.
-        for c in self.queue.take() {
-            if let Command::CloseComm { done, .. } = c {
-                done.signal();
-            }
-        }
+        self.queue.stop();
     }
 
     fn requests_in_flight(&self) -> bool {
@@ -1290,6 +1325,32 @@ mod tests {
     use super::*;
 
     fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn a_stopped_queue_refuses_commands_and_closes_its_waker() {
+        let poll = Poll::new().unwrap();
+        let q = Arc::new(CommandQueue::new(
+            Waker::new(poll.registry(), WAKER).unwrap(),
+        ));
+        let comm = Arc::new(CommShared::new(Side::Send, 0, q.clone(), 0));
+        let queued = Arc::new(Done::default());
+        q.push(Command::CloseComm {
+            comm: comm.clone(),
+            done: queued.clone(),
+        });
+        q.stop();
+        assert!(queued.wait(Duration::ZERO), "released by the stop");
+        assert!(q.waker.lock().is_none(), "the eventfd is closed");
+        let later = Arc::new(Done::default());
+        q.parked.store(true, Ordering::SeqCst);
+        q.push(Command::CloseComm {
+            comm,
+            done: later.clone(),
+        });
+        assert!(later.wait(Duration::ZERO), "refused at once");
+        assert_eq!(q.len.load(Ordering::SeqCst), 0);
+        assert!(q.take().is_empty());
+    }
 
     #[test]
     fn shared_state_is_thread_safe() {

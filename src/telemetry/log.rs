@@ -3,39 +3,64 @@
 //! the `NCCL_NET` subsystem, so `NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=NET` shows it.
 
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Once;
 
 use tracing::field::{Field, Visit};
-use tracing::{Event, Level, Subscriber};
-use tracing_subscriber::filter::LevelFilter;
+use tracing::metadata::LevelFilter;
+use tracing::subscriber::Interest;
+use tracing::{Event, Level, Metadata, Subscriber};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::Layer;
 
 use crate::config::LogLevel;
 use crate::ffi::logger::{self, Severity};
 
+/// The stderr level (`RAILOVER_LOG`), as `LogLevel as u8`. Warn until the configuration is
+/// read, so a bad value of any variable is still reported.
+static STDERR_LEVEL: AtomicU8 = AtomicU8::new(LogLevel::Warn as u8);
+
 /// Installs the bridge as this library's global subscriber, once. The library carries
 /// its own copy of `tracing`, so this never replaces a subscriber of the host program.
-pub fn install(stderr_level: LogLevel) {
+/// Called before the configuration is parsed, so that its errors reach NCCL's log.
+pub fn install() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        // INFO is always produced: NCCL's logger filters by NCCL_DEBUG itself.
-        let max = match stderr_level {
-            LogLevel::Debug => LevelFilter::DEBUG,
-            LogLevel::Trace => LevelFilter::TRACE,
-            _ => LevelFilter::INFO,
-        };
-        let layer = Bridge {
-            stderr: stderr_level,
-        }
-        .with_filter(max);
-        let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer));
+        let _ =
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Bridge));
     });
 }
 
-struct Bridge {
-    stderr: LogLevel,
+/// Sets the stderr level once `RAILOVER_LOG` is known. DEBUG and TRACE events are only
+/// produced while it asks for them (NCCL's logger never gets them otherwise).
+pub fn set_stderr_level(level: LogLevel) {
+    if STDERR_LEVEL.swap(level as u8, Ordering::AcqRel) != level as u8 {
+        // Callsites cache whether they are enabled; make them ask again.
+        tracing::callsite::rebuild_interest_cache();
+    }
 }
+
+fn stderr_level() -> LogLevel {
+    match STDERR_LEVEL.load(Ordering::Acquire) {
+        0 => LogLevel::Off,
+        1 => LogLevel::Warn,
+        2 => LogLevel::Info,
+        3 => LogLevel::Debug,
+        _ => LogLevel::Trace,
+    }
+}
+
+/// The most detailed level produced: INFO always (NCCL's logger filters by NCCL_DEBUG
+/// itself), DEBUG or TRACE when `RAILOVER_LOG` asks for them.
+fn max_level() -> LevelFilter {
+    match stderr_level() {
+        LogLevel::Debug => LevelFilter::DEBUG,
+        LogLevel::Trace => LevelFilter::TRACE,
+        _ => LevelFilter::INFO,
+    }
+}
+
+struct Bridge;
 
 struct Message(String);
 
@@ -57,6 +82,22 @@ impl Visit for Message {
 }
 
 impl<S: Subscriber> Layer<S> for Bridge {
+    fn register_callsite(&self, meta: &'static Metadata<'static>) -> Interest {
+        if max_level() >= *meta.level() {
+            Interest::always()
+        } else {
+            Interest::never()
+        }
+    }
+
+    fn enabled(&self, meta: &Metadata<'_>, _: Context<'_, S>) -> bool {
+        max_level() >= *meta.level()
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        Some(max_level())
+    }
+
     fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
         let mut msg = Message(String::new());
         event.record(&mut msg);
@@ -78,7 +119,7 @@ impl<S: Subscriber> Layer<S> for Bridge {
             Level::DEBUG => LogLevel::Debug,
             _ => LogLevel::Trace,
         };
-        if wanted <= self.stderr {
+        if wanted <= stderr_level() {
             // Wall-clock milliseconds, so lines from two processes line up.
             let ms = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

@@ -480,7 +480,21 @@ impl Telemetry {
     /// Never fails: a port in use or any bind error is one WARN, and the job carries on
     /// without an endpoint (metrics are still recorded and [`render`](Self::render)able).
     pub fn start(cfg: &ExporterConfig, device_ordinal: Option<u32>) -> Telemetry {
+        Telemetry::start_with_nics(cfg, device_ordinal, &[])
+    }
+
+    /// [`start`](Self::start), after creating every series of [`METRICS`] (for each of
+    /// `nics`, each direction and each [`FailReason`]) at its idle value: counters and
+    /// histograms at 0, `railover_nic_up` and `railover_nic_info` at 1. The first scrape
+    /// then holds every series a dashboard or alert reads, so panels show 0 rather than "No
+    /// data" and `rate()`/`increase()` see the first failover.
+    pub fn start_with_nics(
+        cfg: &ExporterConfig,
+        device_ordinal: Option<u32>,
+        nics: &[(&str, Option<u32>)],
+    ) -> Telemetry {
         let handle = handle();
+        declare(nics);
         let exporter = match cfg.socket_addr(device_ordinal) {
             Ok(None) => None,
             Ok(Some(addr)) => match Exporter::start(addr, handle.clone()) {
@@ -615,6 +629,76 @@ impl Telemetry {
 impl Drop for Telemetry {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// Creates every series of [`METRICS`] at its idle value (see
+/// [`Telemetry::start_with_nics`]). Counters only ever add 0 here, so declaring again after
+/// a finalize and a new init keeps their totals.
+fn declare(nics: &[(&str, Option<u32>)]) {
+    let rail_of = |nic: &str| {
+        nics.iter()
+            .find(|(n, _)| *n == nic)
+            .and_then(|(_, r)| *r)
+            .map_or_else(|| "none".to_owned(), |r| r.to_string())
+    };
+    'metrics: for m in METRICS {
+        // Every combination of the metric's label values: bounded by the NIC count, the
+        // two directions and the failure reasons.
+        let mut sets: Vec<Vec<(&'static str, String)>> = vec![Vec::new()];
+        for &label in m.labels {
+            let values = |set: &Vec<(&'static str, String)>| -> Vec<String> {
+                match label {
+                    "nic" => nics.iter().map(|(n, _)| (*n).to_owned()).collect(),
+                    // The rail of the set's NIC (`nic` comes before `rail`).
+                    "rail" => set
+                        .iter()
+                        .filter(|(k, _)| *k == "nic")
+                        .map(|(_, n)| rail_of(n))
+                        .collect(),
+                    "direction" => [Direction::Tx, Direction::Rx]
+                        .map(|d| d.as_str().to_owned())
+                        .to_vec(),
+                    "reason" => FailReason::ALL.map(|r| r.as_str().to_owned()).to_vec(),
+                    _ => Vec::new(),
+                }
+            };
+            if !["nic", "rail", "direction", "reason"].contains(&label) {
+                // A label this function does not know: better no early series than a
+                // series without it.
+                continue 'metrics;
+            }
+            sets = sets
+                .iter()
+                .flat_map(|set| {
+                    values(set).into_iter().map(move |v| {
+                        let mut set = set.clone();
+                        set.push((label, v));
+                        set
+                    })
+                })
+                .collect();
+        }
+        for set in sets {
+            let labels: Vec<metrics::Label> = set
+                .into_iter()
+                .map(|(k, v)| metrics::Label::new(k, v))
+                .collect();
+            match m.kind {
+                MetricKind::Counter => metrics::counter!(m.name, labels).increment(0),
+                // Registering is enough: an empty histogram renders with zero counts.
+                MetricKind::Histogram => drop(metrics::histogram!(m.name, labels)),
+                MetricKind::Gauge => {
+                    // A NIC counts as up until the reactor hears otherwise, as it does.
+                    let idle = if m.name == NIC_UP || m.name == NIC_INFO {
+                        1.0
+                    } else {
+                        0.0
+                    };
+                    metrics::gauge!(m.name, labels).set(idle);
+                }
+            }
+        }
     }
 }
 
@@ -796,6 +880,39 @@ mod tests {
         );
         assert!(spec("railover_bytes_total_sum").is_none());
         assert!(spec("railover_nope").is_none());
+    }
+
+    #[test]
+    fn every_nic_and_reason_series_exists_before_anything_happens() {
+        let t = Telemetry::start_with_nics(
+            &ExporterConfig::off(),
+            None,
+            &[("unit_decl0", Some(3)), ("unit_decl1", None)],
+        );
+        let text = t.render();
+        let mut want = vec![
+            r#"railover_nic_info{nic="unit_decl0",rail="3"} 1"#.to_owned(),
+            r#"railover_nic_info{nic="unit_decl1",rail="none"} 1"#.to_owned(),
+            r#"railover_nic_up{nic="unit_decl1"} 1"#.to_owned(),
+            r#"railover_lanes{nic="unit_decl1"} 0"#.to_owned(),
+            r#"railover_failbacks_total{nic="unit_decl0"} 0"#.to_owned(),
+            r#"railover_probe_failures_total{nic="unit_decl1"} 0"#.to_owned(),
+            r#"railover_messages_total{nic="unit_decl0",direction="rx"} 0"#.to_owned(),
+        ];
+        for r in FailReason::ALL {
+            want.push(format!(
+                r#"railover_failovers_total{{nic="unit_decl1",reason="{}"}} 0"#,
+                r.as_str()
+            ));
+        }
+        for line in &want {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        assert!(text.contains("railover_detection_seconds_count "), "{text}");
+        assert!(text.contains("railover_no_eligible_pair_total "), "{text}");
     }
 
     #[test]

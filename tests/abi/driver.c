@@ -1526,6 +1526,37 @@ out:
   stream_fini(&s);
 }
 
+/* The peer of `comm` is gone and test has reported it. Like NCCL's own transports, every
+ * further isend/irecv still hands out a request (the remote error is not returned at
+ * once), test reports ncclRemoteError or ncclSystemError, and the finished request gives
+ * its slot back: twice MAX_REQUESTS of them must fit. */
+static void check_requests_after_remote_error(test_t* t, void* comm, int is_send, void* buf,
+                                              size_t size, void* mh) {
+  const char* op = is_send ? "isend" : "irecv";
+  for (int i = 0; i < 2 * MAX_REQUESTS; i++) {
+    void* req = STALE;
+    double t0 = now_s();
+    ncclResult_t r = is_send ? net_isend(comm, buf, size, 0, mh, NULL, &req)
+                             : net_irecv(comm, buf, size, 0, mh, NULL, &req);
+    if (!CHECK(t, r == ncclSuccess && req != NULL && req != STALE,
+               "%s %d on a comm whose peer is gone = %d with request %p (want ncclSuccess and "
+               "a request whose test reports the error)",
+               op, i, r, req))
+      return;
+    int done = 0;
+    r = net_test(req, &done, NULL);
+    double dt = now_s() - t0;
+    CHECK(t, dt < TEST_MAX_S, "%s and test on a comm whose peer is gone took %.2f s", op, dt);
+    if (!CHECK(t, r == ncclRemoteError || r == ncclSystemError,
+               "test of %s %d on a comm whose peer is gone = %d (done %d), want "
+               "ncclRemoteError or ncclSystemError",
+               op, i, r, done))
+      return;
+  }
+  note("%d %ss after the remote error: each got a request, each test reported the error",
+       2 * MAX_REQUESTS, op);
+}
+
 /* After an abort NCCL closes comms with requests outstanding. The sender closes with two
  * sends in flight while the receiver has four receives posted; both closes must return
  * promptly and succeed, and test() on the orphaned receives must not block. What those
@@ -1582,6 +1613,8 @@ static void test_close_pending(void* ctx, int is_recv, uint64_t seed, ctl_t* ctl
          err != ncclSuccess ? "failed" : completed < posted ? "stayed pending for 3 s" : "-",
          err);
     CHECK(t, completed <= SENT, "%d receives completed but only %d were sent", completed, SENT);
+    if (err != ncclSuccess)
+      check_requests_after_remote_error(t, c.comm, 0, s.staging, s.slot_size, s.staging_mh);
   } else {
     if (ctl_recv(ctl, MSG_READY, NULL, CTL_TIMEOUT_MS, t) != 0) goto out;
     if (stream_post_only(&s, SENT, now_s() + 2.0) < 0) {
@@ -1663,33 +1696,52 @@ static void test_close_recv_pending(void* ctx, int is_recv, uint64_t seed, ctl_t
   } else {
     ctl_send(ctl, MSG_READY, 0, 0, NULL);
     if (ctl_recv(ctl, MSG_CLOSED, NULL, CTL_TIMEOUT_MS, t) != 0) goto out;
-    /* The peer is gone: errors are fine here, blocking and crashing are not. */
+    /* The peer is gone: isend still hands out requests (as NCCL's own transports do) and
+     * test reports the error; blocking and crashing are never fine. */
     int posted = 0, completed = 0;
-    ncclResult_t err = ncclSuccess;
+    ncclResult_t err = ncclSuccess, post_err = ncclSuccess;
     void* reqs[N] = {0};
-    double end = now_s() + 2.0;
-    while (err == ncclSuccess && completed < N && now_s() < end) {
+    double end = now_s() + 10.0;
+    while (err == ncclSuccess && post_err == ncclSuccess && completed < N && now_s() < end) {
       double t0 = now_s();
-      ncclResult_t r;
       if (posted < N) {
         void* req = STALE;
         unsigned char* buf = s.staging + (size_t)posted * s.slot_size;
         fill_pattern(buf, msgs[posted].size, msg_key(seed, 6, (uint32_t)posted));
-        r = net_isend(c.comm, buf, msgs[posted].size, 0, s.staging_mh, NULL, &req);
-        if (r == ncclSuccess && req) reqs[posted++] = req;
+        post_err = net_isend(c.comm, buf, msgs[posted].size, 0, s.staging_mh, NULL, &req);
+        if (post_err == ncclSuccess && req) reqs[posted++] = req;
       } else {
         int done = 0;
-        r = net_test(reqs[completed], &done, NULL);
+        ncclResult_t r = net_test(reqs[completed], &done, NULL);
         if (r == ncclSuccess && done) completed++;
+        if (r != ncclSuccess) err = r;
       }
       CHECK(t, now_s() - t0 < TEST_MAX_S, "a data call on a comm whose peer closed took %.2f s",
             now_s() - t0);
-      if (r != ncclSuccess) err = r;
       sched_yield();
     }
     note("close_recv_pending: after the receiver closed, %d sends posted, %d completed, "
          "%s (code %d)", posted, completed,
-         err != ncclSuccess ? "then an error" : "no error within 2 s", err);
+         err != ncclSuccess ? "then test reported an error" : "no error within 10 s", err);
+    CHECK(t, post_err == ncclSuccess,
+          "isend on a comm whose peer closed = %d; the error belongs in test", post_err);
+    CHECK(t, completed == 0, "%d sends completed into a closed receiver", completed);
+    if (CHECK(t, err == ncclRemoteError || err == ncclSystemError,
+              "test after the receiver closed = %d, want ncclRemoteError or ncclSystemError",
+              err)) {
+      /* The requests still posted finish too (with the error), so their slots free up. */
+      for (int i = completed + 1; i < posted; i++) {
+        int done = 0;
+        ncclResult_t r = ncclSuccess;
+        double until = now_s() + 10.0;
+        while (r == ncclSuccess && !done && now_s() < until) {
+          r = net_test(reqs[i], &done, NULL);
+          sched_yield();
+        }
+        CHECK(t, r != ncclSuccess || done, "send %d stayed pending after the peer closed", i);
+      }
+      check_requests_after_remote_error(t, c.comm, 1, s.staging, msgs[0].size, s.staging_mh);
+    }
     stream_dereg(&s);
     double t0 = now_s();
     ncclResult_t r = net_close_send(c.comm);
