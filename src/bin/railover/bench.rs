@@ -1068,17 +1068,17 @@ fn text(r: &Report) -> String {
     );
     for p in &r.points {
         s += &format!(
-            "{:>12} {:>8} {:>5} | {:>10.2} {:>8.3} {:>8.3} {:>6.0}% | {:>10.2} {:>8.3} {:>8.3} {:>6.0}% | {:>6.2} {:>8.2}\n",
+            "{:>12} {:>8} {:>5} | {:>10.2} {:>8} {:>8} {:>6.0}% | {:>10.2} {:>8} {:>8} {:>6.0}% | {:>6.2} {:>8.2}\n",
             p.size,
             p.count,
             p.depth,
             p.plugin.time_us,
-            p.plugin.algbw.median,
-            p.plugin.busbw,
+            bw(p.plugin.algbw.median),
+            bw(p.plugin.busbw),
             p.plugin.algbw.range_pct(),
             p.tcp.time_us,
-            p.tcp.algbw.median,
-            p.tcp.busbw,
+            bw(p.tcp.algbw.median),
+            bw(p.tcp.busbw),
             p.tcp.algbw.range_pct(),
             p.ratio,
             p.cpu_ratio
@@ -1151,7 +1151,7 @@ fn markdown(r: &Report) -> String {
     let m = &r.machine;
     let mut s = format!(
         "Send/receive through the plugin ABI against raw TCP sockets with the same sizes, \
-         comms ({}) and depth ({}), {}; {} interleaved repetitions per point, medians, \
+         comms ({}) and depth ({}, lowered at the largest sizes to bound buffer memory), {}; {} interleaved repetitions per point, medians, \
          range = (max − min) / median. Machine: {} CPUs ({}), kernel {}, {} build, \
          load average {} at the start, {} at the end.\n\n",
         r.comms,
@@ -1165,20 +1165,21 @@ fn markdown(r: &Report) -> String {
         m.loadavg_start,
         m.loadavg_end
     );
-    s += "| size | count | railover time (µs) | railover algbw (GB/s) | busbw | range | TCP time (µs) | TCP algbw (GB/s) | busbw | range | ratio | CPU/GB ratio |\n";
-    s += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    s += "| size | count | depth | railover time (µs) | railover algbw (GB/s) | busbw | range | TCP time (µs) | TCP algbw (GB/s) | busbw | range | ratio | CPU/GB ratio |\n";
+    s += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
     for p in &r.points {
         s += &format!(
-            "| {} | {} | {:.1} | {:.3} | {:.3} | {:.0}% | {:.1} | {:.3} | {:.3} | {:.0}% | {:.2} | {:.2} |\n",
+            "| {} | {} | {} | {:.1} | {} | {} | {:.0}% | {:.1} | {} | {} | {:.0}% | {:.2} | {:.2} |\n",
             human(p.size),
             p.count,
+            p.depth,
             p.plugin.time_us,
-            p.plugin.algbw.median,
-            p.plugin.busbw,
+            bw(p.plugin.algbw.median),
+            bw(p.plugin.busbw),
             p.plugin.algbw.range_pct(),
             p.tcp.time_us,
-            p.tcp.algbw.median,
-            p.tcp.busbw,
+            bw(p.tcp.algbw.median),
+            bw(p.tcp.busbw),
             p.tcp.algbw.range_pct(),
             p.ratio,
             p.cpu_ratio
@@ -1189,6 +1190,17 @@ fn markdown(r: &Report) -> String {
         s += &format!("* {l}\n");
     }
     s
+}
+
+/// GB/s with enough digits that small messages do not read as zero.
+fn bw(x: f64) -> String {
+    if x >= 1.0 {
+        format!("{x:.2}")
+    } else if x >= 0.01 {
+        format!("{x:.3}")
+    } else {
+        format!("{x:.5}")
+    }
 }
 
 pub fn human(n: usize) -> String {
