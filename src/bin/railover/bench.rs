@@ -738,13 +738,9 @@ impl Rig {
         let t0 = Instant::now();
         self.peer.send(&format!("xstream {count}"))?;
         let recv = &self.recv;
-        peer::drive(
-            recv.len(),
-            depth,
-            count,
-            |c, k| recv[c].irecv(&mut bufs[c][k], size),
-            |_, _| {},
-        )?;
+        peer::drive(recv.len(), depth, count, |c, k| {
+            recv[c].irecv(&mut bufs[c][k], size)
+        })?;
         let dt = t0.elapsed().as_secs_f64();
         expect_ok(&mut self.peer)?;
         Ok(dt)

@@ -192,7 +192,6 @@ pub fn drive(
     depth: usize,
     count: u64,
     mut post: impl FnMut(usize, usize) -> Result<Option<Request>, Code>,
-    mut done: impl FnMut(usize, usize),
 ) -> Result<(), String> {
     let mut rings: Vec<Ring> = (0..comms).map(|_| Ring::new(depth)).collect();
     let end = Instant::now() + PATIENCE;
@@ -217,7 +216,6 @@ pub fn drive(
                 if q.test().map_err(|e| format!("test: {e}"))?.is_some() {
                     r.reqs[oldest] = None;
                     r.done += 1;
-                    done(c, oldest);
                     moved = true;
                     if r.done == count {
                         finished += 1;
@@ -398,13 +396,9 @@ impl State {
                 let count = num(count)?;
                 let (fwd, bufs, size) = (&self.fwd, &self.plugin_bufs, self.size);
                 let depth = bufs.first().map_or(1, Vec::len);
-                drive(
-                    fwd.len(),
-                    depth,
-                    count,
-                    |c, k| fwd[c].isend(&bufs[c][k], size),
-                    |_, _| {},
-                )?;
+                drive(fwd.len(), depth, count, |c, k| {
+                    fwd[c].isend(&bufs[c][k], size)
+                })?;
             }
             ["xraw", count] => {
                 raw_send(&mut self.raw, &self.raw_bufs, num(count)?)
