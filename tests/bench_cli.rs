@@ -41,7 +41,10 @@ fn json_has_one_row_per_size_with_medians_spread_and_ratio() {
                 s["q3"].as_f64().unwrap(),
                 s["max"].as_f64().unwrap(),
             );
-            assert!(min > 0.0 && min <= q1 && q1 <= med && med <= q3 && q3 <= max, "{p}");
+            assert!(
+                min > 0.0 && min <= q1 && q1 <= med && med <= q3 && q3 <= max,
+                "{p}"
+            );
             assert_eq!(p[side]["busbw"], s["median"], "sendrecv: busbw = algbw");
             assert!(p[side]["cpu_s_per_gb"].as_f64().unwrap() > 0.0, "{p}");
         }
@@ -54,7 +57,11 @@ fn json_has_one_row_per_size_with_medians_spread_and_ratio() {
     assert!(rt["plugin_us"]["median"].as_f64().unwrap() > 0.0);
     assert!(rt["tcp_us"]["median"].as_f64().unwrap() > 0.0);
     assert!(v["idle"]["cpu_pct"].as_array().unwrap().len() == 2);
-    assert!(v["memory"]["per_comm_kib"].as_f64().unwrap() > 0.0, "{}", v["memory"]);
+    assert!(
+        v["memory"]["per_comm_kib"].as_f64().unwrap() > 0.0,
+        "{}",
+        v["memory"]
+    );
     let targets = v["targets"].as_array().unwrap();
     assert_eq!(targets.len(), 3);
     // No point at or above 1 MiB in this sweep: the throughput target says so.
@@ -66,7 +73,10 @@ fn bad_options_are_named_with_what_is_accepted() {
     let out = bench(&["--depth", "0"]);
     assert_eq!(out.status.code(), Some(2));
     let e = String::from_utf8_lossy(&out.stderr);
-    assert!(e.contains("--depth") && e.contains("\"0\"") && e.contains("1 … 32"), "{e}");
+    assert!(
+        e.contains("--depth") && e.contains("\"0\"") && e.contains("1 … 32"),
+        "{e}"
+    );
     let out = bench(&["--max-bytes", "lots"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("K, M, G"));
