@@ -1,5 +1,5 @@
-//! `cargo bench`: runs `railover bench`, which measures throughput (4 KiB … 64 MiB) and
-//! the 8-byte round trip through the plugin ABI against plain TCP in the same run.
+//! `cargo bench`: runs `railover bench` (the send/receive sweep against raw TCP in the
+//! same run); `cargo bench --bench plugin_vs_tcp -- --quick` for the short one.
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");

@@ -20,3 +20,20 @@ need() {
 need cc gcc
 need nm binutils
 need ip iproute2
+
+want() {
+    # want <command> <debian package>: like need, for tools that only add a figure; a
+    # missing one is named and the caller carries on without it.
+    command -v "$1" >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "railover: optional '$1' is missing (apt-get install $2); going on without it" >&2
+        return 0
+    fi
+    if [ "$apt_updated" -eq 0 ]; then
+        apt-get update -qq >/dev/null || true
+        apt_updated=1
+    fi
+    echo "railover: installing $2 (for $1)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$2" >/dev/null ||
+        echo "railover: could not install $2; going on without it" >&2
+}

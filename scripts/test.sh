@@ -7,15 +7,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/prereqs.sh
+need python3 python3
 
 log=$(mktemp)
 faultlog=$(mktemp)
-trap 'rm -f "$log" "$faultlog"' EXIT
+pylog=$(mktemp)
+trap 'rm -f "$log" "$faultlog" "$pylog"' EXIT
 status=0
 echo "== cargo test (unit, ABI, loopback, tools, observability)"
 timeout 2400 cargo test --no-fail-fast 2>&1 | tee "$log" || status=$?
 echo "== fault tier"
 timeout 1200 bash scripts/fault-tier.sh 2>&1 | tee "$faultlog" || status=$?
+echo "== GPU check helpers (log parsing, result checks; no GPU needed)"
+timeout 120 python3 scripts/test_gpu_check.py 2>&1 | tee "$pylog" || status=$?
 
 count() {
     awk '/^test result:/ {
@@ -28,11 +32,12 @@ count() {
 }
 read -r p1 f1 g1 < <(count "$log")
 read -r p2 f2 g2 < <(count "$faultlog")
+read -r p3 f3 g3 < <(count "$pylog")
 # The fault tests are #[ignore]d in the first run and run (as root) in the second: count
 # as skipped only what ran in neither.
-passed=$((p1 + p2))
-failed=$((f1 + f2))
-skipped=$((g1 - p2 - f2))
+passed=$((p1 + p2 + p3))
+failed=$((f1 + f2 + f3))
+skipped=$((g1 - p2 - f2 + g3))
 echo
 echo "railover tests: $passed passed, $failed failed, $skipped skipped"
 exit "$status"

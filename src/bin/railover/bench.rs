@@ -1,241 +1,1347 @@
-//! `railover bench`: throughput and latency through the plugin ABI, against plain TCP
-//! sockets on the same loopback path, measured in the same run. Two processes, as two
-//! NCCL ranks: this one receives, a child sends.
+//! `railover bench`: a send/receive size sweep through the plugin ABI, shaped like
+//! nccl-tests' `sendrecv_perf`, against raw TCP sockets with the same sizes, comms and
+//! depth, measured in the same run. Two processes, as two NCCL ranks: a child sends, this
+//! one receives. Plugin and baseline runs alternate at every size point (A, B, A, B …) so
+//! machine drift lands on both; figures are medians of the repetitions and every ratio is
+//! taken from the medians. Costs (CPU per GB, idle CPU, reactor wake-ups, memory) come
+//! from `/proc` of both processes.
 
-use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::io::Write;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use railover::ffi::driver::{Buffer, Ctx, Request};
+use railover::ffi::driver::{Buffer, Ctx, RecvComm, SendComm};
+use railover::reactor::REACTOR_THREAD;
+use railover::testbed::{Side, Testbed};
+use serde::Serialize;
 
 use crate::peer::{self, Peer};
 
-const DEPTH: usize = 8;
-/// Bytes per size point: enough for a stable figure, small enough for a quick run.
-const BYTES_PER_POINT: u64 = 512 << 20;
-const PINGS: u64 = 20_000;
+/// Registered receive memory one mode may hold per process at one size point: the depth
+/// is lowered for the largest sizes so 256 MiB × depth × comms stays within it.
+const MEM_BUDGET: usize = 512 << 20;
 
-struct Row {
-    size: usize,
-    plugin: f64,
-    raw: f64,
+/// Targets from the issue: reported, never asserted.
+const TARGET_BW: f64 = 0.9;
+const TARGET_BW_FROM: usize = 1 << 20;
+const TARGET_RTT: f64 = 1.5;
+const TARGET_IDLE_PCT: f64 = 1.0;
+
+const HELP: &str = "\
+usage: railover bench [options]
+  --min-bytes N     smallest message (default 8; K, M, G suffixes)
+  --max-bytes N     largest message (default 256M)
+  --step F          size factor between points: 2, 4, 8 or 16 (default 2)
+  --comms C         comms (and raw sockets) used at once (default 1)
+  --depth K         messages in flight per comm (default 8)
+  --reps R          repetitions of each measurement, at least 5 (default 7)
+  --testbed N       as root: two namespaces joined by N tc-shaped veth pairs
+  --rate MBIT       link rate on the testbed (default 1000)
+  --idle-seconds S  window of the idle-cost measurement (default 10)
+  --quick           a short smoke run (fewer sizes and bytes, 2 s idle window)
+  --json            one JSON document on stdout (a row per size point)
+  --markdown        the README table on stdout
+";
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Opts {
+    pub min_bytes: usize,
+    pub max_bytes: usize,
+    pub step: usize,
+    pub comms: usize,
+    pub depth: usize,
+    pub reps: usize,
+    pub testbed: Option<usize>,
+    pub rate_mbit: u64,
+    pub idle: Duration,
+    pub quick: bool,
+    pub output: Output,
+    /// Set in the re-executed child inside namespace A: (rails, peer namespace).
+    pub inside: Option<(usize, String)>,
 }
 
-fn count_for(size: usize) -> u64 {
-    (BYTES_PER_POINT / size as u64).clamp(64, 100_000)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    Text,
+    Json,
+    Markdown,
 }
 
-pub fn run(args: &[String]) -> i32 {
-    let mut sizes: Vec<usize> = (12..=26).step_by(2).map(|p| 1usize << p).collect(); // 4 KiB … 64 MiB
-    let mut quick = false;
-    for a in args {
-        match a.as_str() {
-            "--quick" => quick = true,
-            other => {
-                eprintln!("railover bench: unknown option {other:?} (accepted: --quick)");
-                return 2;
-            }
+impl Default for Opts {
+    fn default() -> Opts {
+        Opts {
+            min_bytes: 8,
+            max_bytes: 256 << 20,
+            step: 2,
+            comms: 1,
+            depth: 8,
+            reps: 7,
+            testbed: None,
+            rate_mbit: 1000,
+            idle: Duration::from_secs(10),
+            quick: false,
+            output: Output::Text,
+            inside: None,
         }
     }
-    if quick {
-        sizes = vec![4 << 10, 1 << 20, 16 << 20];
+}
+
+/// Parses `8`, `4K`, `1M`, `256M`, `1G` (binary multiples).
+pub fn parse_size(s: &str) -> Option<usize> {
+    let (num, mult) = match s.trim_end_matches(['B', 'b']).as_bytes().last()? {
+        b'K' | b'k' => (&s[..s.find(['K', 'k'])?], 1usize << 10),
+        b'M' | b'm' => (&s[..s.find(['M', 'm'])?], 1 << 20),
+        b'G' | b'g' => (&s[..s.find(['G', 'g'])?], 1 << 30),
+        _ => (s.trim_end_matches(['B', 'b']), 1),
+    };
+    num.parse::<usize>().ok()?.checked_mul(mult)
+}
+
+fn bad(opt: &str, v: &str, accepted: &str) -> String {
+    format!("railover bench: {opt} {v:?} is not valid: expected {accepted}")
+}
+
+pub fn parse(args: &[String]) -> Result<Opts, String> {
+    let mut o = Opts::default();
+    let (mut min, mut max, mut reps, mut idle) = (None, None, None, None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("railover bench: {name} needs a value"))
+        };
+        let int = |name: &str, v: &str, lo: usize, hi: usize| match v.parse::<usize>() {
+            Ok(n) if (lo..=hi).contains(&n) => Ok(n),
+            _ => Err(bad(name, v, &format!("an integer in {lo} … {hi}"))),
+        };
+        match a.as_str() {
+            "--min-bytes" | "--max-bytes" => {
+                let v = value(a)?;
+                let n = parse_size(&v)
+                    .filter(|n| (1..=1 << 30).contains(n))
+                    .ok_or_else(|| bad(a, &v, "a size from 1 to 1G (K, M, G suffixes)"))?;
+                if a == "--min-bytes" {
+                    min = Some(n)
+                } else {
+                    max = Some(n)
+                }
+            }
+            "--step" => {
+                let v = value(a)?;
+                o.step = match v.as_str() {
+                    "2" | "4" | "8" | "16" => v.parse().expect("matched digits"),
+                    _ => return Err(bad(a, &v, "2, 4, 8 or 16")),
+                };
+            }
+            "--comms" => o.comms = int(a, &value(a)?, 1, 64)?,
+            "--depth" => o.depth = int(a, &value(a)?, 1, 32)?,
+            "--reps" => reps = Some(int(a, &value(a)?, 5, 1000)?),
+            "--testbed" => o.testbed = Some(int(a, &value(a)?, 1, 8)?),
+            "--rate" => o.rate_mbit = int(a, &value(a)?, 1, 100_000)? as u64,
+            "--idle-seconds" => {
+                let v = value(a)?;
+                idle = Some(match v.parse::<f64>() {
+                    Ok(s) if (0.5..=600.0).contains(&s) => Duration::from_secs_f64(s),
+                    _ => return Err(bad(a, &v, "seconds in 0.5 … 600")),
+                });
+            }
+            "--quick" => o.quick = true,
+            "--json" => o.output = Output::Json,
+            "--markdown" => o.output = Output::Markdown,
+            "--in-testbed" => {
+                let v = value(a)?;
+                let (n, ns) = v
+                    .split_once(':')
+                    .ok_or_else(|| bad(a, &v, "RAILS:NAMESPACE"))?;
+                o.inside = Some((int(a, n, 1, 8)?, ns.to_string()));
+            }
+            "-h" | "--help" => return Err(HELP.to_string()),
+            other => return Err(format!("railover bench: unknown option {other:?}\n{HELP}")),
+        }
     }
-    // The benchmark runs on loopback only.
-    std::env::set_var("RAILOVER_IFNAME", "lo");
+    if o.quick {
+        // Eight points from 8 B to 16 MiB, two of them at or above 1 MiB for the target.
+        o.min_bytes = 8;
+        o.max_bytes = 16 << 20;
+        o.step = 8;
+        o.reps = 5;
+        o.idle = Duration::from_secs(2);
+    }
+    o.min_bytes = min.unwrap_or(o.min_bytes);
+    o.max_bytes = max.unwrap_or(o.max_bytes);
+    o.reps = reps.unwrap_or(o.reps);
+    o.idle = idle.unwrap_or(o.idle);
+    if o.min_bytes > o.max_bytes {
+        return Err(format!(
+            "railover bench: --min-bytes {} is above --max-bytes {}",
+            o.min_bytes, o.max_bytes
+        ));
+    }
+    Ok(o)
+}
+
+/// The sweep: `min`, `min × step`, … up to `max`, and `max` itself.
+pub fn sizes(min: usize, max: usize, step: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min;
+    while s < max {
+        v.push(s);
+        s = s.saturating_mul(step);
+    }
+    v.push(max);
+    v
+}
+
+/// Median, quartiles and range of a set of samples.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Summary {
+    pub median: f64,
+    pub q1: f64,
+    pub q3: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Summary {
+    pub fn of(samples: &[f64]) -> Summary {
+        let mut v = samples.to_vec();
+        v.sort_by(f64::total_cmp);
+        let q = |p: f64| {
+            if v.is_empty() {
+                return f64::NAN;
+            }
+            let x = p * (v.len() - 1) as f64;
+            let (lo, hi) = (x.floor() as usize, x.ceil() as usize);
+            v[lo] + (v[hi] - v[lo]) * (x - lo as f64)
+        };
+        Summary {
+            median: q(0.5),
+            q1: q(0.25),
+            q3: q(0.75),
+            min: v.first().copied().unwrap_or(f64::NAN),
+            max: v.last().copied().unwrap_or(f64::NAN),
+        }
+    }
+
+    /// (max − min) / median, in percent.
+    pub fn range_pct(&self) -> f64 {
+        (self.max - self.min) / self.median * 100.0
+    }
+}
+
+/// Messages per comm in one run, and the depth used at this size.
+pub fn plan(size: usize, comms: usize, depth: usize, quick: bool) -> (u64, usize) {
+    let (run_bytes, max_msgs) = if quick {
+        (64usize << 20, 5_000usize)
+    } else {
+        (512 << 20, 20_000)
+    };
+    let depth = (MEM_BUDGET / size.max(1) / comms).clamp(1, depth);
+    let total = (run_bytes / size.max(1)).clamp(1, max_msgs);
+    (total.div_ceil(comms).max(2) as u64, depth)
+}
+
+// ---- /proc readers -----------------------------------------------------------------
+
+/// CPU time (ns) of every live thread of `pid` (`schedstat`: nanosecond resolution).
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    dir.flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// The reactor thread of `pid`: (voluntary context switches, CPU ns).
+fn reactor(pid: u32) -> Option<(u64, u64)> {
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.trim() != REACTOR_THREAD {
+            continue;
+        }
+        let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+        let vol = status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+            .trim()
+            .parse()
+            .ok()?;
+        let cpu = std::fs::read_to_string(t.path().join("schedstat"))
+            .ok()?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        return Some((vol, cpu));
+    }
+    None
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub cpu_model: String,
+    pub kernel: String,
+    pub loadavg_start: String,
+    pub loadavg_end: String,
+    pub build: &'static str,
+    pub network: String,
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn machine(network: String) -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    Machine {
+        cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        cpu_model: cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map_or_else(|| "unknown".into(), |(_, m)| m.trim().to_string()),
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        loadavg_start: loadavg(),
+        loadavg_end: String::new(),
+        build: if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+        network,
+    }
+}
+
+// ---- results -----------------------------------------------------------------------
+
+/// One mode's figures at one size point.
+#[derive(Debug, Clone, Serialize)]
+pub struct Figures {
+    /// Median time per round (one message on every comm), microseconds.
+    pub time_us: f64,
+    /// Aggregate algorithm bandwidth, GB/s (10^9 B/s), over the repetitions.
+    pub algbw: Summary,
+    /// For send/receive, bus bandwidth equals algorithm bandwidth (as in nccl-tests).
+    pub busbw: f64,
+    /// CPU seconds of both processes per GB moved, summed over the repetitions.
+    pub cpu_s_per_gb: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Point {
+    pub size: usize,
+    pub count: u64,
+    pub comms: usize,
+    pub depth: usize,
+    pub plugin: Figures,
+    pub tcp: Figures,
+    /// plugin median algbw / raw TCP median algbw.
+    pub ratio: f64,
+    pub cpu_ratio: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RoundTrip {
+    pub plugin_us: Summary,
+    pub tcp_us: Summary,
+    pub ratio: f64,
+    pub pings: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Idle {
+    pub seconds: f64,
+    /// % of one core, each process (receiver, sender), all threads.
+    pub cpu_pct: [f64; 2],
+    /// Reactor wake-ups (voluntary context switches) per second, each process.
+    pub reactor_wakeups_per_s: [f64; 2],
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Memory {
+    /// Resident memory per comm (send and receive ends averaged; lanes, machines, buffers
+    /// the plugin keeps), KiB.
+    pub per_comm_kib: f64,
+    /// Resident memory per posted receive request in flight, bytes.
+    pub per_request_bytes: f64,
+    pub comms_opened: usize,
+    pub requests_posted: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Target {
+    pub name: String,
+    pub value: Option<f64>,
+    pub limit: f64,
+    pub met: Option<bool>,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub machine: Machine,
+    pub comms: usize,
+    pub depth: usize,
+    pub reps: usize,
+    pub points: Vec<Point>,
+    pub round_trip_8b: RoundTrip,
+    /// Plain iperf3 over the same path, GB/s, as a reference line (None: not installed).
+    pub iperf3_gbps: Option<f64>,
+    pub iperf3_note: String,
+    pub idle: Idle,
+    pub memory: Memory,
+    pub targets: Vec<Target>,
+}
+
+// ---- the run -----------------------------------------------------------------------
+
+pub fn run(args: &[String]) -> i32 {
+    let o = match parse(args) {
+        Ok(o) => o,
+        Err(e) if e == HELP => {
+            print!("{HELP}");
+            return 0;
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            return 2;
+        }
+    };
+    if let Some(n) = o.testbed {
+        return on_testbed(n, &o, args);
+    }
+    match measure(&o) {
+        Ok(r) => {
+            print_report(&r, o.output);
+            0
+        }
+        Err(e) => {
+            eprintln!("railover bench: {e}");
+            1
+        }
+    }
+}
+
+/// Builds the testbed and runs the bench again inside namespace A, with its peer in B.
+fn on_testbed(rails: usize, o: &Opts, args: &[String]) -> i32 {
+    if let Some(why) = railover::testbed::unavailable() {
+        eprintln!("railover bench: --testbed needs root and iproute2: {why}");
+        return 1;
+    }
+    let tb = match Testbed::new(rails, o.rate_mbit) {
+        Ok(tb) => tb,
+        Err(e) => {
+            eprintln!("railover bench: cannot build the testbed: {e}");
+            return 1;
+        }
+    };
+    let Ok(exe) = std::env::current_exe() else {
+        eprintln!("railover bench: cannot find this executable");
+        return 1;
+    };
+    let mut inner: Vec<String> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if a == "--testbed" {
+            it.next();
+        } else {
+            inner.push(a.clone());
+        }
+    }
+    let mut cmd = tb.command(Side::A, exe.to_str().unwrap_or("railover"));
+    cmd.arg("bench")
+        .args(&inner)
+        .arg("--in-testbed")
+        .arg(format!("{rails}:{}", tb.ns(Side::B)))
+        .env("RAILOVER_IFNAME", "rv");
+    match cmd.status() {
+        Ok(st) => st.code().unwrap_or(1),
+        Err(e) => {
+            eprintln!("railover bench: cannot start the bench in the testbed: {e}");
+            1
+        }
+    }
+}
+
+/// Prints progress on stderr, so stdout stays the report.
+macro_rules! note {
+    ($($t:tt)*) => {{ eprintln!($($t)*); }};
+}
+
+struct Rig {
+    peer: Peer,
+    peer_pid: u32,
+    me: u32,
+    ctx: Ctx,
+    recv: Vec<RecvComm>,
+    back: SendComm,
+    raw: Vec<TcpStream>,
+}
+
+fn measure(o: &Opts) -> Result<Report, String> {
     // Two processes of one run would both try the default metrics port: unless asked
     // for, no endpoint.
     if std::env::var_os("RAILOVER_METRICS_PORT").is_none() {
         std::env::set_var("RAILOVER_METRICS_PORT", "off");
     }
-    let scale = if quick { 8 } else { 1 };
-    let mut p = match Peer::spawn() {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("railover bench: cannot start the peer process: {e}");
-            return 1;
-        }
+    let (network, raw_addr, peer_cmd): (String, Box<dyn Fn(usize) -> Ipv4Addr>, Command) =
+        match &o.inside {
+            None => {
+                std::env::set_var("RAILOVER_IFNAME", "lo");
+                let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+                (
+                    "loopback (two processes, one NIC: lo)".into(),
+                    Box::new(|_| Ipv4Addr::LOCALHOST),
+                    Command::new(exe),
+                )
+            }
+            Some((rails, ns)) => {
+                let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(exe);
+                let rails = *rails;
+                (
+                    format!(
+                        "namespace testbed: {rails} veth pairs, tc tbf {} Mbit/s each",
+                        o.rate_mbit
+                    ),
+                    Box::new(move |c| Testbed::addr(Side::A, c % rails)),
+                    c,
+                )
+            }
+        };
+    let mut mach = machine(network);
+    let sizes = sizes(o.min_bytes, o.max_bytes, o.step);
+    note!(
+        "railover bench: {} sizes {}..{}, {} comm(s), depth {}, {} reps, {} build, {}",
+        sizes.len(),
+        human(o.min_bytes),
+        human(o.max_bytes),
+        o.comms,
+        o.depth,
+        o.reps,
+        mach.build,
+        mach.network
+    );
+
+    let ctx = Ctx::init().map_err(|e| format!("railover init: {e}"))?;
+    let ndev = ctx.devices().map_err(|e| format!("devices: {e}"))?.max(1);
+    let memory = memory_cost(&ctx)?;
+
+    let mut peer = Peer::spawn(peer_cmd).map_err(|e| format!("cannot start the peer: {e}"))?;
+    let peer_pid = peer.pid();
+    // Raw baseline: one socket per comm, on the same NIC the comm uses.
+    let mut raw = Vec::new();
+    for c in 0..o.comms {
+        let l = TcpListener::bind(SocketAddr::new(raw_addr(c).into(), 0))
+            .map_err(|e| format!("bind {}: {e}", raw_addr(c)))?;
+        peer.send(&format!(
+            "raw {}",
+            l.local_addr().map_err(|e| e.to_string())?
+        ))?;
+        let (s, _) = l.accept().map_err(|e| format!("raw accept: {e}"))?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        expect_ok(&mut peer)?;
+        raw.push(s);
+    }
+    // The plugin: comm c on device c mod ndev; one more back for the round trip.
+    let mut recv = Vec::new();
+    for c in 0..o.comms {
+        let dev = (c % ndev as usize) as i32;
+        let (h, l) = ctx.listen(dev).map_err(|e| format!("listen: {e}"))?;
+        peer.send(&format!("fwd {dev} {}", peer::hex(&h)))?;
+        recv.push(peer::accept(&l)?);
+        expect_ok(&mut peer)?;
+    }
+    peer.send("back 0")?;
+    let reply = peer.recv()?;
+    let mut h = peer::unhex(
+        reply
+            .strip_prefix("handle ")
+            .ok_or_else(|| format!("peer answered {reply:?}"))?,
+    )?;
+    let back = peer::connect(&ctx, 0, &mut h)?;
+    expect_ok(&mut peer)?;
+    let mut rig = Rig {
+        peer,
+        peer_pid,
+        me: std::process::id(),
+        ctx,
+        recv,
+        back,
+        raw,
     };
 
-    // Baseline: one TCP connection, same sizes, same process pair.
-    let l = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
-    p.send(&format!("raw {}", l.local_addr().unwrap()));
-    let (mut sock, _) = l.accept().expect("raw accept");
-    sock.set_nodelay(true).unwrap();
-    assert_eq!(p.recv(), "ok");
-    let mut raw_rates = Vec::new();
+    let mut points = Vec::new();
     for &size in &sizes {
-        let count = (count_for(size) / scale).max(16);
-        p.send(&format!("raw-stream {size} {count}"));
-        // Whole messages into rotating, pre-touched buffers, as the plugin side does.
-        let mut bufs: Vec<Vec<u8>> = (0..DEPTH).map(|_| vec![1u8; size]).collect();
-        let total = size as u64 * count;
-        let mut first: Option<(Instant, u64)> = None;
-        for m in 0..count as usize {
-            let buf = &mut bufs[m % DEPTH];
-            let mut off = 0;
-            while off < size {
-                let n = sock.read(&mut buf[off..]).expect("raw read");
-                assert!(n > 0, "raw peer closed");
-                off += n;
-                if first.is_none() {
-                    first = Some((Instant::now(), n as u64));
+        let p = rig.point(size, o)?;
+        note!(
+            "  {:>9}  railover {:>7.3} GB/s  TCP {:>7.3} GB/s  ratio {:.2}  (spread {:.0}% / {:.0}%)",
+            human(size),
+            p.plugin.algbw.median,
+            p.tcp.algbw.median,
+            p.ratio,
+            p.plugin.algbw.range_pct(),
+            p.tcp.algbw.range_pct()
+        );
+        points.push(p);
+    }
+    let rtt = rig.round_trip(o)?;
+    note!(
+        "  8 B round trip: railover {:.1} us, TCP {:.1} us, ratio {:.2}",
+        rtt.plugin_us.median,
+        rtt.tcp_us.median,
+        rtt.ratio
+    );
+    let idle = rig.idle(o.idle);
+    note!(
+        "  idle: {:.2}% / {:.2}% of a core, reactor wake-ups {:.1}/s / {:.1}/s",
+        idle.cpu_pct[0],
+        idle.cpu_pct[1],
+        idle.reactor_wakeups_per_s[0],
+        idle.reactor_wakeups_per_s[1]
+    );
+    let Rig {
+        peer,
+        ctx,
+        recv,
+        back,
+        raw,
+        ..
+    } = rig;
+    drop((recv, back, raw));
+    let _ = ctx.finalize();
+    if !peer.finish() {
+        return Err("the peer process failed".into());
+    }
+    let (iperf3_gbps, iperf3_note) = iperf3(o, &*raw_addr);
+    mach.loadavg_end = loadavg();
+    let targets = targets(&points, &rtt, &idle);
+    Ok(Report {
+        machine: mach,
+        comms: o.comms,
+        depth: o.depth,
+        reps: o.reps,
+        points,
+        round_trip_8b: rtt,
+        iperf3_gbps,
+        iperf3_note,
+        idle,
+        memory,
+        targets,
+    })
+}
+
+fn expect_ok(p: &mut Peer) -> Result<(), String> {
+    match p.recv()? {
+        r if r == "ok" => Ok(()),
+        r => Err(format!("peer: {r}")),
+    }
+}
+
+impl Rig {
+    fn cpu(&self) -> u64 {
+        cpu_ns(self.me) + cpu_ns(self.peer_pid)
+    }
+
+    fn point(&mut self, size: usize, o: &Opts) -> Result<Point, String> {
+        let (count, depth) = plan(size, o.comms, o.depth, o.quick);
+        let e = |e: railover::ffi::driver::Code| e.to_string();
+        let mut pbufs: Vec<Vec<Buffer>> = Vec::new();
+        for r in &self.recv {
+            let mut v = Vec::new();
+            for _ in 0..depth {
+                let mut b = r.register(size).map_err(e)?;
+                b.bytes_mut().expect("idle buffer").fill(1);
+                v.push(b);
+            }
+            pbufs.push(v);
+        }
+        let mut rbufs: Vec<Vec<Vec<u8>>> = (0..o.comms)
+            .map(|_| (0..depth).map(|_| vec![1u8; size]).collect())
+            .collect();
+        self.peer.call(&format!("prep {size} {depth}"))?;
+        // Warm-up of both paths (socket windows, page tables), not counted.
+        let warm = (count / 8).max(1);
+        self.plugin_run(&mut pbufs, size, warm)?;
+        self.raw_run(&mut rbufs, warm)?;
+        let (mut pa, mut ta) = (Vec::new(), Vec::new());
+        let (mut pcpu, mut tcpu) = (0u64, 0u64);
+        for _ in 0..o.reps {
+            let c0 = self.cpu();
+            pa.push(self.plugin_run(&mut pbufs, size, count)?);
+            let c1 = self.cpu();
+            ta.push(self.raw_run(&mut rbufs, count)?);
+            pcpu += c1 - c0;
+            tcpu += self.cpu() - c1;
+        }
+        let bytes = (size * o.comms) as f64 * count as f64;
+        let side = |secs: &[f64], cpu: u64| {
+            let bw: Vec<f64> = secs.iter().map(|s| bytes / s / 1e9).collect();
+            let algbw = Summary::of(&bw);
+            let t = Summary::of(secs).median;
+            Figures {
+                time_us: t / count as f64 * 1e6,
+                algbw,
+                busbw: algbw.median,
+                cpu_s_per_gb: cpu as f64 / 1e9 / (bytes * o.reps as f64 / 1e9),
+            }
+        };
+        let plugin = side(&pa, pcpu);
+        let tcp = side(&ta, tcpu);
+        Ok(Point {
+            size,
+            count,
+            comms: o.comms,
+            depth,
+            ratio: plugin.algbw.median / tcp.algbw.median,
+            cpu_ratio: plugin.cpu_s_per_gb / tcp.cpu_s_per_gb,
+            plugin,
+            tcp,
+        })
+    }
+
+    /// One timed plugin run: every receive of every comm posted as slots free up; the
+    /// clock runs from the command to the peer until the last message is in.
+    fn plugin_run(
+        &mut self,
+        bufs: &mut [Vec<Buffer>],
+        size: usize,
+        count: u64,
+    ) -> Result<f64, String> {
+        let depth = bufs[0].len();
+        let t0 = Instant::now();
+        self.peer.send(&format!("xstream {count}"))?;
+        let recv = &self.recv;
+        peer::drive(recv.len(), depth, count, |c, k| {
+            recv[c].irecv(&mut bufs[c][k], size)
+        })?;
+        let dt = t0.elapsed().as_secs_f64();
+        expect_ok(&mut self.peer)?;
+        Ok(dt)
+    }
+
+    fn raw_run(&mut self, bufs: &mut [Vec<Vec<u8>>], count: u64) -> Result<f64, String> {
+        let t0 = Instant::now();
+        self.peer.send(&format!("xraw {count}"))?;
+        peer::raw_recv(&mut self.raw, bufs, count).map_err(|e| format!("raw receive: {e}"))?;
+        let dt = t0.elapsed().as_secs_f64();
+        expect_ok(&mut self.peer)?;
+        Ok(dt)
+    }
+
+    fn round_trip(&mut self, o: &Opts) -> Result<RoundTrip, String> {
+        let pings: u64 = if o.quick { 500 } else { 5_000 };
+        let e = |e: railover::ffi::driver::Code| e.to_string();
+        let sb = self.back.register(8).map_err(e)?;
+        let mut rbs = [
+            self.recv[0].register(8).map_err(e)?,
+            self.recv[0].register(8).map_err(e)?,
+        ];
+        let (mut p, mut t) = (Vec::new(), Vec::new());
+        // One warm-up pair, then interleaved repetitions.
+        for rep in 0..=o.reps {
+            self.peer.send(&format!("pong {pings}"))?;
+            let t0 = Instant::now();
+            let mut next = peer::post_recv(&self.recv[0], &mut rbs[0], 8)?;
+            for i in 0..pings {
+                let mut sr = peer::post_send(&self.back, &sb, 8)?;
+                peer::wait(&mut next)?;
+                if i + 1 < pings {
+                    next = peer::post_recv(&self.recv[0], &mut rbs[((i + 1) % 2) as usize], 8)?;
                 }
+                peer::wait(&mut sr)?;
+            }
+            let plugin = t0.elapsed().as_secs_f64() / pings as f64 * 1e6;
+            expect_ok(&mut self.peer)?;
+
+            self.peer.send(&format!("raw-pong {pings}"))?;
+            let s = &mut self.raw[0];
+            let mut b = [0u8; 8];
+            let t0 = Instant::now();
+            for _ in 0..pings {
+                std::io::Write::write_all(s, &b).map_err(|e| e.to_string())?;
+                std::io::Read::read_exact(s, &mut b).map_err(|e| e.to_string())?;
+            }
+            let tcp = t0.elapsed().as_secs_f64() / pings as f64 * 1e6;
+            expect_ok(&mut self.peer)?;
+            if rep > 0 {
+                p.push(plugin);
+                t.push(tcp);
             }
         }
-        let (t0, b0) = first.unwrap();
-        raw_rates.push(rate(total - b0, t0.elapsed()));
-        sock.write_all(&[1]).unwrap();
-        assert_eq!(p.recv(), "ok");
+        let (plugin_us, tcp_us) = (Summary::of(&p), Summary::of(&t));
+        Ok(RoundTrip {
+            ratio: plugin_us.median / tcp_us.median,
+            plugin_us,
+            tcp_us,
+            pings,
+        })
     }
-    let pings = PINGS / scale;
-    p.send(&format!("raw-pong {pings}"));
-    let mut b = [0u8; 8];
-    let t0 = Instant::now();
-    for _ in 0..pings {
-        sock.write_all(&b).unwrap();
-        sock.read_exact(&mut b).unwrap();
-    }
-    let raw_rtt = t0.elapsed() / pings as u32;
-    assert_eq!(p.recv(), "ok");
 
-    // The plugin: this process receives on `back`, answers pings on `fwd`.
-    let ctx = Ctx::init().expect("railover init");
-    let (h, listener) = ctx.listen(0).expect("listen");
-    p.send(&format!("plugin {}", peer::hex(&h)));
-    let reply = p.recv();
-    let mut ph = peer::unhex(reply.strip_prefix("handle ").expect("peer handle"));
-    let recv = peer::accept(&listener).expect("accept");
-    let send = peer::connect(&ctx, &mut ph).expect("connect");
-    assert_eq!(p.recv(), "ok");
-    let mut rows = Vec::new();
-    for (k, &size) in sizes.iter().enumerate() {
-        let count = (count_for(size) / scale).max(16);
-        let mut bufs: Vec<Buffer> = (0..DEPTH).map(|_| recv.register(size).unwrap()).collect();
-        for b in &mut bufs {
-            b.bytes_mut().unwrap().fill(1);
+    /// CPU and reactor wake-ups of both processes with every comm open and nothing in
+    /// flight. The sleeps here are the measurement window, not synchronisation.
+    fn idle(&self, window: Duration) -> Idle {
+        std::thread::sleep(Duration::from_millis(500)); // let the spin budget run out
+        let pids = [self.me, self.peer_pid];
+        let c0 = pids.map(cpu_ns);
+        let r0 = pids.map(|p| reactor(p).map_or(0, |r| r.0));
+        let t0 = Instant::now();
+        std::thread::sleep(window);
+        let dt = t0.elapsed().as_secs_f64();
+        let c1 = pids.map(cpu_ns);
+        let r1 = pids.map(|p| reactor(p).map_or(0, |r| r.0));
+        Idle {
+            seconds: dt,
+            cpu_pct: [0, 1].map(|i| (c1[i] - c0[i]) as f64 / 1e9 / dt * 100.0),
+            reactor_wakeups_per_s: [0, 1].map(|i| (r1[i] - r0[i]) as f64 / dt),
         }
-        p.send(&format!("stream {size} {count} {DEPTH}"));
-        let (bytes, dt) = receive_stream(&recv, &mut bufs, size, count);
-        assert_eq!(p.recv(), "ok");
-        rows.push(Row {
-            size,
-            plugin: rate(bytes, dt),
-            raw: raw_rates[k],
-        });
     }
-    p.send(&format!("pong {pings}"));
-    let sb = send.register(8).unwrap();
-    let mut rbs = [recv.register(8).unwrap(), recv.register(8).unwrap()];
-    let t0 = Instant::now();
-    let mut next = recv.irecv(&mut rbs[0], 8).unwrap().expect("slot");
-    for i in 0..pings {
-        let mut sr = send.isend(&sb, 8).unwrap().expect("slot");
-        peer::wait(&mut next).unwrap();
-        if i + 1 < pings {
-            next = recv
-                .irecv(&mut rbs[((i + 1) % 2) as usize], 8)
-                .unwrap()
-                .expect("slot");
-        }
-        peer::wait(&mut sr).unwrap();
-    }
-    let plugin_rtt = t0.elapsed() / pings as u32;
-    assert_eq!(p.recv(), "ok");
-    drop((send, recv, listener, sb, rbs));
-    let _ = ctx.finalize();
-    let peer_ok = p.finish();
+}
 
-    println!("railover bench: loopback, {DEPTH} messages in flight, plugin (two processes, v12 ABI) vs plain TCP");
-    println!(
-        "{:>10} {:>14} {:>14} {:>8}",
-        "size", "plugin GB/s", "TCP GB/s", "ratio"
-    );
-    for r in &rows {
-        println!(
-            "{:>10} {:>14.2} {:>14.2} {:>8.2}",
-            human(r.size),
-            r.plugin,
-            r.raw,
-            r.plugin / r.raw
+/// Resident memory per comm and per posted request, in this process alone: comms
+/// connected to this same process, so both ends are counted here.
+fn memory_cost(ctx: &Ctx) -> Result<Memory, String> {
+    const PAIRS: usize = 64;
+    const PER_COMM: usize = 16;
+    let me = std::process::id();
+    let e = |e: railover::ffi::driver::Code| e.to_string();
+    let pair = || -> Result<(SendComm, RecvComm), String> {
+        let (mut h, l) = ctx.listen(0).map_err(e)?;
+        let end = Instant::now() + peer::PATIENCE;
+        let (mut s, mut r) = (None, None);
+        while s.is_none() || r.is_none() {
+            if s.is_none() {
+                s = ctx.connect(0, &mut h).map_err(e)?;
+            }
+            if r.is_none() {
+                r = l.accept().map_err(e)?;
+            }
+            if Instant::now() > end {
+                return Err("self-connect timed out".into());
+            }
+            std::thread::yield_now();
+        }
+        Ok((s.expect("loop exit"), r.expect("loop exit")))
+    };
+    let warm = pair()?;
+    let before = rss_kib(me);
+    let mut pairs = Vec::new();
+    for _ in 0..PAIRS {
+        pairs.push(pair()?);
+    }
+    let settle = || std::thread::sleep(Duration::from_millis(200));
+    settle();
+    let with_comms = rss_kib(me);
+    let mut rbufs: Vec<Vec<Buffer>> = Vec::new();
+    let mut sbufs: Vec<Vec<Buffer>> = Vec::new();
+    for (s, r) in &pairs {
+        rbufs.push(
+            (0..PER_COMM)
+                .map(|_| r.register(8))
+                .collect::<Result<_, _>>()
+                .map_err(e)?,
+        );
+        sbufs.push(
+            (0..PER_COMM)
+                .map(|_| s.register(8))
+                .collect::<Result<_, _>>()
+                .map_err(e)?,
         );
     }
-    let ratio = plugin_rtt.as_secs_f64() / raw_rtt.as_secs_f64();
-    println!(
-        "8 B round trip: plugin {:.1} us, TCP {:.1} us, ratio {:.2}",
-        plugin_rtt.as_secs_f64() * 1e6,
-        raw_rtt.as_secs_f64() * 1e6,
-        ratio
-    );
-    let big: Vec<f64> = rows
+    settle();
+    let before_reqs = rss_kib(me);
+    let mut reqs = Vec::new();
+    for ((_, r), bufs) in pairs.iter().zip(rbufs.iter_mut()) {
+        for b in bufs.iter_mut() {
+            reqs.push(peer::post_recv(r, b, 8)?);
+        }
+    }
+    settle();
+    let with_reqs = rss_kib(me);
+    let mut sreqs = Vec::new();
+    for ((s, _), bufs) in pairs.iter().zip(sbufs.iter()) {
+        for b in bufs {
+            sreqs.push(peer::post_send(s, b, 8)?);
+        }
+    }
+    for q in reqs.iter_mut().chain(sreqs.iter_mut()) {
+        peer::wait(q)?;
+    }
+    drop((reqs, sreqs, rbufs, sbufs, pairs, warm));
+    let n = PAIRS * PER_COMM;
+    Ok(Memory {
+        per_comm_kib: with_comms.saturating_sub(before) as f64 / (2 * PAIRS) as f64,
+        per_request_bytes: with_reqs.saturating_sub(before_reqs) as f64 * 1024.0 / n as f64,
+        comms_opened: 2 * PAIRS,
+        requests_posted: n,
+    })
+}
+
+/// Plain iperf3 over the same path with as many streams as comms, when installed.
+fn iperf3(o: &Opts, addr: &dyn Fn(usize) -> Ipv4Addr) -> (Option<f64>, String) {
+    if Command::new("iperf3").arg("--version").output().is_err() {
+        return (
+            None,
+            "iperf3 not installed (scripts/bench.sh installs it as root)".into(),
+        );
+    }
+    let secs = if o.quick { 1 } else { 5 };
+    let (server_ip, server_cmd) = match &o.inside {
+        None => (addr(0), Command::new("iperf3")),
+        Some((_, ns)) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, "iperf3"]);
+            (Testbed::addr(Side::B, 0), c)
+        }
+    };
+    let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map_or(5201, |a| a.port());
+    let mut server_cmd = server_cmd;
+    let Ok(mut server) = server_cmd
+        .args([
+            "-s",
+            "-1",
+            "-B",
+            &server_ip.to_string(),
+            "-p",
+            &port.to_string(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+    else {
+        return (None, "iperf3 server did not start".into());
+    };
+    let mut result = (None, "iperf3 client failed".to_string());
+    // The server needs a moment to listen; a refused client is simply retried.
+    for _ in 0..20 {
+        let out = Command::new("timeout")
+            .arg((secs + 20).to_string())
+            .arg("iperf3")
+            .args(["-c", &server_ip.to_string(), "-p", &port.to_string()])
+            .args(["-t", &secs.to_string(), "-P", &o.comms.to_string(), "-J"])
+            .output();
+        let Ok(out) = out else { break };
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        if let Some(bps) = v["end"]["sum_received"]["bits_per_second"].as_f64() {
+            result = (
+                Some(bps / 8e9),
+                format!("iperf3 -P {} -t {secs} to {server_ip}", o.comms),
+            );
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    result
+}
+
+pub fn targets(points: &[Point], rtt: &RoundTrip, idle: &Idle) -> Vec<Target> {
+    let big = points
         .iter()
-        .filter(|r| r.size >= 1 << 20)
-        .map(|r| r.plugin / r.raw)
-        .collect();
-    let worst = big.iter().cloned().fold(f64::INFINITY, f64::min);
-    println!(
-        "targets: throughput >= 0.80x at >= 1 MiB (worst {worst:.2}x: {}), 8 B round trip <= 2x ({ratio:.2}x: {})",
-        if worst >= 0.8 { "met" } else { "MISSED" },
-        if ratio <= 2.0 { "met" } else { "MISSED" }
+        .filter(|p| p.size >= TARGET_BW_FROM)
+        .min_by(|a, b| a.ratio.total_cmp(&b.ratio));
+    let idle_max = idle.cpu_pct.iter().cloned().fold(0.0, f64::max);
+    vec![
+        match big {
+            Some(p) => Target {
+                name: format!("throughput >= {TARGET_BW:.2}x raw TCP at >= 1 MiB"),
+                value: Some(p.ratio),
+                limit: TARGET_BW,
+                met: Some(p.ratio >= TARGET_BW),
+                detail: format!("worst {:.2}x at {}", p.ratio, human(p.size)),
+            },
+            None => Target {
+                name: format!("throughput >= {TARGET_BW:.2}x raw TCP at >= 1 MiB"),
+                value: None,
+                limit: TARGET_BW,
+                met: None,
+                detail: "no size point at or above 1 MiB in this sweep".into(),
+            },
+        },
+        Target {
+            name: format!("8 B round trip <= {TARGET_RTT:.1}x raw TCP"),
+            value: Some(rtt.ratio),
+            limit: TARGET_RTT,
+            met: Some(rtt.ratio <= TARGET_RTT),
+            detail: format!(
+                "{:.2}x ({:.1} us vs {:.1} us)",
+                rtt.ratio, rtt.plugin_us.median, rtt.tcp_us.median
+            ),
+        },
+        Target {
+            name: format!("idle CPU < {TARGET_IDLE_PCT:.0}% of a core"),
+            value: Some(idle_max),
+            limit: TARGET_IDLE_PCT,
+            met: Some(idle_max < TARGET_IDLE_PCT),
+            detail: format!(
+                "{:.2}% (busier of the two processes, over {:.0} s)",
+                idle_max, idle.seconds
+            ),
+        },
+    ]
+}
+
+// ---- output ------------------------------------------------------------------------
+
+fn verdict(t: &Target) -> &'static str {
+    match t.met {
+        Some(true) => "met",
+        Some(false) => "MISSED",
+        None => "not measured",
+    }
+}
+
+pub fn print_report(r: &Report, out: Output) {
+    let mut s = std::io::stdout().lock();
+    let text = match out {
+        Output::Json => serde_json::to_string_pretty(r).expect("plain data") + "\n",
+        Output::Markdown => markdown(r),
+        Output::Text => text(r),
+    };
+    let _ = s.write_all(text.as_bytes());
+}
+
+fn text(r: &Report) -> String {
+    let mut s = String::new();
+    let m = &r.machine;
+    s += &format!(
+        "# railover bench: send/receive, {} comm(s), depth {}, {} interleaved reps per point, {}\n",
+        r.comms, r.depth, r.reps, m.network
     );
-    if peer_ok {
-        0
+    s += &format!(
+        "# {} CPUs ({}), kernel {}, {} build, load {} -> {}\n",
+        m.cpus, m.cpu_model, m.kernel, m.build, m.loadavg_start, m.loadavg_end
+    );
+    s += "# time: median us per round (one message on each comm); algbw = busbw = size x comms / time (GB/s = 1e9 B/s)\n";
+    s += &format!(
+        "#{:>11} {:>8} {:>5} | {:>10} {:>8} {:>8} {:>7} | {:>10} {:>8} {:>8} {:>7} | {:>6} {:>8}\n",
+        "size",
+        "count",
+        "depth",
+        "time",
+        "algbw",
+        "busbw",
+        "range",
+        "time",
+        "algbw",
+        "busbw",
+        "range",
+        "ratio",
+        "cpu/GB"
+    );
+    s += &format!(
+        "#{:>11} {:>8} {:>5} | {:^36} | {:^36} | {:>6} {:>8}\n",
+        "(B)", "", "", "railover", "raw TCP", "", "ratio"
+    );
+    for p in &r.points {
+        s += &format!(
+            "{:>12} {:>8} {:>5} | {:>10.2} {:>8} {:>8} {:>6.0}% | {:>10.2} {:>8} {:>8} {:>6.0}% | {:>6.2} {:>8.2}\n",
+            p.size,
+            p.count,
+            p.depth,
+            p.plugin.time_us,
+            bw(p.plugin.algbw.median),
+            bw(p.plugin.busbw),
+            p.plugin.algbw.range_pct(),
+            p.tcp.time_us,
+            bw(p.tcp.algbw.median),
+            bw(p.tcp.busbw),
+            p.tcp.algbw.range_pct(),
+            p.ratio,
+            p.cpu_ratio
+        );
+    }
+    s += &summary_lines(r).join("\n");
+    s += "\n";
+    s
+}
+
+fn summary_lines(r: &Report) -> Vec<String> {
+    let rt = &r.round_trip_8b;
+    let mut v = vec![
+        format!(
+            "8 B round trip: railover {:.1} us [{:.1}-{:.1}], raw TCP {:.1} us [{:.1}-{:.1}], ratio {:.2}",
+            rt.plugin_us.median,
+            rt.plugin_us.min,
+            rt.plugin_us.max,
+            rt.tcp_us.median,
+            rt.tcp_us.min,
+            rt.tcp_us.max,
+            rt.ratio
+        ),
+        match r.iperf3_gbps {
+            Some(g) => format!("reference: {} = {g:.3} GB/s", r.iperf3_note),
+            None => format!("reference: {}", r.iperf3_note),
+        },
+        format!(
+            "idle (comms open, nothing in flight, {:.0} s): CPU {:.2}% / {:.2}% of a core, reactor wake-ups {:.1}/s / {:.1}/s (receiver / sender)",
+            r.idle.seconds,
+            r.idle.cpu_pct[0],
+            r.idle.cpu_pct[1],
+            r.idle.reactor_wakeups_per_s[0],
+            r.idle.reactor_wakeups_per_s[1]
+        ),
+        format!(
+            "memory: {:.1} KiB resident per comm ({} comms), {:.0} B per receive in flight ({} posted)",
+            r.memory.per_comm_kib,
+            r.memory.comms_opened,
+            r.memory.per_request_bytes,
+            r.memory.requests_posted
+        ),
+    ];
+    let big: Vec<&Point> = r
+        .points
+        .iter()
+        .filter(|p| p.size >= TARGET_BW_FROM)
+        .collect();
+    if !big.is_empty() {
+        let c = Summary::of(
+            &big.iter()
+                .map(|p| p.plugin.cpu_s_per_gb)
+                .collect::<Vec<_>>(),
+        );
+        let t = Summary::of(&big.iter().map(|p| p.tcp.cpu_s_per_gb).collect::<Vec<_>>());
+        v.push(format!(
+            "CPU per GB moved at >= 1 MiB (both processes): railover {:.3} s, raw TCP {:.3} s, ratio {:.2}",
+            c.median,
+            t.median,
+            c.median / t.median
+        ));
+    }
+    for t in &r.targets {
+        v.push(format!("target: {}: {} ({})", t.name, verdict(t), t.detail));
+    }
+    v
+}
+
+fn markdown(r: &Report) -> String {
+    let m = &r.machine;
+    let mut s = format!(
+        "Send/receive through the plugin ABI against raw TCP sockets with the same sizes, \
+         comms ({}) and depth ({}, lowered at the largest sizes to bound buffer memory), {}; {} interleaved repetitions per point, medians, \
+         range = (max − min) / median. Machine: {} CPUs ({}), kernel {}, {} build, \
+         load average {} at the start, {} at the end.\n\n",
+        r.comms,
+        r.depth,
+        m.network,
+        r.reps,
+        m.cpus,
+        m.cpu_model,
+        m.kernel,
+        m.build,
+        m.loadavg_start,
+        m.loadavg_end
+    );
+    s += "| size | count | depth | railover time (µs) | railover algbw (GB/s) | busbw | range | TCP time (µs) | TCP algbw (GB/s) | busbw | range | ratio | CPU/GB ratio |\n";
+    s += "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    for p in &r.points {
+        s += &format!(
+            "| {} | {} | {} | {:.1} | {} | {} | {:.0}% | {:.1} | {} | {} | {:.0}% | {:.2} | {:.2} |\n",
+            human(p.size),
+            p.count,
+            p.depth,
+            p.plugin.time_us,
+            bw(p.plugin.algbw.median),
+            bw(p.plugin.busbw),
+            p.plugin.algbw.range_pct(),
+            p.tcp.time_us,
+            bw(p.tcp.algbw.median),
+            bw(p.tcp.busbw),
+            p.tcp.algbw.range_pct(),
+            p.ratio,
+            p.cpu_ratio
+        );
+    }
+    s += "\n";
+    for l in summary_lines(r) {
+        s += &format!("* {l}\n");
+    }
+    s
+}
+
+/// GB/s with enough digits that small messages do not read as zero.
+fn bw(x: f64) -> String {
+    if x >= 1.0 {
+        format!("{x:.2}")
+    } else if x >= 0.01 {
+        format!("{x:.3}")
     } else {
-        1
+        format!("{x:.5}")
     }
-}
-
-/// Receives `count` messages with all buffers posted; returns the bytes and time from
-/// the first completion to the last (so the peer's start-up is not counted).
-fn receive_stream(
-    recv: &railover::ffi::driver::RecvComm,
-    bufs: &mut [Buffer],
-    size: usize,
-    count: u64,
-) -> (u64, Duration) {
-    let depth = bufs.len();
-    let mut reqs: Vec<Option<Request>> = (0..depth).map(|_| None).collect();
-    let (mut posted, mut done) = (0u64, 0u64);
-    let mut first: Option<Instant> = None;
-    let end = Instant::now() + peer::PATIENCE;
-    let mut backoff = peer::Backoff::default();
-    while done < count {
-        assert!(Instant::now() < end, "receive stream stalled");
-        let slot = (posted % depth as u64) as usize;
-        if posted < count && reqs[slot].is_none() {
-            if let Some(r) = recv.irecv(&mut bufs[slot], size).unwrap() {
-                reqs[slot] = Some(r);
-                posted += 1;
-                backoff.reset();
-                continue;
-            }
-        }
-        let oldest = (done % depth as u64) as usize;
-        if let Some(r) = reqs[oldest].as_mut() {
-            if let Some(n) = r.test().unwrap() {
-                assert_eq!(n, size);
-                reqs[oldest] = None;
-                done += 1;
-                first.get_or_insert_with(Instant::now);
-                backoff.reset();
-                continue;
-            }
-        }
-        backoff.idle();
-    }
-    let t0 = first.unwrap();
-    ((count - 1) * size as u64, t0.elapsed())
-}
-
-fn rate(bytes: u64, dt: Duration) -> f64 {
-    bytes as f64 / dt.as_secs_f64() / 1e9
 }
 
 pub fn human(n: usize) -> String {
-    if n >= 1 << 20 {
+    if n >= 1 << 30 && n % (1 << 30) == 0 {
+        format!("{} GiB", n >> 30)
+    } else if n >= 1 << 20 && n % (1 << 20) == 0 {
         format!("{} MiB", n >> 20)
-    } else if n >= 1 << 10 {
+    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
         format!("{} KiB", n >> 10)
     } else {
         format!("{n} B")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("8"), Some(8));
+        assert_eq!(parse_size("4K"), Some(4096));
+        assert_eq!(parse_size("256M"), Some(256 << 20));
+        assert_eq!(parse_size("1G"), Some(1 << 30));
+        assert_eq!(parse_size("2MB"), Some(2 << 20));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size("M"), None);
+    }
+
+    #[test]
+    fn default_sweep_is_8_bytes_to_256_mib_doubling() {
+        let o = parse(&[]).unwrap();
+        let s = sizes(o.min_bytes, o.max_bytes, o.step);
+        assert_eq!(s.first(), Some(&8));
+        assert_eq!(s.last(), Some(&(256 << 20)));
+        assert_eq!(s.len(), 26);
+        assert!(s.windows(2).all(|w| w[1] == 2 * w[0]));
+    }
+
+    #[test]
+    fn sweep_ends_at_max_even_off_the_grid() {
+        assert_eq!(sizes(8, 100, 4), vec![8, 32, 100]);
+        assert_eq!(sizes(64, 64, 2), vec![64]);
+    }
+
+    #[test]
+    fn quick_keeps_points_at_or_above_1_mib_and_narrowing_wins() {
+        let o = parse(&args("--quick")).unwrap();
+        let s = sizes(o.min_bytes, o.max_bytes, o.step);
+        assert!(s.iter().filter(|&&x| x >= 1 << 20).count() >= 2);
+        let o = parse(&args("--quick --max-bytes 64K")).unwrap();
+        assert_eq!(o.max_bytes, 64 << 10);
+    }
+
+    #[test]
+    fn bad_values_name_the_option_the_value_and_what_is_accepted() {
+        let e = parse(&args("--reps 3")).unwrap_err();
+        assert!(
+            e.contains("--reps") && e.contains("\"3\"") && e.contains("5"),
+            "{e}"
+        );
+        let e = parse(&args("--step 3")).unwrap_err();
+        assert!(e.contains("--step") && e.contains("2, 4, 8 or 16"), "{e}");
+        let e = parse(&args("--min-bytes 1M --max-bytes 4K")).unwrap_err();
+        assert!(e.contains("--min-bytes"), "{e}");
+        let e = parse(&args("--comms")).unwrap_err();
+        assert!(e.contains("needs a value"), "{e}");
+        assert!(parse(&args("--frobnicate"))
+            .unwrap_err()
+            .contains("unknown option"));
+    }
+
+    #[test]
+    fn summary_medians_and_quartiles() {
+        let s = Summary::of(&[5.0, 1.0, 3.0, 2.0, 4.0]);
+        assert_eq!(
+            (s.median, s.min, s.max, s.q1, s.q3),
+            (3.0, 1.0, 5.0, 2.0, 4.0)
+        );
+        let s = Summary::of(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(s.median, 2.5);
+        assert!((s.range_pct() - 120.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn plan_caps_memory_and_keeps_at_least_two_messages() {
+        let (count, depth) = plan(256 << 20, 1, 8, false);
+        assert_eq!(depth, 2);
+        assert_eq!(count, 2);
+        let (count, depth) = plan(8, 4, 8, false);
+        assert_eq!(depth, 8);
+        assert_eq!(count, 5_000, "20000 messages over 4 comms");
+        let (_, depth) = plan(256 << 20, 4, 8, true);
+        assert_eq!(depth, 1);
+    }
+
+    fn point(size: usize, ratio: f64) -> Point {
+        let s = Summary::of(&[1.0]);
+        let side = Figures {
+            time_us: 1.0,
+            algbw: s,
+            busbw: 1.0,
+            cpu_s_per_gb: 1.0,
+        };
+        Point {
+            size,
+            count: 1,
+            comms: 1,
+            depth: 1,
+            plugin: side.clone(),
+            tcp: side,
+            ratio,
+            cpu_ratio: 1.0,
+        }
+    }
+
+    #[test]
+    fn targets_judge_the_worst_large_point_and_say_when_unmeasured() {
+        let rtt = RoundTrip {
+            plugin_us: Summary::of(&[30.0]),
+            tcp_us: Summary::of(&[20.0]),
+            ratio: 1.5,
+            pings: 1,
+        };
+        let idle = Idle {
+            seconds: 10.0,
+            cpu_pct: [0.2, 1.4],
+            reactor_wakeups_per_s: [4.0, 4.0],
+        };
+        let t = targets(
+            &[point(4096, 0.5), point(1 << 20, 0.95), point(4 << 20, 0.85)],
+            &rtt,
+            &idle,
+        );
+        assert_eq!(t[0].met, Some(false));
+        assert_eq!(t[0].value, Some(0.85));
+        assert!(t[0].detail.contains("4 MiB"));
+        assert_eq!(t[1].met, Some(true), "1.5x is within <= 1.5x");
+        assert_eq!(t[2].met, Some(false), "the busier process counts");
+        let t = targets(&[point(4096, 0.5)], &rtt, &idle);
+        assert_eq!(t[0].met, None);
+        assert_eq!(verdict(&t[0]), "not measured");
     }
 }

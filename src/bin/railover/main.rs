@@ -16,8 +16,9 @@ commands:
            traffic through the plugin, a link taken down and brought back, per-NIC
            throughput live, failover and fail-back times, a summary table.
            Without root: the same stream on loopback, without the failover.
-  bench    throughput (4 KiB .. 64 MiB) and 8-byte round-trip latency through the
-           plugin ABI, against plain TCP sockets measured in the same run
+  bench    send/receive sweep (8 B .. 256 MiB) and 8-byte round trip through the
+           plugin ABI, interleaved with raw TCP sockets in the same run; CPU, idle
+           and memory costs (--help for more)
   doctor   NICs, rails, PCI distances and backup candidates of this node (--help for more)
   sim      predicted all-reduce slowdown after a NIC failure (--help for more)
   help     this text
