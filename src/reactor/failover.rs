@@ -862,6 +862,7 @@ impl Reactor {
             .map(|(k, _)| k)
             .collect();
         for k in on_nic {
+            self.leave_gate(k);
             let Some(mut lane) = self.lanes.try_remove(k) else {
                 continue;
             };

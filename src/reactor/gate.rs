@@ -42,10 +42,10 @@ impl Gate {
     }
 
     /// Lane `lane` was accepted on `listener`. Returns its ticket and the lanes to drop
-    /// to stay within the caps: the oldest first, those that have not presented a
+    /// (with their tickets) to stay within the caps: the oldest first, those that have not presented a
     /// usable Hello before those that have, so an idle flood cannot push out a real
     /// handshake in flight. The newcomer itself is never among them.
-    pub fn admit(&mut self, lane: usize, listener: usize) -> (u64, Vec<usize>) {
+    pub fn admit(&mut self, lane: usize, listener: usize) -> (u64, Vec<(u64, usize)>) {
         let mut evict = Vec::new();
         loop {
             let mine = self
@@ -70,7 +70,7 @@ impl Gate {
                 .next();
             let Some((t, lane)) = victim else { break };
             self.open.remove(&t);
-            evict.push(lane);
+            evict.push((t, lane));
         }
         let t = self.next;
         self.next += 1;
@@ -99,8 +99,8 @@ impl Gate {
     }
 
     /// The oldest connection in its handshake (to free a descriptor when none is left).
-    pub fn oldest(&mut self) -> Option<usize> {
-        self.open.pop_first().map(|(_, e)| e.lane)
+    pub fn oldest(&mut self) -> Option<(u64, usize)> {
+        self.open.pop_first().map(|(t, e)| (t, e.lane))
     }
 
     pub fn len(&self) -> usize {
@@ -182,6 +182,10 @@ impl LogLimit {
 mod tests {
     use super::*;
 
+    fn lanes(v: (u64, Vec<(u64, usize)>)) -> Vec<usize> {
+        v.1.into_iter().map(|(_, l)| l).collect()
+    }
+
     #[test]
     fn the_oldest_idle_connection_goes_first_and_the_caps_hold() {
         let mut g = Gate::new(3, 5);
@@ -189,18 +193,18 @@ mod tests {
         let t: Vec<u64> = (10..13).map(|l| g.admit(l, 0).0).collect();
         g.vouch(t[1]);
         // Over the per-listener cap: the oldest idle one (10) goes.
-        assert_eq!(g.admit(13, 0).1, vec![10]);
+        assert_eq!(lanes(g.admit(13, 0)), vec![10]);
         // Then 12, 13, 14 in turn: the vouched 11, though older, stays.
-        assert_eq!(g.admit(14, 0).1, vec![12]);
-        assert_eq!(g.admit(15, 0).1, vec![13]);
-        assert_eq!(g.admit(16, 0).1, vec![14]);
+        assert_eq!(lanes(g.admit(14, 0)), vec![12]);
+        assert_eq!(lanes(g.admit(15, 0)), vec![13]);
+        assert_eq!(lanes(g.admit(16, 0)), vec![14]);
         assert_eq!(g.len(), 3);
         // Another listener fills the total cap; its overflow takes from anyone, idle
         // first: 15 (listener 0) is older than 20.
-        assert_eq!(g.admit(20, 1).1, Vec::<usize>::new());
-        assert_eq!(g.admit(21, 1).1, Vec::<usize>::new());
+        assert_eq!(lanes(g.admit(20, 1)), Vec::<usize>::new());
+        assert_eq!(lanes(g.admit(21, 1)), Vec::<usize>::new());
         assert_eq!(g.len(), 5);
-        assert_eq!(g.admit(22, 1).1, vec![15]);
+        assert_eq!(lanes(g.admit(22, 1)), vec![15]);
         assert_eq!(g.len(), 5);
         assert_eq!(g.peak(), 5);
         // When everyone is vouched, the oldest goes.
@@ -209,13 +213,13 @@ mod tests {
         let b = g.admit(2, 0).0;
         g.vouch(a);
         g.vouch(b);
-        assert_eq!(g.admit(3, 0).1, vec![1]);
+        assert_eq!(lanes(g.admit(3, 0)), vec![1]);
         // Leaving frees room.
         let mut g = Gate::new(1, 1);
         let (t, _) = g.admit(1, 0);
         g.leave(t);
-        assert_eq!(g.admit(2, 0).1, Vec::<usize>::new());
-        assert_eq!(g.oldest(), Some(2));
+        assert_eq!(lanes(g.admit(2, 0)), Vec::<usize>::new());
+        assert_eq!(g.oldest().map(|(_, l)| l), Some(2));
         assert_eq!(g.len(), 0);
     }
 

@@ -811,18 +811,19 @@ impl Reactor {
         }
     }
 
-    /// Drops a connection still in its handshake to keep the caps.
-    fn evict(&mut self, k: usize, now: Instant) {
+    /// Drops lane `k`, still in its handshake under `ticket`, to keep the caps.
+    fn evict(&mut self, ticket: u64, k: usize, now: Instant) {
+        // The gate already let it go; the lane must still be the one it admitted.
+        match self.lanes.get_mut(k) {
+            Some(l) if l.ticket == Some(ticket) => l.ticket = None,
+            _ => return,
+        }
         self.stats
             .rejected_connections
             .fetch_add(1, Ordering::Relaxed);
         self.stats
             .evicted_handshakes
             .fetch_add(1, Ordering::Relaxed);
-        // The gate already let it go.
-        if let Some(l) = self.lanes.get_mut(k) {
-            l.ticket = None;
-        }
         self.drop_lane(k);
         self.turned_away(
             "too many connections in their handshake; dropped the oldest",
@@ -863,8 +864,8 @@ impl Reactor {
                             lane.nic = nic;
                             lane.auth = Some(Auth::Listener(Responder::default()));
                             lane.ticket = Some(ticket);
-                            for old in evict {
-                                self.evict(old, now);
+                            for (t, old) in evict {
+                                self.evict(t, old, now);
                             }
                             let st = &self.stats;
                             st.handshakes_pending
@@ -884,8 +885,8 @@ impl Reactor {
                 Err(e) => {
                     if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
                         // Out of descriptors: a stranger's unfinished handshake yields.
-                        if let Some(old) = self.gate.oldest() {
-                            self.evict(old, now);
+                        if let Some((t, old)) = self.gate.oldest() {
+                            self.evict(t, old, now);
                             continue;
                         }
                     }
