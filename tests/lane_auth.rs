@@ -236,3 +236,34 @@ fn strangers_with_the_handle_or_a_recording_cannot_take_a_comm() {
     drop(silent);
     traffic(&s, &r, 90, 2);
 }
+
+#[test]
+fn connect_completes_before_accept_and_outlives_the_handshake_deadline() {
+    std::env::set_var("RAILOVER_IFNAME", "lo");
+    let ctx = Ctx::init().expect("init");
+    let (mut handle, listener) = ctx.listen(0).expect("listen");
+    // The connector gets its comm once the listener's reactor has authenticated it,
+    // whether or not NCCL has called accept.
+    let end = deadline();
+    let s = loop {
+        if let Some(s) = ctx.connect(0, &mut handle).expect("connect") {
+            break s;
+        }
+        assert!(
+            Instant::now() < end,
+            "connect did not finish without accept"
+        );
+        std::thread::yield_now();
+    };
+    // NCCL calls accept late, after the 2 s a connection has to authenticate: the
+    // authenticated comm is not subject to it. (The sleep is the scenario, not a wait.)
+    std::thread::sleep(Duration::from_millis(2500));
+    let r = loop {
+        if let Some(r) = listener.accept().expect("accept") {
+            break r;
+        }
+        assert!(Instant::now() < end, "accept did not finish");
+        std::thread::yield_now();
+    };
+    traffic(&s, &r, 7, 2);
+}
