@@ -80,6 +80,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long an accepted connection has to authenticate. Real handshakes take a round
 /// trip or two: the reactor answers a Hello whether or not NCCL has called `accept`.
 const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
+/// Connections one listener accepts per reactor turn: between batches the reactor reads
+/// the Hellos that arrived, so a flood cannot evict a real handshake before it is seen.
+const ACCEPT_BATCH: usize = 32;
 /// Largest probe payload a listener sinks before the prober has proven its key (the
 /// `RAILOVER_PROBE_BYTES` bound).
 const MAX_PREAUTH_PROBE: u64 = 64 << 20;
@@ -321,6 +324,7 @@ impl ReactorHandle {
             comms: Slab::new(),
             dirty: Vec::new(),
             again: Vec::new(),
+            accepting: Vec::new(),
             next_deadline: None,
             shutdown: false,
             router: Router::new(router_cfg),
@@ -482,6 +486,8 @@ struct Reactor {
     dirty: Vec<usize>,
     /// Lanes that stopped on their per-call budget and must be served again.
     again: Vec<usize>,
+    /// Listeners with connections to accept, served after the turn's lane events.
+    accepting: Vec<usize>,
     next_deadline: Option<Instant>,
     shutdown: bool,
     router: Router,
@@ -553,7 +559,8 @@ impl Reactor {
             self.drive_router(now);
             self.flush_dirty(now);
 
-            let busy = !self.again.is_empty() || self.requests_in_flight();
+            let busy =
+                !self.again.is_empty() || !self.accepting.is_empty() || self.requests_in_flight();
             let deadline = [
                 self.next_deadline,
                 Some(self.next_tick),
@@ -563,7 +570,7 @@ impl Reactor {
             .flatten()
             .min();
             let mut timeout = self.budget.timeout(now, busy, deadline);
-            if !self.again.is_empty() {
+            if !self.again.is_empty() || !self.accepting.is_empty() {
                 timeout = Some(Duration::ZERO);
             }
             if timeout != Some(Duration::ZERO) {
@@ -595,9 +602,17 @@ impl Reactor {
                 match ev.token() {
                     WAKER => {}
                     NETLINK => self.link_events(now),
-                    Token(t) if t & LISTENER_BIT != 0 => self.accept_all(t & !LISTENER_BIT, now),
+                    Token(t) if t & LISTENER_BIT != 0 => self.accepting.push(t & !LISTENER_BIT),
                     Token(k) => self.service_lane(k, now),
                 }
+            }
+            // After the lanes: a Hello that arrived meanwhile is read before a flood's
+            // next batch of connections can push its lane out of the handshake caps.
+            let mut accepting = std::mem::take(&mut self.accepting);
+            accepting.sort_unstable();
+            accepting.dedup();
+            for key in accepting {
+                self.accept_all(key, now);
             }
             if self.next_deadline.is_some_and(|d| d <= now) {
                 self.expire(now);
@@ -831,8 +846,10 @@ impl Reactor {
         );
     }
 
+    /// Accepts up to `ACCEPT_BATCH` connections; a listener with more left is served
+    /// again next turn.
     fn accept_all(&mut self, key: usize, now: Instant) {
-        loop {
+        for _ in 0..ACCEPT_BATCH {
             let Some(l) = self.listeners.get(key) else {
                 return;
             };
@@ -896,6 +913,7 @@ impl Reactor {
                 }
             }
         }
+        self.accepting.push(key);
     }
 
     /// Reads everything the lane has, feeding the machines; then queues its output.
