@@ -46,9 +46,10 @@ fn wait(req: &mut Request, end: Instant) -> usize {
     }
 }
 
-/// A real connect/accept on a fresh listener and one checked message.
-fn legit_pair(ctx: &Ctx, seed: u8) {
-    let (mut handle, listener): (_, Listener) = ctx.listen(0).expect("listen");
+/// A real connect/accept on `listener` (whose handle is `handle`) and one checked
+/// message.
+fn legit_pair(ctx: &Ctx, listener: &Listener, handle: &[u8; 128], seed: u8) {
+    let mut handle = *handle;
     let end = Instant::now() + Duration::from_secs(10);
     let (mut s, mut r) = (None, None);
     while s.is_none() || r.is_none() {
@@ -63,7 +64,7 @@ fn legit_pair(ctx: &Ctx, seed: u8) {
     let (s, r) = (s.unwrap(), r.unwrap());
     let len = 1 << 20;
     let mut sb = s.register(len).unwrap();
-    let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(seed)).collect();
+    let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ seed).collect();
     sb.bytes_mut().unwrap().copy_from_slice(&data);
     let mut rb = r.register(len).unwrap();
     let mut rr = r.irecv(&mut rb, len).unwrap().unwrap();
@@ -84,23 +85,35 @@ fn flood_receiver() {
     std::env::set_var("RAILOVER_IFNAME", "lo");
     let ctx = Ctx::init().expect("init");
     let rt = railover::plugin::runtime().unwrap();
-    let (handle, _listener) = ctx.listen(0).expect("listen");
+    // The listener the flood targets is the one the real connects use.
+    let (handle, listener) = ctx.listen(0).expect("listen");
     let nccl = railover::plugin::NetHandle::decode(&handle).unwrap().addr;
     // Warm up: one real comm, so the baseline includes what any comm costs.
-    legit_pair(&ctx, 1);
+    legit_pair(&ctx, &listener, &handle, 1);
     let (fds0, rss0) = (open_fds(), status_kb("VmRSS:"));
     println!(
         "ready nccl={nccl} failover={} fds={fds0} rss={rss0}",
         rt.reactor.wire_nics[0].addr
     );
     let st = rt.stats();
-    for line in std::io::stdin().lock().lines() {
-        match line.unwrap().as_str() {
+    let (tx, commands) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            if tx.send(line.unwrap()).is_err() {
+                break;
+            }
+        }
+    });
+    while let Ok(cmd) = commands.recv() {
+        match cmd.as_str() {
             "legit" => {
-                for i in 0..5 {
-                    legit_pair(&ctx, 3 + i);
+                // Real connects, one after another, until the flood is over.
+                let mut pairs = 0u32;
+                while commands.try_recv().as_deref() != Ok("stop") {
+                    legit_pair(&ctx, &listener, &handle, (pairs as u8) | 1);
+                    pairs += 1;
                 }
-                println!("legit ok");
+                println!("legit ok pairs={pairs}");
             }
             "settle" => {
                 // Until the deadline has closed every stranger's connection.
@@ -214,7 +227,7 @@ fn a_flood_of_idle_connections_is_bounded_and_leaves_nothing_behind() {
             std::thread::spawn(move || {
                 let mut held = Vec::new();
                 for i in 0..FLOOD / 4 {
-                    let to = if i % 2 == 0 { nccl } else { failover };
+                    let to = if i % 3 == 0 { failover } else { nccl };
                     if let Ok(mut s) = TcpStream::connect_timeout(&to, Duration::from_secs(5)) {
                         // Some idle, some stuck half-way through a header.
                         if (i + t) % 3 == 0 {
@@ -237,7 +250,9 @@ fn a_flood_of_idle_connections_is_bounded_and_leaves_nothing_behind() {
         "only {} connected",
         held.len()
     );
-    rx.line("legit ok");
+    rx.send("stop");
+    let legit = rx.line("legit ok");
+    assert!(field::<u32>(&legit, "pairs") >= 1, "{legit}");
 
     // Every flood connection is closed by the receiver: by eviction, or at the deadline.
     for s in &held {
@@ -266,7 +281,7 @@ fn a_flood_of_idle_connections_is_bounded_and_leaves_nothing_behind() {
     let (pending, peak): (u64, u64) = (field(&settled, "pending"), field(&settled, "peak"));
     let (fds, rss): (usize, u64) = (field(&settled, "fds"), field(&settled, "rss"));
     eprintln!(
-        "flood of {FLOOD} in {flooded:?}, all closed after {closed_after:?}; \
+        "flood of {FLOOD} in {flooded:?} ({legit}), all closed after {closed_after:?}; \
          before fds={fds0} rss={rss0} kB; after {settled}"
     );
     assert_eq!(pending, 0);
