@@ -57,12 +57,21 @@ impl fmt::Debug for Session {
 }
 
 /// What the listener holds for the lane a Hello asks for.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub enum Secret {
     /// An NCCL listener's handle token: it may open new comms.
     Token([u8; 16]),
     /// A receive comm's session: it may take probes and replacement lanes.
     Session(Session),
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Secret::Token(_) => f.write_str("Token(..)"),
+            Secret::Session(s) => s.fmt(f),
+        }
+    }
 }
 
 /// Why a handshake failed. The listener refuses the lane; the connector drops it.
