@@ -143,22 +143,24 @@ fn derive_session(
     info.extend_from_slice(th);
     hk.expand(&info, &mut key)
         .expect("32 bytes is a valid HKDF-SHA256 length");
-    let mut id = [0u8; 16];
-    id.copy_from_slice(&Sha256::digest([b"railover comm id".as_slice(), th].concat())[..16]);
     Ok(Session {
-        id: CommId(id),
+        id: comm_id(th),
         key,
     })
+}
+
+/// A comm's public id: named by its first handshake's transcript, chosen by neither end.
+fn comm_id(th: &[u8; 32]) -> CommId {
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&Sha256::digest([b"railover comm id".as_slice(), th].concat())[..16]);
+    CommId(id)
 }
 
 /// The id a comm gets from its first handshake, computed from the bytes on the wire
 /// (`Hello` and `Challenge` bodies): what any observer of that handshake learns.
 pub fn observed_comm_id(hello_body: &[u8], challenge_body: &[u8]) -> Result<CommId, AuthError> {
     let c = Challenge::decode(challenge_body)?;
-    let th = transcript(hello_body, &c.nonce, &c.eph);
-    let mut id = [0u8; 16];
-    id.copy_from_slice(&Sha256::digest([b"railover comm id".as_slice(), &th].concat())[..16]);
-    Ok(CommId(id))
+    Ok(comm_id(&transcript(hello_body, &c.nonce, &c.eph)))
 }
 
 fn split(random: &Random) -> ([u8; 32], [u8; 32]) {
