@@ -6,6 +6,7 @@
 //! unacknowledged message so that it can be replayed on another lane. The reactor feeds
 //! them decoded frames and does the I/O; [`wire`] is the byte format.
 
+pub mod auth;
 pub mod health;
 pub mod recv;
 pub mod send;

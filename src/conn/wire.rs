@@ -6,15 +6,17 @@
 //! ```
 //! All integers are little-endian except the magic. `len` is the payload length for
 //! `Data`, the receive capacity for `Cts`, the send size for `Truncated`, and the body
-//! length for `Hello`/`Welcome`. Parsing checks every length before it reads, so a
+//! length for the handshake frames (`Hello`, `Challenge`, `Proof`, `Welcome`); see
+//! [`crate::conn::auth`] for how a handshake proves who is calling. Parsing checks every length before it reads, so a
 //! stranger's bytes produce a [`WireError`], never a panic.
 
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 /// The first two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"RO";
-/// Version of this format; a peer speaking another one is refused.
-pub const VERSION: u8 = 1;
+/// Version of this format; a peer speaking another one is refused. 2: authenticated
+/// handshake (`Challenge`, `Proof`), no token on the wire.
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
 pub const MAX_BODY: u64 = 4096;
@@ -24,7 +26,7 @@ pub const MAX_DATA: u64 = 1 << 40;
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
-    /// Connector → listener: token, purpose, NIC list.
+    /// Connector → listener: purpose, comm id, nonce, ephemeral key, NIC list.
     Hello,
     /// Listener → connector: accepted; `seq` = messages already delivered.
     Welcome,
@@ -46,6 +48,10 @@ pub enum Kind {
     /// Receiver → sender: "nothing has arrived on this lane for the completion timeout":
     /// the sender may still hear the receiver (a one-way failure) and must move the lane.
     Stalled,
+    /// Listener → connector: its nonce and ephemeral key, and its proof of the key.
+    Challenge,
+    /// Connector → listener: its proof of the key, over the whole handshake.
+    Proof,
 }
 
 impl Kind {
@@ -61,6 +67,8 @@ impl Kind {
             Kind::Close => 8,
             Kind::Keepalive => 9,
             Kind::Stalled => 10,
+            Kind::Challenge => 11,
+            Kind::Proof => 12,
         }
     }
 
@@ -76,6 +84,8 @@ impl Kind {
             8 => Kind::Close,
             9 => Kind::Keepalive,
             10 => Kind::Stalled,
+            11 => Kind::Challenge,
+            12 => Kind::Proof,
             _ => return None,
         })
     }
@@ -120,7 +130,7 @@ impl Header {
     /// Bytes of body that follow the header in the stream (payload for `Data`).
     pub fn body_len(&self) -> u64 {
         match self.kind {
-            Kind::Hello | Kind::Welcome | Kind::Data => self.len,
+            Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Proof | Kind::Data => self.len,
             _ => 0,
         }
     }
@@ -161,7 +171,7 @@ impl Header {
             len: le64(16..24),
         };
         let max = match kind {
-            Kind::Hello | Kind::Welcome => MAX_BODY,
+            Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Proof => MAX_BODY,
             Kind::Data | Kind::Cts | Kind::Truncated => MAX_DATA,
             _ => u64::MAX,
         };
@@ -176,7 +186,7 @@ impl Header {
     }
 }
 
-/// What a new connection is for. Only `Data` exists until failover adds the others.
+/// What a new connection is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Purpose {
     /// The first lane of a new comm (NCCL's connect).
@@ -194,12 +204,33 @@ pub struct NicAddr {
     pub rail: Option<u32>,
 }
 
-/// The connector's opening frame.
+/// The connector's opening frame. It carries no secret: [`crate::conn::auth`] proves
+/// the key later, over these bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
-    pub token: [u8; 16],
     pub purpose: Purpose,
+    /// The comm a probe or migration is for (its public id); zero for `Data`.
+    pub comm: [u8; 16],
+    pub nonce: [u8; 32],
+    /// Ephemeral X25519 public key (`Data`); zero otherwise.
+    pub eph: [u8; 32],
     pub nics: Vec<NicAddr>,
+}
+
+/// The listener's answer to a `Hello` it can serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Challenge {
+    pub nonce: [u8; 32],
+    /// Ephemeral X25519 public key (`Data`); zero otherwise.
+    pub eph: [u8; 32],
+    /// HMAC proving the listener holds the key.
+    pub mac: [u8; 32],
+}
+
+/// The connector's proof that it holds the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Proof {
+    pub mac: [u8; 32],
 }
 
 /// The listener's answer: its NIC list.
@@ -208,8 +239,8 @@ pub struct Welcome {
     pub nics: Vec<NicAddr>,
 }
 
-/// Reasons carried in `Refuse.aux`.
-pub const REFUSE_TOKEN: u32 = 1;
+/// Reasons carried in `Refuse.aux`: the handshake failed to authenticate.
+pub const REFUSE_AUTH: u32 = 1;
 
 const NIC_LEN: usize = 1 + 16 + 2 + 4;
 const MAX_NICS: usize = 64;
@@ -266,40 +297,89 @@ fn decode_nics(b: &[u8]) -> Result<(Vec<NicAddr>, &[u8]), WireError> {
     Ok((nics, &b[2 + n * NIC_LEN..]))
 }
 
+fn array<const N: usize>(b: &[u8], at: usize, what: &'static str) -> Result<[u8; N], WireError> {
+    b.get(at..at + N)
+        .and_then(|s| s.try_into().ok())
+        .ok_or(WireError::Short(what))
+}
+
 impl Hello {
+    const FIXED: usize = 1 + 16 + 32 + 32;
+
     /// Header plus body, ready to write.
     pub fn encode(&self) -> Vec<u8> {
-        let mut body = Vec::with_capacity(64);
-        body.extend_from_slice(&self.token);
+        let mut body = Vec::with_capacity(Self::FIXED + 64);
         body.push(match self.purpose {
             Purpose::Data => 0,
             Purpose::Probe => 1,
             Purpose::Migrate => 2,
         });
+        body.extend_from_slice(&self.comm);
+        body.extend_from_slice(&self.nonce);
+        body.extend_from_slice(&self.eph);
         encode_nics(&mut body, &self.nics);
         frame_with_body(Header::new(Kind::Hello, 0, 0), &body)
     }
 
     pub fn decode(body: &[u8]) -> Result<Hello, WireError> {
-        let token: [u8; 16] = body
-            .get(..16)
-            .and_then(|s| s.try_into().ok())
-            .ok_or(WireError::Short("token"))?;
-        let purpose = match body.get(16) {
+        let purpose = match body.first() {
             Some(0) => Purpose::Data,
             Some(1) => Purpose::Probe,
             Some(2) => Purpose::Migrate,
             Some(_) => return Err(WireError::Malformed("purpose")),
             None => return Err(WireError::Short("purpose")),
         };
-        let (nics, rest) = decode_nics(&body[17..])?;
+        let comm = array(body, 1, "comm id")?;
+        let nonce = array(body, 17, "nonce")?;
+        let eph = array(body, 49, "ephemeral key")?;
+        let (nics, rest) = decode_nics(&body[Self::FIXED..])?;
         if !rest.is_empty() {
             return Err(WireError::Malformed("trailing bytes after Hello"));
         }
         Ok(Hello {
-            token,
             purpose,
+            comm,
+            nonce,
+            eph,
             nics,
+        })
+    }
+}
+
+impl Challenge {
+    const LEN: usize = 96;
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut body = Vec::with_capacity(Self::LEN);
+        body.extend_from_slice(&self.nonce);
+        body.extend_from_slice(&self.eph);
+        body.extend_from_slice(&self.mac);
+        frame_with_body(Header::new(Kind::Challenge, 0, 0), &body)
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Challenge, WireError> {
+        if body.len() > Self::LEN {
+            return Err(WireError::Malformed("trailing bytes after Challenge"));
+        }
+        Ok(Challenge {
+            nonce: array(body, 0, "nonce")?,
+            eph: array(body, 32, "ephemeral key")?,
+            mac: array(body, 64, "MAC")?,
+        })
+    }
+}
+
+impl Proof {
+    pub fn encode(&self) -> Vec<u8> {
+        frame_with_body(Header::new(Kind::Proof, 0, 0), &self.mac)
+    }
+
+    pub fn decode(body: &[u8]) -> Result<Proof, WireError> {
+        if body.len() > 32 {
+            return Err(WireError::Malformed("trailing bytes after Proof"));
+        }
+        Ok(Proof {
+            mac: array(body, 0, "MAC")?,
         })
     }
 }
@@ -346,6 +426,8 @@ mod tests {
             Kind::Close,
             Kind::Keepalive,
             Kind::Stalled,
+            Kind::Challenge,
+            Kind::Proof,
         ] {
             let h = Header {
                 kind,
@@ -397,8 +479,10 @@ mod tests {
             },
         ];
         let hello = Hello {
-            token: [9; 16],
             purpose: Purpose::Migrate,
+            comm: [9; 16],
+            nonce: [3; 32],
+            eph: [4; 32],
             nics: nics.clone(),
         };
         let bytes = hello.encode();
@@ -412,13 +496,31 @@ mod tests {
         let h = Header::decode(&bytes).unwrap();
         assert_eq!((h.kind, h.seq), (Kind::Welcome, 42));
         assert_eq!(Welcome::decode(&bytes[HEADER_LEN..]).unwrap(), w);
+
+        let c = Challenge {
+            nonce: [1; 32],
+            eph: [2; 32],
+            mac: [3; 32],
+        };
+        let bytes = c.encode();
+        assert_eq!(Header::decode(&bytes).unwrap().kind, Kind::Challenge);
+        assert_eq!(Challenge::decode(&bytes[HEADER_LEN..]).unwrap(), c);
+        let p = Proof { mac: [5; 32] };
+        let bytes = p.encode();
+        assert_eq!(Header::decode(&bytes).unwrap().kind, Kind::Proof);
+        assert_eq!(Proof::decode(&bytes[HEADER_LEN..]).unwrap(), p);
+        for cut in 0..bytes.len() - HEADER_LEN {
+            assert!(Proof::decode(&bytes[HEADER_LEN..HEADER_LEN + cut]).is_err());
+        }
     }
 
     #[test]
     fn hello_rejects_malformed_bodies() {
         let hello = Hello {
-            token: [1; 16],
             purpose: Purpose::Data,
+            comm: [0; 16],
+            nonce: [1; 32],
+            eph: [2; 32],
             nics: vec![],
         }
         .encode();
@@ -433,7 +535,7 @@ mod tests {
         extra.push(0);
         assert!(Hello::decode(&extra).is_err());
         let mut bad_purpose = body.to_vec();
-        bad_purpose[16] = 7;
+        bad_purpose[0] = 7;
         assert_eq!(
             Hello::decode(&bad_purpose),
             Err(WireError::Malformed("purpose"))
@@ -457,6 +559,8 @@ mod tests {
                 let _ = Header::decode(&bytes);
                 let _ = Hello::decode(&bytes);
                 let _ = Welcome::decode(&bytes);
+                let _ = Challenge::decode(&bytes);
+                let _ = Proof::decode(&bytes);
                 let mut framed = Header::new(Kind::Data, 0, 0).encode().to_vec();
                 framed.extend_from_slice(&bytes);
                 let _ = Header::decode(&framed);

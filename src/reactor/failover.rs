@@ -145,7 +145,7 @@ impl Reactor {
                     .rejected_connections
                     .fetch_add(1, Ordering::Relaxed);
                 if !matches!(error, ConnError::PeerClosed) {
-                    tracing::warn!("railover: dropped an incoming connection before its handshake completed: {error}");
+                    self.turned_away(&format!("dropped before it authenticated: {error}"), now);
                 }
             }
             Role::Connecting { pending, .. } => {
@@ -312,6 +312,7 @@ impl Reactor {
         let lane = &mut self.lanes[k];
         lane.role = Role::Comm(c);
         lane.deadline = None;
+        lane.reader.enlarge();
         lane.writer.push_ctrl(
             &Welcome {
                 nics: self.wire.clone(),
@@ -398,6 +399,7 @@ impl Reactor {
         let lane = &mut self.lanes[k];
         lane.role = Role::Comm(c);
         lane.deadline = None;
+        lane.reader.enlarge();
         lane.nic = Some(local);
         self.routes_dirty = true;
         self.pump(c);
@@ -466,10 +468,25 @@ impl Reactor {
         }
     }
 
+    /// The first frame of a probe or replacement lane of a comm with `session`.
+    fn opener(
+        &self,
+        purpose: Purpose,
+        session: &Session,
+    ) -> Result<(Initiator, Vec<u8>), ConnError> {
+        let random = fresh_random()?;
+        Ok(Initiator::resume(
+            purpose,
+            session,
+            self.wire.clone(),
+            &random,
+        ))
+    }
+
     fn connect_pair(
         &mut self,
         pair: Pair,
-        hello: Hello,
+        (auth, hello): (Initiator, Vec<u8>),
         role: Role,
         now: Instant,
         limit: Duration,
@@ -490,26 +507,22 @@ impl Reactor {
         let k = self.add_lane(stream, role, now, limit).ok()?;
         let lane = &mut self.lanes[k];
         lane.nic = Some(pair.local.0 as usize);
-        lane.writer.push_ctrl(&hello.encode());
+        lane.auth = Some(Auth::Connector(auth));
+        lane.writer.push_ctrl(&hello);
         self.dirty.push(k);
         Some(k)
     }
 
     fn start_probe(&mut self, pair: Pair, retry: u32, now: Instant) {
-        // A probe presents the token of any live comm to that peer.
-        let token = self
+        // A probe proves the session of any live comm to that peer.
+        let hello = self
             .comms
             .iter()
             .find(|(_, c)| c.route.is_some_and(|r| r.current.peer == pair.peer))
-            .map(|(_, c)| c.token);
-        let Some(token) = token else {
+            .and_then(|(_, c)| self.opener(Purpose::Probe, &c.session).ok());
+        let Some(hello) = hello else {
             self.probe_failed(pair, now);
             return;
-        };
-        let hello = Hello {
-            token,
-            purpose: Purpose::Probe,
-            nics: self.wire.clone(),
         };
         let limit = self.probe_deadline(pair.local.0 as usize, retry);
         let role = Role::Probe { pair, started: now };
@@ -584,15 +597,12 @@ impl Reactor {
         if let Some(old) = comm.migrating.take() {
             self.drop_lane(old);
         }
-        let hello = Hello {
-            token: self.comms[c].token,
-            purpose: Purpose::Migrate,
-            nics: self.wire.clone(),
-        };
+        let hello = self.opener(Purpose::Migrate, &self.comms[c].session);
         let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
-        match self.connect_pair(mv.to, hello, Role::Migrating { comm: c, mv }, now, limit) {
-            Some(k) => self.comms[c].migrating = Some(k),
-            None => {
+        let role = Role::Migrating { comm: c, mv };
+        match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit)) {
+            Ok(Some(k)) => self.comms[c].migrating = Some(k),
+            _ => {
                 let _ = self
                     .router
                     .handle_lane_failure(CommId(c), LANE, FailReason::Probe, now);
@@ -877,6 +887,7 @@ impl Reactor {
             .map(|(k, _)| k)
             .collect();
         for k in on_nic {
+            self.leave_gate(k);
             let Some(mut lane) = self.lanes.try_remove(k) else {
                 continue;
             };

@@ -15,6 +15,9 @@
 
 pub mod budget;
 mod failover;
+mod gate;
+
+pub use gate::{PER_LISTENER as HANDSHAKES_PER_LISTENER, TOTAL as HANDSHAKES_TOTAL};
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -28,8 +31,9 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 use slab::Slab;
 
+use crate::conn::auth::{self, AuthError, CommId, Initiator, Responder, Secret, Session};
 use crate::conn::health::Progress;
-use crate::conn::wire::{self, Header, Hello, Kind, NicAddr, Purpose, Welcome};
+use crate::conn::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
 use crate::conn::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
 };
@@ -71,8 +75,17 @@ pub struct Setup {
     pub telemetry: Arc<Telemetry>,
 }
 
-/// How long a new connection may take to complete its handshake.
+/// How long our own connect may wait for the listener's `Welcome`.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an accepted connection has to authenticate. Real handshakes take a round
+/// trip or two: the reactor answers a Hello whether or not NCCL has called `accept`.
+const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
+/// Connections one listener accepts per reactor turn: between batches the reactor reads
+/// the Hellos that arrived, so a flood cannot evict a real handshake before it is seen.
+const ACCEPT_BATCH: usize = 32;
+/// Largest probe payload a listener sinks before the prober has proven its key (the
+/// `RAILOVER_PROBE_BYTES` bound).
+const MAX_PREAUTH_PROBE: u64 = 64 << 20;
 /// How long a closed comm's lane may keep flushing its last acks.
 const LINGER: Duration = Duration::from_secs(2);
 
@@ -97,6 +110,7 @@ pub enum Command {
         stream: TcpStream,
         nic: usize,
         to: SocketAddr,
+        /// The handle's token: the key of this handshake, never sent.
         token: [u8; 16],
         pending: Arc<PendingConnect>,
     },
@@ -247,8 +261,17 @@ fn refuse(c: Command) {
 /// Counters the reactor keeps for telemetry and tests.
 #[derive(Debug, Default)]
 pub struct ReactorStats {
-    /// Connections refused or dropped before a valid handshake (garbage, wrong token).
+    /// Connections refused or dropped before a valid handshake (garbage, wrong key,
+    /// deadline, cap).
     pub rejected_connections: AtomicU64,
+    /// Of those: handshakes that failed to authenticate (wrong key, unknown comm,
+    /// replayed or altered).
+    pub refused_handshakes: AtomicU64,
+    /// Of those: connections dropped to keep the handshake caps.
+    pub evicted_handshakes: AtomicU64,
+    /// Connections in their handshake now, and the most there ever were at once.
+    pub handshakes_pending: AtomicU64,
+    pub handshakes_peak: AtomicU64,
     /// Lanes closed because the peer broke the protocol.
     pub protocol_errors: AtomicU64,
     /// Lanes lost to socket errors or an unexpected close.
@@ -341,13 +364,16 @@ impl ReactorHandle {
             comms: Slab::new(),
             dirty: Vec::new(),
             again: Vec::new(),
+            accepting: Vec::new(),
             next_deadline: None,
             shutdown: false,
             router: Router::new(router_cfg),
             routes: routes.clone(),
             routes_dirty: false,
             peers: Vec::new(),
-            recv_by_token: HashMap::new(),
+            recv_by_id: HashMap::new(),
+            gate: gate::Gate::new(gate::PER_LISTENER, gate::TOTAL),
+            turned_away: gate::LogLimit::new(gate::LOG_INTERVAL),
             watcher,
             next_tick: now,
             injected_down: vec![false; setup.nics.len()],
@@ -410,8 +436,8 @@ struct Comm {
     shared: Arc<CommShared>,
     lane: Option<usize>,
     machine: Machine,
-    /// The comm token from the NCCL handle; migrations and probes present it.
-    token: [u8; 16],
+    /// The session secret its first handshake agreed; migrations and probes prove it.
+    session: Session,
     /// Send side: the comm is registered with the router.
     route: Option<Route>,
     /// Send side: the replacement lane being set up.
@@ -430,15 +456,14 @@ struct Route {
 
 #[derive(Debug)]
 enum Role {
-    /// Accepted; waiting for the connector's `Hello`. `listener` is the NCCL listen id,
-    /// or `None` for a failover listener.
-    Handshake { listener: Option<u64> },
+    /// Accepted and not yet authenticated (see `Lane::auth`). `listener` is the NCCL
+    /// listen id, or `None` for a failover listener; `sunk`: a probe's payload arrived.
+    Handshake { listener: Option<u64>, sunk: bool },
     /// Connecting; waiting for the listener's `Welcome`.
     Connecting {
         pending: Arc<PendingConnect>,
         nic: usize,
         to: SocketAddr,
-        token: [u8; 16],
     },
     /// Carrying a comm.
     Comm(usize),
@@ -452,12 +477,22 @@ enum Role {
     Closing,
 }
 
+/// A lane's handshake in progress; `None` once it has authenticated.
+#[derive(Debug)]
+enum Auth {
+    Connector(Initiator),
+    Listener(Responder),
+}
+
 #[derive(Debug)]
 struct Lane {
     sock: TcpStream,
     reader: FrameReader,
     writer: FrameWriter,
     role: Role,
+    auth: Option<Auth>,
+    /// Its place in the handshake caps (accepted lanes not yet authenticated).
+    ticket: Option<u64>,
     deadline: Option<Instant>,
     /// Local NIC index, when the lane's local address is one of ours.
     nic: Option<usize>,
@@ -492,6 +527,8 @@ struct Reactor {
     dirty: Vec<usize>,
     /// Lanes that stopped on their per-call budget and must be served again.
     again: Vec<usize>,
+    /// Listeners with connections to accept, served after the turn's lane events.
+    accepting: Vec<usize>,
     next_deadline: Option<Instant>,
     shutdown: bool,
     router: Router,
@@ -499,8 +536,12 @@ struct Reactor {
     routes_dirty: bool,
     /// Remote processes' NIC lists; the index is the router's `PeerId`.
     peers: Vec<Vec<NicAddr>>,
-    /// Receive comms by token, for migrations and probes.
-    recv_by_token: HashMap<[u8; 16], usize>,
+    /// Receive comms by id, for migrations and probes.
+    recv_by_id: HashMap<CommId, usize>,
+    /// Accepted connections that have not authenticated yet.
+    gate: gate::Gate,
+    /// Log lines about connections turned away, rate-limited.
+    turned_away: gate::LogLimit,
     watcher: Option<LinkWatcher>,
     next_tick: Instant,
     setup: Setup,
@@ -559,7 +600,8 @@ impl Reactor {
             self.drive_router(now);
             self.flush_dirty(now);
 
-            let busy = !self.again.is_empty() || self.requests_in_flight();
+            let busy =
+                !self.again.is_empty() || !self.accepting.is_empty() || self.requests_in_flight();
             let deadline = [
                 self.next_deadline,
                 Some(self.next_tick),
@@ -569,7 +611,7 @@ impl Reactor {
             .flatten()
             .min();
             let mut timeout = self.budget.timeout(now, busy, deadline);
-            if !self.again.is_empty() {
+            if !self.again.is_empty() || !self.accepting.is_empty() {
                 timeout = Some(Duration::ZERO);
             }
             if timeout != Some(Duration::ZERO) {
@@ -601,15 +643,26 @@ impl Reactor {
                 match ev.token() {
                     WAKER => {}
                     NETLINK => self.link_events(now),
-                    Token(t) if t & LISTENER_BIT != 0 => self.accept_all(t & !LISTENER_BIT, now),
+                    Token(t) if t & LISTENER_BIT != 0 => self.accepting.push(t & !LISTENER_BIT),
                     Token(k) => self.service_lane(k, now),
                 }
+            }
+            // After the lanes: a Hello that arrived meanwhile is read before a flood's
+            // next batch of connections can push its lane out of the handshake caps.
+            let mut accepting = std::mem::take(&mut self.accepting);
+            accepting.sort_unstable();
+            accepting.dedup();
+            for key in accepting {
+                self.accept_all(key, now);
             }
             if self.next_deadline.is_some_and(|d| d <= now) {
                 self.expire(now);
             }
             if now >= self.next_tick {
                 self.tick(now);
+                if let Some((n, secs, latest)) = self.turned_away.flush(now) {
+                    tracing::warn!("railover: turned away {n} more incoming connections in the last {secs} s (latest: {latest})");
+                }
             }
             if now.saturating_duration_since(self.metrics.last_sample) >= METRICS_INTERVAL {
                 self.sample_metrics(now);
@@ -680,25 +733,29 @@ impl Reactor {
                 token,
                 pending,
             } => {
-                let hello = Hello {
-                    token,
-                    purpose: Purpose::Data,
-                    nics: self.wire.clone(),
+                let random = match fresh_random() {
+                    Ok(r) => r,
+                    Err(e) => {
+                        *pending.result.lock() = Some(Err(e.into()));
+                        return;
+                    }
                 };
+                let (auth, hello) = Initiator::connect(&token, self.wire.clone(), &random);
                 match self.add_lane(
                     stream,
                     Role::Connecting {
                         pending: pending.clone(),
                         nic,
                         to,
-                        token,
                     },
                     now,
                     HANDSHAKE_TIMEOUT,
                 ) {
                     Ok(k) => {
-                        self.lanes[k].nic = Some(nic);
-                        self.lanes[k].writer.push_ctrl(&hello.encode());
+                        let lane = &mut self.lanes[k];
+                        lane.nic = Some(nic);
+                        lane.auth = Some(Auth::Connector(auth));
+                        lane.writer.push_ctrl(&hello);
                         self.dirty.push(k);
                     }
                     Err(e) => *pending.result.lock() = Some(Err(e.into())),
@@ -767,6 +824,8 @@ impl Reactor {
             reader: FrameReader::default(),
             writer: FrameWriter::default(),
             role,
+            auth: None,
+            ticket: None,
             deadline: Some(deadline),
             nic: None,
             last_rx: now,
@@ -779,13 +838,54 @@ impl Reactor {
 
     fn drop_lane(&mut self, k: usize) {
         self.fair.forget(k);
+        self.leave_gate(k);
         if let Some(mut lane) = self.lanes.try_remove(k) {
             let _ = self.poll.registry().deregister(&mut lane.sock);
         }
     }
 
+    /// Lane `k` no longer counts against the handshake caps.
+    fn leave_gate(&mut self, k: usize) {
+        if let Some(t) = self.lanes.get_mut(k).and_then(|l| l.ticket.take()) {
+            self.gate.leave(t);
+            self.stats
+                .handshakes_pending
+                .store(self.gate.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Logs a connection turned away before it authenticated: the first of a burst at
+    /// once, the rest as a count every `gate::LOG_INTERVAL`.
+    fn turned_away(&mut self, what: &str, now: Instant) {
+        if let Some(line) = self.turned_away.hit(now, what) {
+            tracing::warn!("railover: turned away an incoming connection: {line}");
+        }
+    }
+
+    /// Drops lane `k`, still in its handshake under `ticket`, to keep the caps.
+    fn evict(&mut self, ticket: u64, k: usize, now: Instant) {
+        // The gate already let it go; the lane must still be the one it admitted.
+        match self.lanes.get_mut(k) {
+            Some(l) if l.ticket == Some(ticket) => l.ticket = None,
+            _ => return,
+        }
+        self.stats
+            .rejected_connections
+            .fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .evicted_handshakes
+            .fetch_add(1, Ordering::Relaxed);
+        self.drop_lane(k);
+        self.turned_away(
+            "too many connections in their handshake; dropped the oldest",
+            now,
+        );
+    }
+
+    /// Accepts up to `ACCEPT_BATCH` connections; a listener with more left is served
+    /// again next turn.
     fn accept_all(&mut self, key: usize, now: Instant) {
-        loop {
+        for _ in 0..ACCEPT_BATCH {
             let Some(l) = self.listeners.get(key) else {
                 return;
             };
@@ -806,25 +906,50 @@ impl Reactor {
                     if let Err(e) = tcp::tune_stream(&stream) {
                         tracing::debug!("railover: cannot tune an accepted socket: {e}");
                     }
-                    match self.add_lane(
-                        stream,
-                        Role::Handshake { listener },
-                        now,
-                        HANDSHAKE_TIMEOUT,
-                    ) {
-                        Ok(k) => self.lanes[k].nic = nic,
+                    let role = Role::Handshake {
+                        listener,
+                        sunk: false,
+                    };
+                    match self.add_lane(stream, role, now, PREAUTH_DEADLINE) {
+                        Ok(k) => {
+                            let (ticket, evict) = self.gate.admit(k, key);
+                            let lane = &mut self.lanes[k];
+                            lane.nic = nic;
+                            lane.auth = Some(Auth::Listener(Responder::default()));
+                            lane.ticket = Some(ticket);
+                            for (t, old) in evict {
+                                self.evict(t, old, now);
+                            }
+                            let st = &self.stats;
+                            st.handshakes_pending
+                                .store(self.gate.len() as u64, Ordering::Relaxed);
+                            st.handshakes_peak
+                                .store(self.gate.peak() as u64, Ordering::Relaxed);
+                            // A connector writes its Hello at once: reading it now
+                            // tells a real handshake from an idle one before the next
+                            // accept could push it out.
+                            self.service_lane(k, now);
+                        }
                         Err(e) => tracing::warn!("railover: cannot watch an accepted socket: {e}"),
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // EMFILE and friends: leave the rest in the backlog for the next event.
-                    tracing::warn!("railover: accept failed: {e}");
+                    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+                        // Out of descriptors: a stranger's unfinished handshake yields.
+                        if let Some((t, old)) = self.gate.oldest() {
+                            self.evict(t, old, now);
+                            continue;
+                        }
+                    }
+                    // Leave the rest in the backlog for the next event.
+                    self.turned_away(&format!("accept failed: {e}"), now);
                     return;
                 }
             }
         }
+        self.accepting.push(key);
     }
 
     /// Reads everything the lane has, feeding the machines; then queues its output.
@@ -865,41 +990,55 @@ impl Reactor {
     }
 
     fn inbound(&mut self, k: usize, item: Inbound, now: Instant) -> Result<(), ConnError> {
-        if let Inbound::Frame(h, _) = &item {
-            if h.kind == Kind::Keepalive {
-                return Ok(());
+        if let Inbound::Frame(h, body) = &item {
+            match h.kind {
+                Kind::Keepalive => return Ok(()),
+                Kind::Challenge => return self.challenge(k, body),
+                Kind::Proof => return self.proof(k, body, now),
+                _ => {}
             }
         }
         let lane = &mut self.lanes[k];
         match &lane.role {
-            Role::Handshake { listener } => {
+            Role::Handshake { listener, .. } => {
                 let listener = *listener;
+                let probing = matches!(&lane.auth, Some(Auth::Listener(r)) if r.purpose() == Some(Purpose::Probe));
                 match item {
                     Inbound::Frame(h, body) if h.kind == Kind::Hello => {
                         self.hello(k, listener, &body, now)
+                    }
+                    // A probe's payload follows its Hello and precedes its Proof; it is
+                    // read and dropped, and the Welcome waits for the Proof.
+                    Inbound::Data { len, .. } if probing && len <= MAX_PREAUTH_PROBE => {
+                        lane.reader.place(None);
+                        Ok(())
+                    }
+                    Inbound::PayloadDone { .. } => {
+                        if let Role::Handshake { sunk, .. } = &mut lane.role {
+                            *sunk = true;
+                        }
+                        Ok(())
                     }
                     Inbound::Eof => Err(ConnError::PeerClosed),
                     _ => Err(ConnError::Protocol("expected Hello".into())),
                 }
             }
-            Role::Connecting {
-                pending,
-                nic,
-                to,
-                token,
-            } => {
-                let (pending, nic, to, token) = (pending.clone(), *nic, *to, *token);
+            Role::Connecting { pending, nic, to } => {
+                let (pending, nic, to) = (pending.clone(), *nic, *to);
                 match item {
                     Inbound::Frame(h, body) if h.kind == Kind::Welcome => {
                         let peer = Welcome::decode(&body)
                             .map_err(|e| ConnError::Protocol(e.to_string()))?;
-                        let shared = self.new_comm(Side::Send, k, nic, token);
+                        let session = self.finish_auth(k)?.ok_or_else(|| {
+                            ConnError::Protocol("the handshake agreed no session".into())
+                        })?;
+                        let shared = self.new_comm(Side::Send, k, nic, session);
                         self.register_route(shared.key, nic, to, peer.nics, now);
                         *pending.result.lock() = Some(Ok(shared));
                         Ok(())
                     }
                     Inbound::Frame(h, _) if h.kind == Kind::Refuse => Err(ConnError::Protocol(
-                        "the listener refused the connection (wrong comm token)".into(),
+                        "the listener refused the handshake (wrong comm token?)".into(),
                     )),
                     Inbound::Eof => Err(ConnError::PeerClosed),
                     _ => Err(ConnError::Protocol("expected Welcome".into())),
@@ -928,6 +1067,7 @@ impl Reactor {
                 let (pair, started) = (*pair, *started);
                 match item {
                     Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
+                        self.finish_auth(k)?;
                         self.probe_answered(pair, started, now);
                         let lane = &mut self.lanes[k];
                         lane.role = Role::Closing;
@@ -942,6 +1082,7 @@ impl Reactor {
                 let (c, mv) = (*comm, *mv);
                 match item {
                     Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
+                        self.finish_auth(k)?;
                         self.finish_migration(c, k, mv, h.seq, now)
                     }
                     Inbound::Frame(h, _) if h.kind == Kind::Refuse => Err(ConnError::Protocol(
@@ -1024,7 +1165,8 @@ impl Reactor {
     }
 
     /// The listener side of every handshake: a new comm (NCCL's connect), a probe, or a
-    /// replacement lane for one of our receive comms. Each must present the right token.
+    /// replacement lane for one of our receive comms. A Hello this listener can serve is
+    /// challenged; anything else is refused. Nothing is decided before the Proof.
     fn hello(
         &mut self,
         k: usize,
@@ -1032,67 +1174,140 @@ impl Reactor {
         body: &[u8],
         now: Instant,
     ) -> Result<(), ConnError> {
-        let hello = Hello::decode(body).map_err(|e| ConnError::Protocol(e.to_string()))?;
-        match hello.purpose {
+        let random = fresh_random()?;
+        let token = listener
+            .and_then(|id| self.listener_ids.get(&id))
+            .and_then(|&key| self.listeners[key].shared.as_ref())
+            .map(|s| s.token);
+        let (recv_by_id, comms) = (&self.recv_by_id, &self.comms);
+        let secret = |purpose, id| match purpose {
+            Purpose::Data => token.map(Secret::Token),
+            Purpose::Probe | Purpose::Migrate => recv_by_id
+                .get(&id)
+                .and_then(|&c| comms.get(c))
+                .map(|c| Secret::Session(c.session.clone())),
+        };
+        let lane = &mut self.lanes[k];
+        let Some(Auth::Listener(r)) = lane.auth.as_mut() else {
+            return Err(ConnError::Protocol(
+                "Hello on a lane that is not listening".into(),
+            ));
+        };
+        match r.handle_hello(body, secret, &random) {
+            Ok(challenge) => {
+                lane.writer.push_ctrl(&challenge);
+                if let Some(t) = lane.ticket {
+                    self.gate.vouch(t);
+                }
+            }
+            Err(e) => self.refuse(k, &e, now),
+        }
+        Ok(())
+    }
+
+    /// The connector's Proof: the lane authenticated (or is refused). Only now does it
+    /// become a comm, a probe's answer, or a comm's replacement lane.
+    fn proof(&mut self, k: usize, body: &[u8], now: Instant) -> Result<(), ConnError> {
+        let lane = &mut self.lanes[k];
+        let (Some(Auth::Listener(r)), Role::Handshake { listener, sunk }) =
+            (lane.auth.as_mut(), &lane.role)
+        else {
+            return Err(ConnError::Protocol("unexpected Proof".into()));
+        };
+        let (listener, sunk) = (*listener, *sunk);
+        let accepted = match r.handle_proof(body) {
+            Ok(a) => a,
+            Err(e) => {
+                self.refuse(k, &e, now);
+                return Ok(());
+            }
+        };
+        lane.auth = None;
+        self.leave_gate(k);
+        match accepted.purpose {
             Purpose::Data => {
                 let shared = listener
                     .and_then(|id| self.listener_ids.get(&id))
                     .and_then(|&key| self.listeners[key].shared.clone());
-                match shared {
-                    Some(shared) if shared.token == hello.token => {
-                        let nic = self.lanes[k].nic.unwrap_or(0);
-                        let comm = self.new_comm(Side::Recv, k, nic, hello.token);
-                        self.recv_by_token.insert(hello.token, comm.key);
-                        self.lanes[k].writer.push_ctrl(
-                            &Welcome {
-                                nics: self.wire.clone(),
-                            }
-                            .encode(0),
-                        );
-                        shared.ready.lock().push_back(comm);
-                        Ok(())
+                let (Some(shared), Some(session)) = (shared, accepted.session) else {
+                    // The NCCL listener closed during the handshake.
+                    self.refuse(k, &AuthError::NotHere(Purpose::Data), now);
+                    return Ok(());
+                };
+                let nic = self.lanes[k].nic.unwrap_or(0);
+                let id = session.id();
+                let comm = self.new_comm(Side::Recv, k, nic, session);
+                self.recv_by_id.insert(id, comm.key);
+                self.lanes[k].writer.push_ctrl(
+                    &Welcome {
+                        nics: self.wire.clone(),
                     }
-                    _ => {
-                        self.refuse(k, now);
-                        Ok(())
-                    }
-                }
+                    .encode(0),
+                );
+                shared.ready.lock().push_back(comm);
             }
-            Purpose::Probe => {
-                if self.recv_by_token.contains_key(&hello.token) {
-                    // Answer once the probe's payload has crossed the path: a pair that
-                    // connects but cannot move data is not healthy.
-                    self.lanes[k].role = Role::ProbeSink;
-                } else {
-                    self.refuse(k, now);
+            Purpose::Probe if sunk => {
+                let welcome = Welcome {
+                    nics: self.wire.clone(),
                 }
-                Ok(())
+                .encode(0);
+                let lane = &mut self.lanes[k];
+                lane.writer.push_ctrl(&welcome);
+                lane.role = Role::Closing;
+                lane.deadline = Some(now + LINGER);
             }
-            Purpose::Migrate => match self.recv_by_token.get(&hello.token).copied() {
-                Some(c) => {
-                    self.attach_replacement(c, k, now);
-                    Ok(())
-                }
-                None => {
-                    self.refuse(k, now);
-                    Ok(())
-                }
+            // Answer once the probe's payload has crossed the path: a pair that
+            // connects but cannot move data is not healthy.
+            Purpose::Probe => self.lanes[k].role = Role::ProbeSink,
+            Purpose::Migrate => match self.recv_by_id.get(&accepted.comm).copied() {
+                Some(c) => self.attach_replacement(c, k, now),
+                None => self.refuse(k, &AuthError::NotHere(Purpose::Migrate), now),
             },
+        }
+        Ok(())
+    }
+
+    /// The connector's side of a Challenge: check the listener holds the key, prove ours.
+    fn challenge(&mut self, k: usize, body: &[u8]) -> Result<(), ConnError> {
+        let lane = &mut self.lanes[k];
+        let Some(Auth::Connector(a)) = lane.auth.as_mut() else {
+            return Err(ConnError::Protocol("unexpected Challenge".into()));
+        };
+        let proof = a.handle_challenge(body).map_err(|e| {
+            ConnError::Protocol(format!("the listener failed to authenticate: {e}"))
+        })?;
+        lane.writer.push_ctrl(&proof);
+        Ok(())
+    }
+
+    /// A Welcome reached a connecting lane: its handshake must be complete. Returns the
+    /// session a `Data` handshake agreed.
+    fn finish_auth(&mut self, k: usize) -> Result<Option<Session>, ConnError> {
+        match self.lanes[k].auth.take() {
+            Some(Auth::Connector(a)) => a.finish().map_err(|e| ConnError::Protocol(e.to_string())),
+            _ => Err(ConnError::Protocol(
+                "Welcome on a lane that did not authenticate".into(),
+            )),
         }
     }
 
-    /// Refuses a connection that presented no valid token, and counts it.
-    fn refuse(&mut self, k: usize, now: Instant) {
+    /// Refuses a connection that failed to authenticate, and counts it.
+    fn refuse(&mut self, k: usize, why: &AuthError, now: Instant) {
         self.stats
             .rejected_connections
             .fetch_add(1, Ordering::Relaxed);
-        tracing::warn!("railover: refused a connection presenting a wrong comm token");
+        self.stats
+            .refused_handshakes
+            .fetch_add(1, Ordering::Relaxed);
+        self.leave_gate(k);
         let lane = &mut self.lanes[k];
+        lane.auth = None;
         let mut h = Header::new(Kind::Refuse, 0, 0);
-        h.aux = wire::REFUSE_TOKEN;
+        h.aux = wire::REFUSE_AUTH;
         lane.writer.push_ctrl(&h.encode());
         lane.role = Role::Closing;
         lane.deadline = Some(now + LINGER);
+        self.turned_away(&format!("refused its handshake: {why}"), now);
     }
 
     fn new_comm(
@@ -1100,7 +1315,7 @@ impl Reactor {
         side: Side,
         lane: usize,
         nic: usize,
-        token: [u8; 16],
+        session: Session,
     ) -> Arc<CommShared> {
         let entry = self.comms.vacant_entry();
         let key = entry.key();
@@ -1113,7 +1328,7 @@ impl Reactor {
             shared: shared.clone(),
             lane: Some(lane),
             machine,
-            token,
+            session,
             route: None,
             migrating: None,
             detected: None,
@@ -1122,6 +1337,7 @@ impl Reactor {
         let l = &mut self.lanes[lane];
         l.role = Role::Comm(key);
         l.deadline = None;
+        l.reader.enlarge();
         shared
     }
 
@@ -1227,8 +1443,8 @@ impl Reactor {
             self.router.remove_comm(routing::CommId(c));
             self.routes_dirty = true;
         }
-        if self.recv_by_token.get(&comm.token) == Some(&c) {
-            self.recv_by_token.remove(&comm.token);
+        if self.recv_by_id.get(&comm.session.id()) == Some(&c) {
+            self.recv_by_id.remove(&comm.session.id());
         }
         let reason = || Error::InvalidArgument("comm closed with the request outstanding".into());
         match comm.machine {
@@ -1318,6 +1534,14 @@ impl Reactor {
                 .deregister(&mut mio::unix::SourceFd(&fd));
         }
     }
+}
+
+/// Fresh randomness for one handshake.
+fn fresh_random() -> Result<auth::Random, ConnError> {
+    let mut r = [0u8; 64];
+    getrandom::getrandom(&mut r)
+        .map_err(|e| ConnError::Io(format!("no randomness for a handshake: {e}")))?;
+    Ok(r)
 }
 
 #[cfg(test)]

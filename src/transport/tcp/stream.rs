@@ -15,8 +15,10 @@ use crate::ffi::buffer::UserBuf;
 
 /// Bytes moved per call before yielding to other lanes.
 const BUDGET: usize = 8 << 20;
-/// Staging buffer: holds many small frames per `read`.
+/// Staging buffer of an authenticated lane: holds many small frames per `read`.
 const STAGING: usize = 256 << 10;
+/// Staging buffer before that: room for one handshake frame (header plus `MAX_BODY`).
+const HANDSHAKE_STAGING: usize = 8 << 10;
 /// Payload remainders at least this large bypass staging.
 const DIRECT_MIN: usize = 16 << 10;
 
@@ -57,10 +59,14 @@ enum State {
     },
 }
 
-/// Incremental frame parser for one lane.
+/// Incremental frame parser for one lane. It starts with no buffer at all and a small
+/// one once bytes arrive, so connections that never authenticate cost little memory;
+/// [`FrameReader::enlarge`] gives an authenticated lane its full staging buffer.
 #[derive(Debug)]
 pub struct FrameReader {
     buf: Box<[u8]>,
+    /// What `buf` grows to at the next read.
+    size: usize,
     start: usize,
     end: usize,
     state: State,
@@ -71,7 +77,8 @@ pub struct FrameReader {
 impl Default for FrameReader {
     fn default() -> Self {
         FrameReader {
-            buf: vec![0; STAGING].into_boxed_slice(),
+            buf: Box::default(),
+            size: HANDSHAKE_STAGING,
             start: 0,
             end: 0,
             state: State::Header,
@@ -209,13 +216,30 @@ impl FrameReader {
         self.more
     }
 
+    /// The lane is authenticated: stage through the full buffer from the next read on.
+    pub fn enlarge(&mut self) {
+        self.size = STAGING;
+    }
+
+    /// Bytes of staging buffer held now.
+    pub fn staging_capacity(&self) -> usize {
+        self.buf.len()
+    }
+
     /// Bytes read from the socket so far: byte-level progress, even inside a payload.
     pub fn total_read(&self) -> u64 {
         self.total
     }
 
     fn fill(&mut self, sock: &mut impl Read) -> io::Result<Fill> {
-        if self.start == self.end {
+        if self.buf.len() < self.size {
+            let mut grown = vec![0; self.size].into_boxed_slice();
+            let n = self.end - self.start;
+            grown[..n].copy_from_slice(&self.buf[self.start..self.end]);
+            self.buf = grown;
+            self.start = 0;
+            self.end = n;
+        } else if self.start == self.end {
             self.start = 0;
             self.end = 0;
         } else if self.end == self.buf.len() {
@@ -231,7 +255,14 @@ impl FrameReader {
                     self.total += n as u64;
                     Ok(Fill::Got)
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Fill::WouldBlock),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if self.start == self.end && self.size < STAGING {
+                        // Not authenticated and nothing staged: hold no buffer while idle.
+                        self.buf = Box::default();
+                        (self.start, self.end) = (0, 0);
+                    }
+                    Ok(Fill::WouldBlock)
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => Err(e),
             };
@@ -401,6 +432,50 @@ mod tests {
 
     fn heap_buf(v: &mut [u8]) -> UserBuf {
         UserBuf::of_slice(v)
+    }
+
+    #[test]
+    fn no_staging_buffer_until_bytes_arrive_and_full_size_only_when_enlarged() {
+        let mut wire = Vec::new();
+        for seq in 0..400 {
+            wire.extend_from_slice(&Header::new(Kind::Ack, seq, 0).encode());
+        }
+        let mut sock = Trickle {
+            data: wire,
+            pos: 0,
+            chunk: 1 << 20,
+            block_next: true,
+        };
+        let mut r = FrameReader::default();
+        assert_eq!(r.next(&mut sock).unwrap(), None);
+        assert_eq!(
+            r.staging_capacity(),
+            0,
+            "an idle connection holds no buffer"
+        );
+        let mut seen = 0;
+        // 400 frames do not fit the small buffer: some stay unread until it grows.
+        while let Some(Inbound::Frame(h, _)) = r.next(&mut sock).unwrap() {
+            assert_eq!(h.seq, seen);
+            seen += 1;
+        }
+        assert_eq!(r.staging_capacity(), HANDSHAKE_STAGING);
+        assert_eq!(seen as usize, HANDSHAKE_STAGING / HEADER_LEN);
+        r.enlarge();
+        for _ in 0..10 {
+            while let Some(item) = r.next(&mut sock).unwrap() {
+                match item {
+                    Inbound::Frame(h, _) => {
+                        assert_eq!(h.seq, seen, "bytes staged before growing survive it");
+                        seen += 1;
+                    }
+                    Inbound::Eof => break,
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+        assert_eq!(seen, 400);
+        assert_eq!(r.staging_capacity(), STAGING);
     }
 
     #[test]
