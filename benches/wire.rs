@@ -15,8 +15,11 @@ fn frames(c: &mut Criterion) {
         b.iter(|| Header::decode(black_box(&bytes)).expect("valid header"))
     });
     let hello = Hello {
-        token: [7; 16],
         purpose: Purpose::Data,
+        comm: [0; 16],
+        nonce: [7; 32],
+        eph: [9; 32],
+        epoch: 0,
         nics: (0..4)
             .map(|i| NicAddr {
                 addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 77, i, 1)), 40_000),

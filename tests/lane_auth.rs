@@ -190,6 +190,7 @@ fn strangers_with_the_handle_or_a_recording_cannot_take_a_comm() {
         comm: id.0,
         nonce: [nonce; 32],
         eph: [0; 32],
+        epoch: 1,
         nics: vec![],
     };
     silent.write_all(&migrate(1).encode()).unwrap();

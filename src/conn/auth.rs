@@ -89,6 +89,8 @@ pub enum AuthError {
     WeakKey,
     #[error("{0} out of order")]
     OutOfOrder(&'static str),
+    #[error("a replacement lane older than the one in use (attempt {offered}, in use {current})")]
+    Stale { offered: u64, current: u64 },
 }
 
 const TRANSCRIPT: &[u8] = b"railover lane v2";
@@ -205,6 +207,7 @@ impl Initiator {
             comm: [0; 16],
             nonce,
             eph: PublicKey::from(&secret).to_bytes(),
+            epoch: 0,
             nics,
         };
         Self::start(hello, token_key(token), Some(secret))
@@ -214,6 +217,7 @@ impl Initiator {
     pub fn resume(
         purpose: Purpose,
         session: &Session,
+        epoch: u64,
         nics: Vec<NicAddr>,
         random: &Random,
     ) -> (Initiator, Vec<u8>) {
@@ -223,6 +227,7 @@ impl Initiator {
             comm: session.id.0,
             nonce,
             eph: [0; 32],
+            epoch,
             nics,
         };
         Self::start(hello, session.key, None)
@@ -282,6 +287,8 @@ pub struct Accepted {
     pub comm: CommId,
     /// The new comm's session (`Data` only).
     pub session: Option<Session>,
+    /// A migration's attempt number (see [`Hello::epoch`]), authenticated with the rest.
+    pub epoch: u64,
     pub nics: Vec<NicAddr>,
 }
 
@@ -366,6 +373,7 @@ impl Responder {
                 purpose: hello.purpose,
                 comm,
                 session,
+                epoch: hello.epoch,
                 nics: hello.nics,
             },
         };
@@ -574,15 +582,15 @@ mod tests {
     fn probes_and_migrations_need_the_session_not_the_token() {
         let (sender, receiver) = connect(1);
         for purpose in [Purpose::Probe, Purpose::Migrate] {
-            // The real sender.
-            let (mut i, hello) = Initiator::resume(purpose, &sender, nics(), &random(3));
+            // The real sender, on its seventh replacement attempt.
+            let (mut i, hello) = Initiator::resume(purpose, &sender, 7, nics(), &random(3));
             let mut r = Responder::default();
             let ch = r
                 .handle_hello(body(&hello), session_lookup(&receiver), &random(4))
                 .unwrap();
             let proof = i.handle_challenge(body(&ch)).unwrap();
             let a = r.handle_proof(body(&proof)).unwrap();
-            assert_eq!((a.purpose, a.comm), (purpose, receiver.id()));
+            assert_eq!((a.purpose, a.comm, a.epoch), (purpose, receiver.id(), 7));
             assert!(a.session.is_none());
             assert_eq!(i.finish().unwrap(), None);
 
@@ -591,7 +599,7 @@ mod tests {
                 id: receiver.id(),
                 key: token_key(&TOKEN),
             };
-            let (mut i, hello) = Initiator::resume(purpose, &forged, nics(), &random(5));
+            let (mut i, hello) = Initiator::resume(purpose, &forged, 1, nics(), &random(5));
             let mut r = Responder::default();
             let ch = r
                 .handle_hello(body(&hello), session_lookup(&receiver), &random(6))

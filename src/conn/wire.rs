@@ -214,6 +214,10 @@ pub struct Hello {
     pub nonce: [u8; 32],
     /// Ephemeral X25519 public key (`Data`); zero otherwise.
     pub eph: [u8; 32],
+    /// A migration's attempt number, rising with each replacement lane the sender
+    /// opens: the receiver takes a replacement only if it is newer than the lane in use,
+    /// so one delayed in the network cannot displace a later one. Zero otherwise.
+    pub epoch: u64,
     pub nics: Vec<NicAddr>,
 }
 
@@ -304,7 +308,7 @@ fn array<const N: usize>(b: &[u8], at: usize, what: &'static str) -> Result<[u8;
 }
 
 impl Hello {
-    const FIXED: usize = 1 + 16 + 32 + 32;
+    const FIXED: usize = 1 + 16 + 32 + 32 + 8;
 
     /// Header plus body, ready to write.
     pub fn encode(&self) -> Vec<u8> {
@@ -317,6 +321,7 @@ impl Hello {
         body.extend_from_slice(&self.comm);
         body.extend_from_slice(&self.nonce);
         body.extend_from_slice(&self.eph);
+        body.extend_from_slice(&self.epoch.to_le_bytes());
         encode_nics(&mut body, &self.nics);
         frame_with_body(Header::new(Kind::Hello, 0, 0), &body)
     }
@@ -332,6 +337,7 @@ impl Hello {
         let comm = array(body, 1, "comm id")?;
         let nonce = array(body, 17, "nonce")?;
         let eph = array(body, 49, "ephemeral key")?;
+        let epoch = u64::from_le_bytes(array(body, 81, "epoch")?);
         let (nics, rest) = decode_nics(&body[Self::FIXED..])?;
         if !rest.is_empty() {
             return Err(WireError::Malformed("trailing bytes after Hello"));
@@ -341,6 +347,7 @@ impl Hello {
             comm,
             nonce,
             eph,
+            epoch,
             nics,
         })
     }
@@ -483,6 +490,7 @@ mod tests {
             comm: [9; 16],
             nonce: [3; 32],
             eph: [4; 32],
+            epoch: 0x0102_0304_0506_0708,
             nics: nics.clone(),
         };
         let bytes = hello.encode();
@@ -521,6 +529,7 @@ mod tests {
             comm: [0; 16],
             nonce: [1; 32],
             eph: [2; 32],
+            epoch: 0,
             nics: vec![],
         }
         .encode();

@@ -158,6 +158,9 @@ impl Reactor {
             }
             Role::Migrating { comm, mv } => {
                 let (c, mv) = (*comm, *mv);
+                // Reset, so that nothing the kernel still holds (a Proof) reaches the
+                // receiver later and displaces the lane that replaces this one.
+                let _ = socket2::SockRef::from(&lane.sock).set_linger(Some(Duration::ZERO));
                 tracing::warn!(
                     "railover: comm {c}: replacement lane {} failed: {error}",
                     mv.to
@@ -287,9 +290,24 @@ impl Reactor {
         self.pump(c);
     }
 
-    /// Receive side: the sender opened a replacement lane for comm `c`.
-    pub(super) fn attach_replacement(&mut self, c: usize, k: usize, now: Instant) {
+    /// Receive side: the sender opened replacement lane `k`, its attempt `epoch`, for
+    /// comm `c`. One older than the lane in use (held up in the network while the sender
+    /// moved on) is refused: taking it would retire the live lane for a dead one.
+    pub(super) fn attach_replacement(&mut self, c: usize, k: usize, epoch: u64, now: Instant) {
         let comm = &mut self.comms[c];
+        if epoch <= comm.epoch {
+            let current = comm.epoch;
+            self.refuse(
+                k,
+                &AuthError::Stale {
+                    offered: epoch,
+                    current,
+                },
+                now,
+            );
+            return;
+        }
+        comm.epoch = epoch;
         let old = comm.lane.replace(k);
         comm.stranded = None;
         let delivered = match &mut comm.machine {
@@ -473,11 +491,13 @@ impl Reactor {
         &self,
         purpose: Purpose,
         session: &Session,
+        epoch: u64,
     ) -> Result<(Initiator, Vec<u8>), ConnError> {
         let random = fresh_random()?;
         Ok(Initiator::resume(
             purpose,
             session,
+            epoch,
             self.wire.clone(),
             &random,
         ))
@@ -519,24 +539,17 @@ impl Reactor {
             .comms
             .iter()
             .find(|(_, c)| c.route.is_some_and(|r| r.current.peer == pair.peer))
-            .and_then(|(_, c)| self.opener(Purpose::Probe, &c.session).ok());
+            .and_then(|(_, c)| self.opener(Purpose::Probe, &c.session, 0).ok());
         let Some(hello) = hello else {
             self.probe_failed(pair, now);
             return;
         };
         let limit = self.probe_deadline(pair.local.0 as usize, retry);
         let role = Role::Probe { pair, started: now };
-        match self.connect_pair(pair, hello, role, now, limit) {
-            Some(k) => {
-                // The payload must cross within the deadline: connecting is not enough
-                // (a browned-out link still connects).
-                let n = self.setup.probe_bytes;
-                let lane = &mut self.lanes[k];
-                lane.writer
-                    .push_ctrl(&Header::new(Kind::Data, 0, n as u64).encode());
-                lane.writer.push_ctrl(&vec![0u8; n]);
-            }
-            None => self.probe_failed(pair, now),
+        // The payload (sent after the Proof, see `challenge`) must cross within the
+        // deadline: connecting is not enough (a browned-out link still connects).
+        if self.connect_pair(pair, hello, role, now, limit).is_none() {
+            self.probe_failed(pair, now);
         }
     }
 
@@ -595,9 +608,14 @@ impl Reactor {
             comm.detected.get_or_insert((now, reason));
         }
         if let Some(old) = comm.migrating.take() {
+            if let Some(l) = self.lanes.get(old) {
+                let _ = socket2::SockRef::from(&l.sock).set_linger(Some(Duration::ZERO));
+            }
             self.drop_lane(old);
         }
-        let hello = self.opener(Purpose::Migrate, &self.comms[c].session);
+        self.comms[c].epoch += 1;
+        let comm = &self.comms[c];
+        let hello = self.opener(Purpose::Migrate, &comm.session, comm.epoch);
         let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
         let role = Role::Migrating { comm: c, mv };
         match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit)) {

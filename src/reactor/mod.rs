@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use slab::Slab;
 
 use crate::conn::auth::{self, AuthError, CommId, Initiator, Responder, Secret, Session};
-use crate::conn::health::Progress;
+use crate::conn::health::{Progress, MAX_PROBE_DEADLINE};
 use crate::conn::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
 use crate::conn::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
@@ -83,9 +83,6 @@ const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
 /// Connections one listener accepts per reactor turn: between batches the reactor reads
 /// the Hellos that arrived, so a flood cannot evict a real handshake before it is seen.
 const ACCEPT_BATCH: usize = 32;
-/// Largest probe payload a listener sinks before the prober has proven its key (the
-/// `RAILOVER_PROBE_BYTES` bound).
-const MAX_PREAUTH_PROBE: u64 = 64 << 20;
 /// How long a closed comm's lane may keep flushing its last acks.
 const LINGER: Duration = Duration::from_secs(2);
 
@@ -438,6 +435,9 @@ struct Comm {
     machine: Machine,
     /// The session secret its first handshake agreed; migrations and probes prove it.
     session: Session,
+    /// The attempt number of the newest replacement lane: the sender counts its
+    /// attempts, the receiver keeps the one in use and refuses older ones.
+    epoch: u64,
     /// Send side: the comm is registered with the router.
     route: Option<Route>,
     /// Send side: the replacement lane being set up.
@@ -457,8 +457,8 @@ struct Route {
 #[derive(Debug)]
 enum Role {
     /// Accepted and not yet authenticated (see `Lane::auth`). `listener` is the NCCL
-    /// listen id, or `None` for a failover listener; `sunk`: a probe's payload arrived.
-    Handshake { listener: Option<u64>, sunk: bool },
+    /// listen id, or `None` for a failover listener.
+    Handshake { listener: Option<u64> },
     /// Connecting; waiting for the listener's `Welcome`.
     Connecting {
         pending: Arc<PendingConnect>,
@@ -906,10 +906,7 @@ impl Reactor {
                     if let Err(e) = tcp::tune_stream(&stream) {
                         tracing::debug!("railover: cannot tune an accepted socket: {e}");
                     }
-                    let role = Role::Handshake {
-                        listener,
-                        sunk: false,
-                    };
+                    let role = Role::Handshake { listener };
                     match self.add_lane(stream, role, now, PREAUTH_DEADLINE) {
                         Ok(k) => {
                             let (ticket, evict) = self.gate.admit(k, key);
@@ -1000,24 +997,11 @@ impl Reactor {
         }
         let lane = &mut self.lanes[k];
         match &lane.role {
-            Role::Handshake { listener, .. } => {
+            Role::Handshake { listener } => {
                 let listener = *listener;
-                let probing = matches!(&lane.auth, Some(Auth::Listener(r)) if r.purpose() == Some(Purpose::Probe));
                 match item {
                     Inbound::Frame(h, body) if h.kind == Kind::Hello => {
                         self.hello(k, listener, &body, now)
-                    }
-                    // A probe's payload follows its Hello and precedes its Proof; it is
-                    // read and dropped, and the Welcome waits for the Proof.
-                    Inbound::Data { len, .. } if probing && len <= MAX_PREAUTH_PROBE => {
-                        lane.reader.place(None);
-                        Ok(())
-                    }
-                    Inbound::PayloadDone { .. } => {
-                        if let Role::Handshake { sunk, .. } = &mut lane.role {
-                            *sunk = true;
-                        }
-                        Ok(())
                     }
                     Inbound::Eof => Err(ConnError::PeerClosed),
                     _ => Err(ConnError::Protocol("expected Hello".into())),
@@ -1209,12 +1193,12 @@ impl Reactor {
     /// become a comm, a probe's answer, or a comm's replacement lane.
     fn proof(&mut self, k: usize, body: &[u8], now: Instant) -> Result<(), ConnError> {
         let lane = &mut self.lanes[k];
-        let (Some(Auth::Listener(r)), Role::Handshake { listener, sunk }) =
+        let (Some(Auth::Listener(r)), Role::Handshake { listener }) =
             (lane.auth.as_mut(), &lane.role)
         else {
             return Err(ConnError::Protocol("unexpected Proof".into()));
         };
-        let (listener, sunk) = (*listener, *sunk);
+        let listener = *listener;
         let accepted = match r.handle_proof(body) {
             Ok(a) => a,
             Err(e) => {
@@ -1246,21 +1230,18 @@ impl Reactor {
                 );
                 shared.ready.lock().push_back(comm);
             }
-            Purpose::Probe if sunk => {
-                let welcome = Welcome {
-                    nics: self.wire.clone(),
-                }
-                .encode(0);
+            // Answer once the probe's payload, sent after the Proof, has crossed the
+            // path: a pair that connects but cannot move data is not healthy. The
+            // prober's own deadline decides; this one only bounds a prober that stops.
+            Purpose::Probe => {
                 let lane = &mut self.lanes[k];
-                lane.writer.push_ctrl(&welcome);
-                lane.role = Role::Closing;
-                lane.deadline = Some(now + LINGER);
+                lane.role = Role::ProbeSink;
+                // Later than the pre-authentication deadline it replaces, so the
+                // reactor's next deadline still comes first.
+                lane.deadline = Some(now + MAX_PROBE_DEADLINE + LINGER);
             }
-            // Answer once the probe's payload has crossed the path: a pair that
-            // connects but cannot move data is not healthy.
-            Purpose::Probe => self.lanes[k].role = Role::ProbeSink,
             Purpose::Migrate => match self.recv_by_id.get(&accepted.comm).copied() {
-                Some(c) => self.attach_replacement(c, k, now),
+                Some(c) => self.attach_replacement(c, k, accepted.epoch, now),
                 None => self.refuse(k, &AuthError::NotHere(Purpose::Migrate), now),
             },
         }
@@ -1268,6 +1249,8 @@ impl Reactor {
     }
 
     /// The connector's side of a Challenge: check the listener holds the key, prove ours.
+    /// A probe's payload follows its Proof: the listener reads it only once authenticated,
+    /// so the probe's own deadline, not the short pre-authentication one, judges it.
     fn challenge(&mut self, k: usize, body: &[u8]) -> Result<(), ConnError> {
         let lane = &mut self.lanes[k];
         let Some(Auth::Connector(a)) = lane.auth.as_mut() else {
@@ -1277,6 +1260,12 @@ impl Reactor {
             ConnError::Protocol(format!("the listener failed to authenticate: {e}"))
         })?;
         lane.writer.push_ctrl(&proof);
+        if matches!(lane.role, Role::Probe { .. }) {
+            let n = self.setup.probe_bytes;
+            lane.writer
+                .push_ctrl(&Header::new(Kind::Data, 0, n as u64).encode());
+            lane.writer.push_ctrl(&vec![0u8; n]);
+        }
         Ok(())
     }
 
@@ -1329,6 +1318,7 @@ impl Reactor {
             lane: Some(lane),
             machine,
             session,
+            epoch: 0,
             route: None,
             migrating: None,
             detected: None,
