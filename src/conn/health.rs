@@ -98,6 +98,16 @@ pub fn probe_rate(bytes: usize, elapsed: Duration, floor: Option<f64>) -> (f64, 
     (rate, floor.map_or(true, |f| rate >= f))
 }
 
+/// Whether a lane was backlogged through a sample interval: it had `before` bytes
+/// waiting (queued or unacknowledged) at the start, moved only `moved` bytes during the
+/// interval, less than what was waiting, and still has bytes waiting (`now`). A stream
+/// bound by latency (one small message in flight at a time, answered many times per
+/// interval) always has something in flight yet is never backlogged: it moves far more
+/// than ever waits, so its low byte rate is not mistaken for a failing link.
+pub fn backlogged(before: u64, moved: u64, now: u64) -> bool {
+    now > 0 && moved < before
+}
+
 /// The longest deadline a probe gets, however busy its NIC and however often it missed.
 pub const MAX_PROBE_DEADLINE: Duration = Duration::from_secs(4);
 
@@ -203,6 +213,20 @@ mod tests {
         assert!(probe_rate(262_144, 5000 * MS, None).1);
         // A zero elapsed time is not a division by zero.
         assert!(probe_rate(1, Duration::ZERO, Some(floor)).1);
+    }
+
+    #[test]
+    fn a_latency_bound_stream_is_not_backlogged_a_stuck_queue_is() {
+        // 0-byte round trips: a 24-byte frame in flight at every sample, thousands of
+        // them answered in between.
+        assert!(!backlogged(24, 360_000, 24));
+        // A brown-out: 4 MiB waiting, 25 kB moved, still waiting.
+        assert!(backlogged(4 << 20, 25_000, (4 << 20) - 25_000));
+        // A saturated healthy link is backlogged too (its rate then decides).
+        assert!(backlogged(8 << 20, 2_500_000, 8 << 20));
+        // Drained by the end of the interval, or nothing waited at its start.
+        assert!(!backlogged(4 << 20, 25_000, 0));
+        assert!(!backlogged(0, 0, 512));
     }
 
     #[test]

@@ -682,15 +682,15 @@ impl Reactor {
             let unacked = crate::ffi::sys::tcp_send_queue(&lane.sock).unwrap_or(0);
             let delivered = lane.writer.total_written().saturating_sub(unacked);
             let queued = !lane.writer.is_empty();
-            let waiting = queued || unacked > 0;
-            // Waiting at both ends of the interval: the lane was backlogged through it.
-            let backlogged = lane.backlogged && waiting;
-            lane.backlogged = waiting;
+            let waiting = lane.writer.queued_bytes() + unacked;
+            let moved = delivered.saturating_sub(lane.progress.last_total());
+            let backlogged = health::backlogged(lane.waiting, moved, waiting);
+            lane.waiting = waiting;
             if let Some(nic) = lane.nic {
                 shares.push(LaneSample {
                     key: k,
                     nic,
-                    bytes: delivered.saturating_sub(lane.progress.last_total()),
+                    bytes: moved,
                     backlogged,
                 });
             }

@@ -498,8 +498,9 @@ struct Lane {
     nic: Option<usize>,
     last_rx: Instant,
     last_tx: Instant,
-    /// Whether data was queued at the last tick, and the lane's progress history.
-    backlogged: bool,
+    /// Bytes waiting (queued or unacknowledged) at the last tick, and the lane's
+    /// progress history.
+    waiting: u64,
     progress: Progress,
 }
 
@@ -830,7 +831,7 @@ impl Reactor {
             nic: None,
             last_rx: now,
             last_tx: now,
-            backlogged: false,
+            waiting: 0,
             progress,
         });
         Ok(key)

@@ -297,6 +297,8 @@ pub struct FrameWriter {
     q: VecDeque<Chunk>,
     more: bool,
     total: u64,
+    /// Bytes ever queued; less `total`, what is still queued.
+    pushed: u64,
 }
 
 const MAX_IOV: usize = 64;
@@ -304,6 +306,7 @@ const MAX_IOV: usize = 64;
 impl FrameWriter {
     /// Queues control bytes (headers, handshake frames); coalesces with queued control bytes.
     pub fn push_ctrl(&mut self, bytes: &[u8]) {
+        self.pushed += bytes.len() as u64;
         if let Some(Chunk::Ctrl { bytes: last, .. }) = self.q.back_mut() {
             last.extend_from_slice(bytes);
         } else {
@@ -317,11 +320,9 @@ impl FrameWriter {
     /// Queues the first `len` bytes of `buf`.
     pub fn push_payload(&mut self, buf: UserBuf, len: usize) {
         if len > 0 {
-            self.q.push_back(Chunk::Payload {
-                buf,
-                off: 0,
-                end: len.min(buf.len()),
-            });
+            let end = len.min(buf.len());
+            self.pushed += end as u64;
+            self.q.push_back(Chunk::Payload { buf, off: 0, end });
         }
     }
 
@@ -342,6 +343,11 @@ impl FrameWriter {
     /// Bytes handed to the socket so far.
     pub fn total_written(&self) -> u64 {
         self.total
+    }
+
+    /// Bytes queued and not yet handed to the socket.
+    pub fn queued_bytes(&self) -> u64 {
+        self.pushed - self.total
     }
 
     /// Writes until the queue is empty, the socket would block, or the budget is spent.
@@ -602,13 +608,20 @@ mod tests {
                 chunk,
                 calls: 0,
             };
+            assert_eq!(w.queued_bytes(), expected.len() as u64);
             for _ in 0..1_000_000 {
                 if w.is_empty() {
                     break;
                 }
                 w.flush(&mut sink).unwrap();
+                assert_eq!(
+                    w.queued_bytes(),
+                    (expected.len() - sink.out.len()) as u64,
+                    "what is still queued, chunk {chunk}"
+                );
             }
             assert!(w.is_empty());
+            assert_eq!(w.queued_bytes(), 0);
             assert_eq!(sink.out, expected, "chunk {chunk}");
         }
     }
