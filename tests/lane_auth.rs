@@ -232,6 +232,25 @@ fn strangers_with_the_handle_or_a_recording_cannot_take_a_comm() {
         refused(),
         rejected()
     );
+    // Operators see the refusals: the reactor reports them to the metrics registry
+    // within its sampling interval.
+    let exported = || {
+        rt.telemetry
+            .render()
+            .lines()
+            .find_map(|l| l.strip_prefix("railover_handshakes_refused_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let end = deadline();
+    while exported() < (before + 3) as f64 {
+        assert!(
+            Instant::now() < end,
+            "railover_handshakes_refused_total stayed at {}",
+            exported()
+        );
+        std::thread::yield_now();
+    }
     // The comm keeps working, while the silent stranger is still attached.
     traffic(&s, &r, 50, 5);
     drop(silent);

@@ -848,6 +848,11 @@ impl Reactor {
             m.rejected
                 .take(st.rejected_connections.load(Ordering::Relaxed)),
         );
+        t.record_refused_handshakes(
+            m.refused
+                .take(st.refused_handshakes.load(Ordering::Relaxed)),
+        );
+        t.set_handshakes_pending(st.handshakes_pending.load(Ordering::Relaxed));
         t.record_protocol_errors(
             m.protocol_errors
                 .take(st.protocol_errors.load(Ordering::Relaxed)),

@@ -387,6 +387,7 @@ impl ReactorHandle {
                 replayed: Delta::default(),
                 duplicates: Delta::default(),
                 rejected: Delta::default(),
+                refused: Delta::default(),
                 protocol_errors: Delta::default(),
                 lane_failures: Delta::default(),
             },
@@ -573,6 +574,7 @@ struct MetricsState {
     replayed: Delta,
     duplicates: Delta,
     rejected: Delta,
+    refused: Delta,
     protocol_errors: Delta,
     lane_failures: Delta,
 }

@@ -60,6 +60,10 @@ pub const NO_ELIGIBLE_PAIR_TOTAL: &str = "railover_no_eligible_pair_total";
 pub const REACTOR_BUSY_RATIO: &str = "railover_reactor_busy_ratio";
 /// `railover_rejected_connections_total`.
 pub const REJECTED_CONNECTIONS_TOTAL: &str = "railover_rejected_connections_total";
+/// `railover_handshakes_refused_total`.
+pub const HANDSHAKES_REFUSED_TOTAL: &str = "railover_handshakes_refused_total";
+/// `railover_handshakes_pending`.
+pub const HANDSHAKES_PENDING: &str = "railover_handshakes_pending";
 /// `railover_protocol_errors_total`.
 pub const PROTOCOL_ERRORS_TOTAL: &str = "railover_protocol_errors_total";
 /// `railover_lane_failures_total`.
@@ -223,7 +227,21 @@ pub const METRICS: &[MetricSpec] = &[
         kind: MetricKind::Counter,
         labels: &[],
         unit: "connections",
-        help: "Incoming connections refused before a valid handshake (garbage or wrong comm token).",
+        help: "Incoming connections dropped before they authenticated (garbage, a failed handshake, the 2 s deadline or the handshake caps).",
+    },
+    MetricSpec {
+        name: HANDSHAKES_REFUSED_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        unit: "handshakes",
+        help: "Incoming lanes whose handshake failed to authenticate (wrong key, unknown comm, replayed, altered, or a replacement older than the lane in use).",
+    },
+    MetricSpec {
+        name: HANDSHAKES_PENDING,
+        kind: MetricKind::Gauge,
+        labels: &[],
+        unit: "connections",
+        help: "Incoming connections in their handshake now (capped per listener and in total).",
     },
     MetricSpec {
         name: PROTOCOL_ERRORS_TOTAL,
@@ -613,6 +631,16 @@ impl Telemetry {
     /// Connections refused since the last call (`ReactorStats::rejected_connections` delta).
     pub fn record_rejected(&self, n: u64) {
         metrics::counter!(REJECTED_CONNECTIONS_TOTAL).increment(n);
+    }
+
+    /// Failed handshakes since the last call (`ReactorStats::refused_handshakes` delta).
+    pub fn record_refused_handshakes(&self, n: u64) {
+        metrics::counter!(HANDSHAKES_REFUSED_TOTAL).increment(n);
+    }
+
+    /// Connections in their handshake now.
+    pub fn set_handshakes_pending(&self, n: u64) {
+        metrics::gauge!(HANDSHAKES_PENDING).set(n as f64);
     }
 
     /// Lanes closed for protocol errors since the last call (`ReactorStats::protocol_errors`).
