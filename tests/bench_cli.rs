@@ -74,7 +74,7 @@ fn bad_options_are_named_with_what_is_accepted() {
     assert_eq!(out.status.code(), Some(2));
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(
-        e.contains("--depth") && e.contains("\"0\"") && e.contains("1 … 32"),
+        e.contains("--depth") && e.contains("'0'") && e.contains("1 … 32"),
         "{e}"
     );
     let out = bench(&["--max-bytes", "lots"]);

@@ -6,6 +6,7 @@
 //! taken from the medians. Costs (CPU per GB, idle CPU, reactor wake-ups, memory) come
 //! from `/proc` of both processes.
 
+use std::ffi::OsString;
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
@@ -17,6 +18,7 @@ use railover::testbed::{Side, Testbed};
 use serde::Serialize;
 
 use crate::peer::{self, Peer};
+use crate::size;
 
 /// Registered receive memory one mode may hold per process at one size point: the depth
 /// is lowered for the largest sizes so 256 MiB × depth × comms stays within it.
@@ -27,22 +29,6 @@ const TARGET_BW: f64 = 0.9;
 const TARGET_BW_FROM: usize = 1 << 20;
 const TARGET_RTT: f64 = 1.5;
 const TARGET_IDLE_PCT: f64 = 1.0;
-
-const HELP: &str = "\
-usage: railover bench [options]
-  --min-bytes N     smallest message (default 8; K, M, G suffixes)
-  --max-bytes N     largest message (default 256M)
-  --step F          size factor between points: 2, 4, 8 or 16 (default 2)
-  --comms C         comms (and raw sockets) used at once (default 1)
-  --depth K         messages in flight per comm (default 8)
-  --reps R          repetitions of each measurement, at least 5 (default 7)
-  --testbed N       as root: two namespaces joined by N tc-shaped veth pairs
-  --rate MBIT       link rate on the testbed (default 1000)
-  --idle-seconds S  window of the idle-cost measurement (default 10)
-  --quick           a short smoke run (fewer sizes and bytes, 2 s idle window)
-  --json            one JSON document on stdout (a row per size point)
-  --markdown        the README table on stdout
-";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Opts {
@@ -87,96 +73,122 @@ impl Default for Opts {
     }
 }
 
-/// Parses `8`, `4K`, `1M`, `256M`, `1G` (binary multiples).
-pub fn parse_size(s: &str) -> Option<usize> {
-    let (num, mult) = match s.trim_end_matches(['B', 'b']).as_bytes().last()? {
-        b'K' | b'k' => (&s[..s.find(['K', 'k'])?], 1usize << 10),
-        b'M' | b'm' => (&s[..s.find(['M', 'm'])?], 1 << 20),
-        b'G' | b'g' => (&s[..s.find(['G', 'g'])?], 1 << 30),
-        _ => (s.trim_end_matches(['B', 'b']), 1),
+/// Options as given; `parse` applies `--quick`'s presets under them.
+#[derive(Debug, Clone, clap::Args)]
+#[command(
+    after_help = "Sizes: bytes, or K, M, G (powers of 1024, also KiB, MiB, GiB) or KB, MB, GB \
+(powers of 1000), as in 8, 64K, 1.5MiB.\n\
+Exit status: 0 measured (targets are reported, not judged), 1 the run failed, 2 usage."
+)]
+pub struct Args {
+    /// Smallest message, up to 1G [default: 8]
+    #[arg(long, value_name = "N", value_parser = message_size)]
+    pub min_bytes: Option<usize>,
+    /// Largest message, up to 1G [default: 256M; with --quick 16M]
+    #[arg(long, value_name = "N", value_parser = message_size)]
+    pub max_bytes: Option<usize>,
+    /// Size factor between points: 2, 4, 8 or 16 [default: 2; with --quick 8]
+    #[arg(long, value_name = "F", value_parser = step)]
+    pub step: Option<usize>,
+    /// Comms (and raw sockets) used at once, 1 … 64
+    #[arg(long, value_name = "C", default_value_t = 1, value_parser = int_in(1, 64))]
+    pub comms: usize,
+    /// Messages in flight per comm, 1 … 32
+    #[arg(long, value_name = "K", default_value_t = 8, value_parser = int_in(1, 32))]
+    pub depth: usize,
+    /// Repetitions of each measurement, 5 … 1000 [default: 7; with --quick 5]
+    #[arg(long, value_name = "R", value_parser = int_in(5, 1000))]
+    pub reps: Option<usize>,
+    /// As root: two namespaces joined by N tc-shaped veth pairs, 1 … 8
+    #[arg(long, value_name = "N", value_parser = int_in(1, 8))]
+    pub testbed: Option<usize>,
+    /// Link rate on the testbed, Mbit/s, 1 … 100000
+    #[arg(long, value_name = "MBIT", default_value_t = 1000, value_parser = int_in(1, 100_000))]
+    pub rate: usize,
+    /// Window of the idle-cost measurement, seconds in 0.5 … 600 [default: 10; with
+    /// --quick 2]
+    #[arg(long, value_name = "S", value_parser = idle_seconds)]
+    pub idle_seconds: Option<Duration>,
+    /// A short smoke run: fewer sizes and bytes, 2 s idle window (options given
+    /// explicitly still win)
+    #[arg(long)]
+    pub quick: bool,
+    /// One JSON document on stdout (a row per size point)
+    #[arg(long, overrides_with = "markdown")]
+    pub json: bool,
+    /// The README table on stdout
+    #[arg(long, overrides_with = "json")]
+    pub markdown: bool,
+    /// Set when the bench re-runs itself inside namespace A of its testbed.
+    #[arg(long, hide = true, value_name = "RAILS:NAMESPACE", value_parser = in_testbed)]
+    pub in_testbed: Option<(usize, String)>,
+}
+
+fn message_size(v: &str) -> Result<usize, String> {
+    let n = crate::size::parse_within(v, 1, 1 << 30)?;
+    usize::try_from(n).map_err(|e| e.to_string())
+}
+
+fn int_in(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
+    move |v| match v.parse::<usize>() {
+        Ok(n) if (lo..=hi).contains(&n) => Ok(n),
+        _ => Err(format!("expected an integer in {lo} … {hi}")),
+    }
+}
+
+fn step(v: &str) -> Result<usize, String> {
+    match v {
+        "2" | "4" | "8" | "16" => v.parse().map_err(|_| unreachable!("matched digits")),
+        _ => Err("expected 2, 4, 8 or 16".into()),
+    }
+}
+
+fn idle_seconds(v: &str) -> Result<Duration, String> {
+    match v.parse::<f64>() {
+        Ok(s) if (0.5..=600.0).contains(&s) => Ok(Duration::from_secs_f64(s)),
+        _ => Err("expected seconds in 0.5 … 600".into()),
+    }
+}
+
+fn in_testbed(v: &str) -> Result<(usize, String), String> {
+    let (n, ns) = v.split_once(':').ok_or("expected RAILS:NAMESPACE")?;
+    Ok((int_in(1, 8)(n)?, ns.to_string()))
+}
+
+/// The options with `--quick`'s presets applied under the ones given.
+pub fn parse(a: Args) -> Result<Opts, String> {
+    let d = Opts::default();
+    // Eight points from 8 B to 16 MiB, two of them at or above 1 MiB for the target.
+    let (max, step, reps, idle) = if a.quick {
+        (16 << 20, 8, 5, Duration::from_secs(2))
+    } else {
+        (d.max_bytes, d.step, d.reps, d.idle)
     };
-    num.parse::<usize>().ok()?.checked_mul(mult)
-}
-
-fn bad(opt: &str, v: &str, accepted: &str) -> String {
-    format!("railover bench: {opt} {v:?} is not valid: expected {accepted}")
-}
-
-pub fn parse(args: &[String]) -> Result<Opts, String> {
-    let mut o = Opts::default();
-    let (mut min, mut max, mut reps, mut idle) = (None, None, None, None);
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("railover bench: {name} needs a value"))
-        };
-        let int = |name: &str, v: &str, lo: usize, hi: usize| match v.parse::<usize>() {
-            Ok(n) if (lo..=hi).contains(&n) => Ok(n),
-            _ => Err(bad(name, v, &format!("an integer in {lo} … {hi}"))),
-        };
-        match a.as_str() {
-            "--min-bytes" | "--max-bytes" => {
-                let v = value(a)?;
-                let n = parse_size(&v)
-                    .filter(|n| (1..=1 << 30).contains(n))
-                    .ok_or_else(|| bad(a, &v, "a size from 1 to 1G (K, M, G suffixes)"))?;
-                if a == "--min-bytes" {
-                    min = Some(n)
-                } else {
-                    max = Some(n)
-                }
-            }
-            "--step" => {
-                let v = value(a)?;
-                o.step = match v.as_str() {
-                    "2" | "4" | "8" | "16" => v.parse().expect("matched digits"),
-                    _ => return Err(bad(a, &v, "2, 4, 8 or 16")),
-                };
-            }
-            "--comms" => o.comms = int(a, &value(a)?, 1, 64)?,
-            "--depth" => o.depth = int(a, &value(a)?, 1, 32)?,
-            "--reps" => reps = Some(int(a, &value(a)?, 5, 1000)?),
-            "--testbed" => o.testbed = Some(int(a, &value(a)?, 1, 8)?),
-            "--rate" => o.rate_mbit = int(a, &value(a)?, 1, 100_000)? as u64,
-            "--idle-seconds" => {
-                let v = value(a)?;
-                idle = Some(match v.parse::<f64>() {
-                    Ok(s) if (0.5..=600.0).contains(&s) => Duration::from_secs_f64(s),
-                    _ => return Err(bad(a, &v, "seconds in 0.5 … 600")),
-                });
-            }
-            "--quick" => o.quick = true,
-            "--json" => o.output = Output::Json,
-            "--markdown" => o.output = Output::Markdown,
-            "--in-testbed" => {
-                let v = value(a)?;
-                let (n, ns) = v
-                    .split_once(':')
-                    .ok_or_else(|| bad(a, &v, "RAILS:NAMESPACE"))?;
-                o.inside = Some((int(a, n, 1, 8)?, ns.to_string()));
-            }
-            "-h" | "--help" => return Err(HELP.to_string()),
-            other => return Err(format!("railover bench: unknown option {other:?}\n{HELP}")),
-        }
-    }
-    if o.quick {
-        // Eight points from 8 B to 16 MiB, two of them at or above 1 MiB for the target.
-        o.min_bytes = 8;
-        o.max_bytes = 16 << 20;
-        o.step = 8;
-        o.reps = 5;
-        o.idle = Duration::from_secs(2);
-    }
-    o.min_bytes = min.unwrap_or(o.min_bytes);
-    o.max_bytes = max.unwrap_or(o.max_bytes);
-    o.reps = reps.unwrap_or(o.reps);
-    o.idle = idle.unwrap_or(o.idle);
+    let o = Opts {
+        min_bytes: a.min_bytes.unwrap_or(d.min_bytes),
+        max_bytes: a.max_bytes.unwrap_or(max),
+        step: a.step.unwrap_or(step),
+        comms: a.comms,
+        depth: a.depth,
+        reps: a.reps.unwrap_or(reps),
+        testbed: a.testbed,
+        rate_mbit: a.rate as u64,
+        idle: a.idle_seconds.unwrap_or(idle),
+        quick: a.quick,
+        output: if a.json {
+            Output::Json
+        } else if a.markdown {
+            Output::Markdown
+        } else {
+            Output::Text
+        },
+        inside: a.in_testbed,
+    };
     if o.min_bytes > o.max_bytes {
         return Err(format!(
             "railover bench: --min-bytes {} is above --max-bytes {}",
-            o.min_bytes, o.max_bytes
+            size::format(o.min_bytes as u64),
+            size::format(o.max_bytes as u64)
         ));
     }
     Ok(o)
@@ -420,20 +432,18 @@ pub struct Report {
 
 // ---- the run -----------------------------------------------------------------------
 
-pub fn run(args: &[String]) -> i32 {
-    let o = match parse(args) {
+/// `raw` is what followed `bench` on the command line, passed on as given to the bench
+/// re-run inside the testbed.
+pub fn run(a: Args, raw: Vec<OsString>) -> i32 {
+    let o = match parse(a) {
         Ok(o) => o,
-        Err(e) if e == HELP => {
-            print!("{HELP}");
-            return 0;
-        }
         Err(e) => {
             eprintln!("{e}");
             return 2;
         }
     };
     if let Some(n) = o.testbed {
-        return on_testbed(n, &o, args);
+        return on_testbed(n, &o, &raw);
     }
     match measure(&o) {
         Ok(r) => {
@@ -448,7 +458,7 @@ pub fn run(args: &[String]) -> i32 {
 }
 
 /// Builds the testbed and runs the bench again inside namespace A, with its peer in B.
-fn on_testbed(rails: usize, o: &Opts, args: &[String]) -> i32 {
+fn on_testbed(rails: usize, o: &Opts, args: &[OsString]) -> i32 {
     if let Some(why) = railover::testbed::unavailable() {
         eprintln!("railover bench: --testbed needs root and iproute2: {why}");
         return 1;
@@ -464,12 +474,12 @@ fn on_testbed(rails: usize, o: &Opts, args: &[String]) -> i32 {
         eprintln!("railover bench: cannot find this executable");
         return 1;
     };
-    let mut inner: Vec<String> = Vec::new();
+    let mut inner: Vec<OsString> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         if a == "--testbed" {
             it.next();
-        } else {
+        } else if !a.to_str().is_some_and(|a| a.starts_with("--testbed=")) {
             inner.push(a.clone());
         }
     }
@@ -540,8 +550,8 @@ fn measure(o: &Opts) -> Result<Report, String> {
     note!(
         "railover bench: {} sizes {}..{}, {} comm(s), depth {}, {} reps, {} build, {}",
         sizes.len(),
-        human(o.min_bytes),
-        human(o.max_bytes),
+        size::format(o.min_bytes as u64),
+        size::format(o.max_bytes as u64),
         o.comms,
         o.depth,
         o.reps,
@@ -602,7 +612,7 @@ fn measure(o: &Opts) -> Result<Report, String> {
         let p = rig.point(size, o)?;
         note!(
             "  {:>9}  railover {:>7.3} GB/s  TCP {:>7.3} GB/s  ratio {:.2}  (spread {:.0}% / {:.0}%)",
-            human(size),
+            size::format(size as u64),
             p.plugin.algbw.median,
             p.tcp.algbw.median,
             p.ratio,
@@ -977,7 +987,7 @@ pub fn targets(points: &[Point], rtt: &RoundTrip, idle: &Idle) -> Vec<Target> {
                 value: Some(p.ratio),
                 limit: TARGET_BW,
                 met: Some(p.ratio >= TARGET_BW),
-                detail: format!("worst {:.2}x at {}", p.ratio, human(p.size)),
+                detail: format!("worst {:.2}x at {}", p.ratio, size::format(p.size as u64)),
             },
             None => Target {
                 name: format!("throughput >= {TARGET_BW:.2}x raw TCP at >= 1 MiB"),
@@ -1166,7 +1176,7 @@ fn markdown(r: &Report) -> String {
     for p in &r.points {
         s += &format!(
             "| {} | {} | {} | {:.1} | {} | {} | {:.0}% | {:.1} | {} | {} | {:.0}% | {:.2} | {:.2} |\n",
-            human(p.size),
+            size::format(p.size as u64),
             p.count,
             p.depth,
             p.plugin.time_us,
@@ -1199,40 +1209,28 @@ fn bw(x: f64) -> String {
     }
 }
 
-pub fn human(n: usize) -> String {
-    if n >= 1 << 30 && n % (1 << 30) == 0 {
-        format!("{} GiB", n >> 30)
-    } else if n >= 1 << 20 && n % (1 << 20) == 0 {
-        format!("{} MiB", n >> 20)
-    } else if n >= 1 << 10 && n % (1 << 10) == 0 {
-        format!("{} KiB", n >> 10)
-    } else {
-        format!("{n} B")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
 
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(String::from).collect()
-    }
-
-    #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("8"), Some(8));
-        assert_eq!(parse_size("4K"), Some(4096));
-        assert_eq!(parse_size("256M"), Some(256 << 20));
-        assert_eq!(parse_size("1G"), Some(1 << 30));
-        assert_eq!(parse_size("2MB"), Some(2 << 20));
-        assert_eq!(parse_size("x"), None);
-        assert_eq!(parse_size("M"), None);
+    /// The options as `railover bench ARGS` gives them, through the real command line.
+    fn parse_args(s: &str) -> Result<Opts, String> {
+        let argv = ["railover", "bench"]
+            .into_iter()
+            .chain(s.split_whitespace());
+        match crate::Cli::try_parse_from(argv)
+            .map_err(|e| e.to_string())?
+            .command
+        {
+            crate::Command::Bench(a) => parse(a),
+            c => panic!("parsed as {c:?}"),
+        }
     }
 
     #[test]
     fn default_sweep_is_8_bytes_to_256_mib_doubling() {
-        let o = parse(&[]).unwrap();
+        let o = parse_args("").unwrap();
         let s = sizes(o.min_bytes, o.max_bytes, o.step);
         assert_eq!(s.first(), Some(&8));
         assert_eq!(s.last(), Some(&(256 << 20)));
@@ -1247,30 +1245,63 @@ mod tests {
     }
 
     #[test]
-    fn quick_keeps_points_at_or_above_1_mib_and_narrowing_wins() {
-        let o = parse(&args("--quick")).unwrap();
+    fn quick_keeps_points_at_or_above_1_mib_and_given_options_win() {
+        let o = parse_args("--quick").unwrap();
         let s = sizes(o.min_bytes, o.max_bytes, o.step);
         assert!(s.iter().filter(|&&x| x >= 1 << 20).count() >= 2);
-        let o = parse(&args("--quick --max-bytes 64K")).unwrap();
-        assert_eq!(o.max_bytes, 64 << 10);
+        assert_eq!((o.step, o.reps, o.idle), (8, 5, Duration::from_secs(2)));
+        let o = parse_args("--quick --max-bytes 64K --step 2 --reps 9").unwrap();
+        assert_eq!((o.max_bytes, o.step, o.reps), (64 << 10, 2, 9));
+        let o = parse_args("--max-bytes 1.5MiB --min-bytes 1KB").unwrap();
+        assert_eq!((o.min_bytes, o.max_bytes), (1000, 1536 << 10));
+    }
+
+    #[test]
+    fn output_flags_and_testbed_re_entry() {
+        assert_eq!(parse_args("").unwrap().output, Output::Text);
+        assert_eq!(parse_args("--json").unwrap().output, Output::Json);
+        // As before clap: the last of the two wins.
+        assert_eq!(
+            parse_args("--json --markdown").unwrap().output,
+            Output::Markdown
+        );
+        assert_eq!(
+            parse_args("--markdown --json").unwrap().output,
+            Output::Json
+        );
+        let o = parse_args("--in-testbed 4:rv-b --testbed 2 --rate 200").unwrap();
+        assert_eq!(o.inside, Some((4, "rv-b".to_string())));
+        assert_eq!((o.testbed, o.rate_mbit), (Some(2), 200));
+        assert!(parse_args("--in-testbed 4").is_err());
     }
 
     #[test]
     fn bad_values_name_the_option_the_value_and_what_is_accepted() {
-        let e = parse(&args("--reps 3")).unwrap_err();
+        let e = parse_args("--reps 3").unwrap_err();
         assert!(
-            e.contains("--reps") && e.contains("\"3\"") && e.contains("5"),
+            e.contains("--reps") && e.contains("'3'") && e.contains("5 … 1000"),
             "{e}"
         );
-        let e = parse(&args("--step 3")).unwrap_err();
+        let e = parse_args("--step 3").unwrap_err();
         assert!(e.contains("--step") && e.contains("2, 4, 8 or 16"), "{e}");
-        let e = parse(&args("--min-bytes 1M --max-bytes 4K")).unwrap_err();
-        assert!(e.contains("--min-bytes"), "{e}");
-        let e = parse(&args("--comms")).unwrap_err();
-        assert!(e.contains("needs a value"), "{e}");
-        assert!(parse(&args("--frobnicate"))
-            .unwrap_err()
-            .contains("unknown option"));
+        let e = parse_args("--max-bytes 2G").unwrap_err();
+        assert!(e.contains("--max-bytes") && e.contains("1 GiB"), "{e}");
+        let e = parse_args("--min-bytes lots").unwrap_err();
+        assert!(e.contains("--min-bytes") && e.contains("K, M, G"), "{e}");
+        let e = parse_args("--idle-seconds 0.1").unwrap_err();
+        assert!(
+            e.contains("--idle-seconds") && e.contains("0.5 … 600"),
+            "{e}"
+        );
+        let e = parse_args("--min-bytes 1M --max-bytes 4K").unwrap_err();
+        assert!(
+            e.contains("--min-bytes 1 MiB is above --max-bytes 4 KiB"),
+            "{e}"
+        );
+        let e = parse_args("--comms").unwrap_err();
+        assert!(e.contains("--comms") && e.contains("value"), "{e}");
+        let e = parse_args("--frobnicate").unwrap_err();
+        assert!(e.contains("--frobnicate"), "{e}");
     }
 
     #[test]

@@ -15,23 +15,31 @@ use std::path::PathBuf;
 use railover::topology::report::{DoctorReport, DoctorSettings};
 use railover::topology::{PathType, RailRule, Topology};
 
-const USAGE: &str = "usage: railover doctor [--json] [--sysfs-root DIR] [--topo-file XML]
-  --json            print the report as JSON
-  --sysfs-root DIR  sysfs to read (default: $RAILOVER_SYSFS_ROOT, else /sys)
-  --topo-file XML   NCCL topology XML to take distances from (default: $NCCL_TOPO_FILE)
-settings: RAILOVER_RAILS=NIC:RAIL,...  RAILOVER_RAIL_RULE=same|any  \
-RAILOVER_DISTANCE_LIMIT=PIX|PXB|PHB|SYS";
+#[derive(Debug, Clone, Default, clap::Args)]
+#[command(
+    after_help = "Settings read from the environment: RAILOVER_RAILS=NIC:RAIL,...  \
+RAILOVER_RAIL_RULE=same|any  RAILOVER_DISTANCE_LIMIT=PIX|PXB|PHB|SYS\n\
+Exit status: 0 healthy; 1 when a NIC has no possible backup (or there is no NIC); 2 on a \
+bad argument, a bad setting or an unreadable topology."
+)]
+pub struct Args {
+    /// Print the report as JSON
+    #[arg(long)]
+    pub json: bool,
+    /// sysfs to read [default: $RAILOVER_SYSFS_ROOT, else /sys]
+    #[arg(long, value_name = "DIR")]
+    pub sysfs_root: Option<PathBuf>,
+    /// NCCL topology XML to take distances from [default: $NCCL_TOPO_FILE]
+    #[arg(long, value_name = "XML")]
+    pub topo_file: Option<PathBuf>,
+}
 
-/// Runs `railover doctor` with the arguments after `doctor`; returns the exit code.
-pub fn run(args: &[String]) -> i32 {
+/// Runs `railover doctor`; returns the exit code.
+pub fn run(args: &Args) -> i32 {
     let env = |k: &str| std::env::var(k).ok();
     match report(args, &env) {
-        Ok(Output::Help) => {
-            emit(&format!("{USAGE}\n"));
-            0
-        }
-        Ok(Output::Report { report, json }) => {
-            if json {
+        Ok(report) => {
+            if args.json {
                 match serde_json::to_string_pretty(&report) {
                     Ok(s) => emit(&format!("{s}\n")),
                     Err(e) => {
@@ -57,38 +65,17 @@ fn emit(text: &str) {
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }
 
-enum Output {
-    Help,
-    Report {
-        report: Box<DoctorReport>,
-        json: bool,
-    },
-}
-
 /// Everything but the printing: arguments and settings in, report out.
-fn report(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Output, String> {
-    let mut json = false;
-    let mut sysfs_root = env("RAILOVER_SYSFS_ROOT").filter(|s| !s.is_empty());
-    let mut topo_file = env("NCCL_TOPO_FILE").filter(|s| !s.is_empty());
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--json" => json = true,
-            "-h" | "--help" => return Ok(Output::Help),
-            "--sysfs-root" | "--topo-file" => {
-                let v = it
-                    .next()
-                    .ok_or_else(|| format!("{a} needs a value\n{USAGE}"))?
-                    .clone();
-                if a == "--sysfs-root" {
-                    sysfs_root = Some(v);
-                } else {
-                    topo_file = Some(v);
-                }
-            }
-            _ => return Err(format!("unknown argument {a:?}\n{USAGE}")),
-        }
-    }
+fn report(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> Result<Box<DoctorReport>, String> {
+    let from_env = |k: &str| env(k).filter(|s| !s.is_empty()).map(PathBuf::from);
+    let sysfs_root = args
+        .sysfs_root
+        .clone()
+        .or_else(|| from_env("RAILOVER_SYSFS_ROOT"));
+    let topo_file = args
+        .topo_file
+        .clone()
+        .or_else(|| from_env("NCCL_TOPO_FILE"));
     let settings = DoctorSettings {
         rail_rule: match env("RAILOVER_RAIL_RULE") {
             Some(v) => {
@@ -103,11 +90,12 @@ fn report(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Outpu
             None => PathType::Phb,
         },
     };
-    let root = PathBuf::from(sysfs_root.unwrap_or_else(|| "/sys".to_string()));
+    let root = sysfs_root.unwrap_or_else(|| PathBuf::from("/sys"));
     let live = Topology::discover(&root).map_err(|e| e.to_string())?;
     let mut topo = match topo_file {
-        Some(f) => {
-            let text = std::fs::read_to_string(&f)
+        Some(path) => {
+            let f = path.display().to_string();
+            let text = std::fs::read_to_string(&path)
                 .map_err(|e| format!("cannot read topology XML {f}: {e}"))?;
             let mut t = Topology::from_xml(&text, &f).map_err(|e| format!("{f}: {e}"))?;
             t.merge_live_state(&live);
@@ -117,10 +105,7 @@ fn report(args: &[String], env: &dyn Fn(&str) -> Option<String>) -> Result<Outpu
     };
     topo.apply_rail_env(env("RAILOVER_RAILS").as_deref())
         .map_err(|e| e.to_string())?;
-    Ok(Output::Report {
-        report: Box::new(DoctorReport::build(&topo, settings)),
-        json,
-    })
+    Ok(Box::new(DoctorReport::build(&topo, settings)))
 }
 
 #[cfg(test)]
@@ -128,7 +113,10 @@ mod tests {
     use super::*;
     use railover::topology::fixture::machines;
 
-    fn run_with(root: &std::path::Path, vars: &[(&str, &str)]) -> Result<Output, String> {
+    fn run_with(
+        root: &std::path::Path,
+        vars: &[(&str, &str)],
+    ) -> Result<Box<DoctorReport>, String> {
         let root = root.to_string_lossy().to_string();
         let vars: Vec<(String, String)> = vars
             .iter()
@@ -140,7 +128,7 @@ mod tests {
             }
             vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
         };
-        report(&[], &env)
+        report(&Args::default(), &env)
     }
 
     #[test]
@@ -167,7 +155,7 @@ mod tests {
     fn settings_reach_the_report() {
         let dir = tempfile::tempdir().unwrap();
         machines::dual_socket(dir.path()).unwrap();
-        let Ok(Output::Report { report, .. }) = run_with(
+        let Ok(report) = run_with(
             dir.path(),
             &[
                 ("RAILOVER_DISTANCE_LIMIT", "sys"),

@@ -426,7 +426,7 @@ impl State {
 }
 
 /// The child's side: a loop over commands from the parent.
-pub fn serve(_args: &[String]) -> i32 {
+pub fn serve() -> i32 {
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     let mut reply = |s: String| {

@@ -29,6 +29,8 @@
 
 use std::fmt::Write as _;
 
+use serde::Serialize;
+
 /// The inputs of the model.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Params {
@@ -82,6 +84,15 @@ pub enum Algorithm {
     Tree,
 }
 
+impl Algorithm {
+    fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::Tree => "tree",
+        }
+    }
+}
+
 impl Params {
     fn node_bytes_per_s(&self) -> f64 {
         f64::from(self.nics) * self.nic_gbps * 1e9 / 8.0
@@ -124,32 +135,81 @@ impl Params {
     }
 }
 
-const USAGE: &str = "usage: railover sim [--nics N] [--nodes P] [--size BYTES] [--rate GBPS] \
-[--latency-us US]
-  --nics N        NICs per node (default 8)
-  --nodes P       nodes, at least 2 (default 16)
-  --size BYTES    message size; suffixes K/M/G are powers of 1024, KB/MB/GB powers of 1000
-                  (default 1G)
-  --rate GBPS     rate of one NIC in Gb/s (default 400)
-  --latency-us US per-step latency in microseconds (default 5)";
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// NICs per node, at least 1
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = count_from(1))]
+    pub nics: u32,
+    /// Nodes, at least 2
+    #[arg(long, value_name = "P", default_value_t = 16, value_parser = count_from(2))]
+    pub nodes: u32,
+    /// All-reduce message size: bytes, or K, M, G, T (powers of 1024, also KiB …) or KB,
+    /// MB, GB, TB (powers of 1000)
+    #[arg(long, value_name = "BYTES", default_value = "1G", value_parser = message_size)]
+    pub size: u64,
+    /// Rate of one NIC in Gb/s, above 0
+    #[arg(long, value_name = "GBPS", default_value_t = 400.0, value_parser = rate, allow_negative_numbers = true)]
+    pub rate: f64,
+    /// Per-step latency in microseconds, 0 or more
+    #[arg(long, value_name = "US", default_value_t = 5.0, value_parser = latency_us, allow_negative_numbers = true)]
+    pub latency_us: f64,
+    /// Print the table as JSON
+    #[arg(long)]
+    pub json: bool,
+}
 
-/// Runs `railover sim` with the arguments after `sim`; returns the exit code (0, or 2 on a
-/// bad argument).
-pub fn run(args: &[String]) -> i32 {
-    match parse_args(args) {
-        Ok(Some(p)) => {
-            emit(&render(&p));
-            0
-        }
-        Ok(None) => {
-            emit(&format!("{USAGE}\n"));
-            0
-        }
-        Err(e) => {
-            eprintln!("railover sim: {e}\n{USAGE}");
-            2
+impl Args {
+    pub fn params(&self) -> Params {
+        Params {
+            nics: self.nics,
+            nodes: self.nodes,
+            bytes: self.size as f64,
+            nic_gbps: self.rate,
+            latency_s: self.latency_us / 1e6,
         }
     }
+}
+
+fn count_from(lo: u32) -> impl Fn(&str) -> Result<u32, String> + Clone {
+    move |v| match v.parse::<u32>() {
+        Ok(n) if n >= lo => Ok(n),
+        _ => Err(format!("expected an integer from {lo}")),
+    }
+}
+
+fn message_size(v: &str) -> Result<u64, String> {
+    crate::size::parse_within(v, 1, u64::MAX)
+}
+
+fn rate(v: &str) -> Result<f64, String> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .ok_or_else(|| "expected Gb/s above 0".into())
+}
+
+fn latency_us(v: &str) -> Result<f64, String> {
+    v.parse::<f64>()
+        .ok()
+        .filter(|l| l.is_finite() && *l >= 0.0)
+        .ok_or_else(|| "expected microseconds, 0 or more".into())
+}
+
+/// Runs `railover sim`; returns the exit code (0: usage errors end in clap).
+pub fn run(a: &Args) -> i32 {
+    let p = a.params();
+    if a.json {
+        match serde_json::to_string_pretty(&Report::of(&p)) {
+            Ok(s) => emit(&format!("{s}\n")),
+            Err(e) => {
+                eprintln!("railover sim: cannot encode JSON: {e}");
+                return 1;
+            }
+        }
+    } else {
+        emit(&render(&p));
+    }
+    0
 }
 
 /// Writes to stdout; a closed pipe (`railover sim | head`) is not an error worth a panic.
@@ -158,93 +218,61 @@ fn emit(text: &str) {
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }
 
-/// Parses the arguments; `Ok(None)` for `--help`.
-fn parse_args(args: &[String]) -> Result<Option<Params>, String> {
-    let mut p = Params {
-        nics: 8,
-        nodes: 16,
-        bytes: 1024.0 * 1024.0 * 1024.0,
-        nic_gbps: 400.0,
-        latency_s: 5e-6,
-    };
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        if flag == "-h" || flag == "--help" {
-            return Ok(None);
-        }
-        let value = it
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value"))?
-            .as_str();
-        let bad = |what: &str| format!("{flag} {value:?} is not valid; accepted: {what}");
-        match flag.as_str() {
-            "--nics" => {
-                p.nics = value
-                    .parse()
-                    .ok()
-                    .filter(|&n| n >= 1)
-                    .ok_or_else(|| bad("an integer from 1"))?
-            }
-            "--nodes" => {
-                p.nodes = value
-                    .parse()
-                    .ok()
-                    .filter(|&n| n >= 2)
-                    .ok_or_else(|| bad("an integer from 2"))?
-            }
-            "--size" => {
-                p.bytes = parse_size(value)
-                    .ok_or_else(|| bad("a positive byte count, e.g. 4096, 64K, 1G or 1GB"))?
-            }
-            "--rate" => p.nic_gbps = positive(value).ok_or_else(|| bad("Gb/s above 0"))?,
-            "--latency-us" => {
-                p.latency_s = value
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|l| l.is_finite() && *l >= 0.0)
-                    .ok_or_else(|| bad("microseconds, 0 or more"))?
-                    * 1e-6
-            }
-            _ => return Err(format!("unknown argument {flag:?}")),
+/// The table of `render`, for `--json`.
+#[derive(Debug, Serialize)]
+struct Report {
+    nics: u32,
+    nodes: u32,
+    bytes: f64,
+    nic_gbps: f64,
+    latency_us: f64,
+    algorithm: &'static str,
+    healthy_ring_s: f64,
+    healthy_tree_s: f64,
+    states: Vec<Row>,
+}
+
+/// One state; the figures are `null` when no NIC survives (the job fails).
+#[derive(Debug, Serialize)]
+struct Row {
+    state: &'static str,
+    time_s: Option<f64>,
+    slowdown: Option<f64>,
+    /// Share of the node's traffic the busiest NIC carries.
+    busiest_nic_share: Option<f64>,
+}
+
+impl Report {
+    fn of(p: &Params) -> Report {
+        Report {
+            nics: p.nics,
+            nodes: p.nodes,
+            bytes: p.bytes,
+            nic_gbps: p.nic_gbps,
+            latency_us: p.latency_s * 1e6,
+            algorithm: p.algorithm().name(),
+            healthy_ring_s: p.ring_time(1.0),
+            healthy_tree_s: p.tree_time(1.0),
+            states: State::ALL
+                .iter()
+                .map(|&s| Row {
+                    state: s.label(),
+                    time_s: p.time(s),
+                    slowdown: p.slowdown(s),
+                    busiest_nic_share: s.load_factor(p.nics).map(|f| f / f64::from(p.nics)),
+                })
+                .collect(),
         }
     }
-    Ok(Some(p))
-}
-
-fn positive(s: &str) -> Option<f64> {
-    s.parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0)
-}
-
-/// `4096`, `64K`/`64KiB` (×1024), `64KB` (×1000), likewise M and G.
-fn parse_size(s: &str) -> Option<f64> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let mult = match unit.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 1.0,
-        "K" | "KIB" => 1024.0,
-        "M" | "MIB" => 1024.0 * 1024.0,
-        "G" | "GIB" => 1024.0 * 1024.0 * 1024.0,
-        "KB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        _ => return None,
-    };
-    positive(num).map(|n| n * mult)
 }
 
 fn render(p: &Params) -> String {
     let mut o = String::new();
-    let algo = match p.algorithm() {
-        Algorithm::Ring => "ring",
-        Algorithm::Tree => "tree",
-    };
+    let algo = p.algorithm().name();
     let _ = writeln!(
         o,
         "all-reduce of {} over {} nodes x {} NICs at {} Gb/s per NIC, per-step latency {} us",
-        fmt_bytes(p.bytes),
+        crate::size::format(p.bytes as u64),
         p.nodes,
         p.nics,
         p.nic_gbps,
@@ -295,17 +323,6 @@ fn render(p: &Params) -> String {
     o
 }
 
-fn fmt_bytes(b: f64) -> String {
-    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
-    let mut v = b;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.2} {}", UNITS[u])
-}
-
 fn fmt_time(s: f64) -> String {
     if s >= 1.0 {
         format!("{s:.3} s")
@@ -319,6 +336,7 @@ fn fmt_time(s: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
 
     fn close(a: f64, b: f64) {
         assert!((a - b).abs() <= 1e-9 * b.abs().max(1e-12), "{a} != {b}");
@@ -397,24 +415,67 @@ mod tests {
         assert!(render(&p).contains("the job fails"));
     }
 
+    fn parse_args(argv: &[&str]) -> Result<Args, String> {
+        let argv = ["railover", "sim"].iter().chain(argv);
+        match crate::Cli::try_parse_from(argv)
+            .map_err(|e| e.to_string())?
+            .command
+        {
+            crate::Command::Sim(a) => Ok(a),
+            c => panic!("parsed as {c:?}"),
+        }
+    }
+
     #[test]
-    fn sizes_and_argument_errors() {
-        assert_eq!(parse_size("4096"), Some(4096.0));
-        assert_eq!(parse_size("64K"), Some(65536.0));
-        assert_eq!(parse_size("1GB"), Some(1e9));
-        assert_eq!(parse_size("2MiB"), Some(2.0 * 1024.0 * 1024.0));
-        assert_eq!(parse_size("1X"), None);
-        assert_eq!(parse_size("0"), None);
-        let args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let e = parse_args(&args(&["--nodes", "1"])).unwrap_err();
+    fn defaults_sizes_and_argument_errors() {
+        let p = parse_args(&[]).unwrap().params();
+        assert_eq!((p.nics, p.nodes, p.bytes), (8, 16, (1u64 << 30) as f64));
+        assert_eq!((p.nic_gbps, p.latency_s), (400.0, 5e-6));
+        let e = parse_args(&["--nodes", "1"]).unwrap_err();
         assert!(
-            e.contains("--nodes") && e.contains("\"1\"") && e.contains("from 2"),
+            e.contains("--nodes") && e.contains("'1'") && e.contains("from 2"),
             "{e}"
         );
-        assert!(parse_args(&args(&["--bogus", "1"])).is_err());
-        let p = parse_args(&args(&["--nics", "4", "--size", "1M", "--rate", "200"]))
+        for (flag, bad) in [
+            ("--size", "0"),
+            ("--size", "1X"),
+            ("--rate", "0"),
+            ("--rate", "inf"),
+            ("--latency-us", "-1"),
+            ("--nics", "0"),
+        ] {
+            let e = parse_args(&[flag, bad]).unwrap_err();
+            assert!(e.contains(flag) && e.contains(&format!("'{bad}'")), "{e}");
+        }
+        assert!(parse_args(&["--bogus", "1"]).is_err());
+        let p = parse_args(&["--nics", "4", "--size", "1M", "--rate", "200"])
             .unwrap()
-            .unwrap();
+            .params();
         assert_eq!((p.nics, p.bytes, p.nic_gbps), (4, 1048576.0, 200.0));
+        let p = parse_args(&["--size", "1GB"]).unwrap().params();
+        assert_eq!(p.bytes, 1e9);
+    }
+
+    #[test]
+    fn json_carries_the_table() {
+        let p = Params {
+            nics: 4,
+            nodes: 4,
+            bytes: 1e9,
+            nic_gbps: 100.0,
+            latency_s: 5e-6,
+        };
+        let v = serde_json::to_value(Report::of(&p)).unwrap();
+        assert_eq!(v["algorithm"], "ring");
+        let states = v["states"].as_array().unwrap();
+        assert_eq!(states.len(), 3);
+        assert_eq!(states[2]["state"], "railover spread");
+        close(states[1]["time_s"].as_f64().unwrap(), 0.06003);
+        close(states[2]["slowdown"].as_f64().unwrap(), 0.04003 / 0.03003);
+        close(states[2]["busiest_nic_share"].as_f64().unwrap(), 1.0 / 3.0);
+        let one = Params { nics: 1, ..p };
+        let v = serde_json::to_value(Report::of(&one)).unwrap();
+        assert!(v["states"][1]["time_s"].is_null());
+        assert!(v["states"][0]["time_s"].as_f64().unwrap() > 0.0);
     }
 }
