@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::OnceLock;
 
 use railover::config::{Config, ConfigError};
 use railover::conn::auth::{
@@ -404,8 +405,14 @@ impl Read for Chunked<'_> {
 
 const TOKEN: [u8; 16] = *b"railover-fuzz-tk";
 
-/// The session of one honest handshake, for the probe and migration lookups.
+/// The session of one honest handshake, for the probe and migration lookups (made once:
+/// it costs more than most inputs).
 fn session() -> Session {
+    static SESSION: OnceLock<Session> = OnceLock::new();
+    SESSION.get_or_init(honest_session).clone()
+}
+
+fn honest_session() -> Session {
     let (mut i, hello) = Initiator::connect(&TOKEN, Vec::new(), &[1; 64]);
     let mut r = Responder::default();
     let ch = r
