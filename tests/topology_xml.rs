@@ -69,6 +69,18 @@ fn xml_rail_attributes_set_rails() {
 }
 
 #[test]
+fn xml_rail_beyond_what_the_handshake_carries_is_refused() {
+    let text = DGX_XML.replace("<net name=\"mlx5_", "<net rail=\"2147483648\" name=\"mlx5_");
+    let e = Topology::from_xml(&text, "big.xml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("2147483648") && e.contains("0 to 2147483647"),
+        "{e}"
+    );
+}
+
+#[test]
 fn partial_xml_rails_name_the_missing_nics() {
     let text = DGX_XML.replacen("<net name=\"mlx5_0\"", "<net rail=\"0\" name=\"mlx5_0\"", 1);
     match Topology::from_xml(&text, "partial.xml") {

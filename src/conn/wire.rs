@@ -447,6 +447,16 @@ mod tests {
     }
 
     #[test]
+    fn largest_rail_survives_the_nic_list() {
+        let nics = vec![NicAddr {
+            addr: "10.0.0.1:1".parse().unwrap(),
+            rail: Some(crate::topology::rails::MAX_RAIL),
+        }];
+        let f = Welcome { nics: nics.clone() }.encode(0);
+        assert_eq!(Welcome::decode(&f[HEADER_LEN..]).unwrap().nics, nics);
+    }
+
+    #[test]
     fn header_rejects_bad_input() {
         let good = Header::new(Kind::Data, 1, 2).encode();
         assert_eq!(Header::decode(&good[..23]), Err(WireError::Short("header")));

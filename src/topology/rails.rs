@@ -3,8 +3,8 @@
 //! A NIC's rail comes from, in order of precedence:
 //! 1. `RAILOVER_RAILS`: a comma-separated list of `NIC:RAIL` pairs, e.g.
 //!    `mlx5_0:0,mlx5_1:1`. `NIC` is a NIC name (`mlx5_0`, `mlx5_0:2` for port 2 of a
-//!    multi-port device) or its netdev name; `RAIL` a non-negative integer. It must name
-//!    every NIC of the node.
+//!    multi-port device) or its netdev name; `RAIL` an integer from 0 to 2147483647. It
+//!    must name every NIC of the node.
 //! 2. `rail` attributes in the topology XML (on `net`, or on `nic` for all its ports): if any
 //!    NIC has one, every NIC must.
 //! 3. The automatic rule: **the i-th NIC in PCI order is rail i** (ports of one device in
@@ -19,6 +19,10 @@ use serde::Serialize;
 use thiserror::Error;
 
 use super::{NicId, Topology};
+
+/// The largest rail number: the handshake carries a NIC's rail as a signed 32-bit number
+/// (-1 for none), so a larger one would reach the peer as no rail or as a malformed frame.
+pub const MAX_RAIL: u32 = i32::MAX as u32;
 
 /// Where the rails of a [`Topology`] came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -50,7 +54,8 @@ pub enum RailError {
     /// An entry is not `NIC:RAIL`.
     #[error(
         "{var}={value:?} is not valid: entry {entry:?} is not NIC:RAIL; accepted: a \
-         comma-separated list of NIC:RAIL pairs, RAIL a number from 0, e.g. mlx5_0:0,mlx5_1:1"
+         comma-separated list of NIC:RAIL pairs, RAIL a number from 0 to 2147483647, e.g. \
+         mlx5_0:0,mlx5_1:1"
     )]
     Syntax {
         var: String,
@@ -106,7 +111,7 @@ impl RailMap {
             let (nic, rail) = entry.rsplit_once(':').ok_or_else(syntax)?;
             let nic = nic.trim();
             let rail: u32 = rail.trim().parse().map_err(|_| syntax())?;
-            if nic.is_empty() {
+            if nic.is_empty() || rail > MAX_RAIL {
                 return Err(syntax());
             }
             map.insert(var, nic, rail)?;

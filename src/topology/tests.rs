@@ -334,6 +334,23 @@ fn rail_map_from_env_overrides_and_validates() {
 }
 
 #[test]
+fn rails_beyond_what_the_handshake_carries_are_refused() {
+    // A lane's Hello carries each rail as an i32 with -1 for none: 2^31 would make every
+    // handshake malformed, 2^32 - 1 would reach the peer as "no rail".
+    assert_eq!(
+        RailMap::parse("RAILOVER_RAILS", "eth0:2147483647")
+            .unwrap()
+            .entries(),
+        &[("eth0".to_string(), rails::MAX_RAIL)]
+    );
+    for big in ["2147483648", "4294967295"] {
+        let e = RailMap::parse("RAILOVER_RAILS", &format!("eth0:{big}")).unwrap_err();
+        assert!(matches!(e, RailError::Syntax { .. }), "{e}");
+        assert!(e.to_string().contains("0 to 2147483647"), "{e}");
+    }
+}
+
+#[test]
 fn backup_candidates_order_and_exclusions() {
     let (_d, t) = dgx();
     let n0 = nic(&t, "mlx5_0");

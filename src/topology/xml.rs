@@ -25,7 +25,7 @@ use roxmltree::{Document, Node};
 
 use super::graph::{pci_id, Graph, NodeIdx};
 use super::pci::{PciAddr, PcieLink};
-use super::rails::RailMap;
+use super::rails::{RailMap, MAX_RAIL};
 use super::{Gpu, LinkState, Nic, NicKind, Parts, TopologyError};
 
 /// NCCL's bandwidth for a NIC placed directly under a CPU (`LOC_BW`).
@@ -221,7 +221,15 @@ fn rail_attr(doc: &Document, el: Node) -> Result<Option<u32>, TopologyError> {
         .map(|r| {
             r.trim()
                 .parse::<u32>()
-                .map_err(|_| err(doc, el, &format!("rail {r:?} is not a number from 0")))
+                .ok()
+                .filter(|&n| n <= MAX_RAIL)
+                .ok_or_else(|| {
+                    err(
+                        doc,
+                        el,
+                        &format!("rail {r:?} is not a number from 0 to {MAX_RAIL}"),
+                    )
+                })
         })
         .transpose()
 }
