@@ -224,6 +224,7 @@ fn do_listen(
     if listen_comm.is_null() {
         return Err(Error::InvalidArgument("NULL listenComm".into()));
     }
+    c.check()?;
     let h = handle_mut(handle)?;
     let l = plugin::listen(c, dev, h)?;
     write(listen_comm, LISTENS.insert(l), "listenComm")
@@ -273,6 +274,7 @@ fn do_connect(
     send_comm: *mut Ptr,
 ) -> Result<(), Error> {
     write(send_comm, std::ptr::null_mut(), "sendComm")?;
+    c.check()?;
     let h = handle_mut(handle)?;
     if let Some(comm) = plugin::connect(c, dev, h)? {
         write(send_comm, COMMS.insert(comm), "sendComm")?;
