@@ -49,7 +49,8 @@ unsafe extern "C" fn init_v11(
 }
 
 unsafe extern "C" fn init_v10(log: NcclDebugLogger, _prof: NcclProfilerCallback) -> NcclResult {
-    init_v8(log)
+    // SAFETY: v8's `init` with the logger NCCL passed, which it only stores.
+    unsafe { init_v8(log) }
 }
 
 unsafe extern "C" fn init_v8(log: NcclDebugLogger) -> NcclResult {
@@ -384,7 +385,7 @@ fn do_isend(
         ));
     }
     // SAFETY: NCCL keeps `data[..size]` valid and untouched until `test` reports the
-    // request done (the isend contract).
+    // request done or the comm is closed (the isend contract), as `new` requires.
     let buf = unsafe { UserBuf::new(data, size) };
     if let Some(req) = plugin::isend(&comm, buf, &mr)? {
         write(request, REQUESTS.insert(req), "request")?;
@@ -459,7 +460,7 @@ fn do_irecv(
         ));
     }
     // SAFETY: NCCL keeps `buf[..size]` valid and leaves it alone until `test` reports the
-    // request done (the irecv contract).
+    // request done or the comm is closed (the irecv contract), as `new` requires.
     let ub = unsafe { UserBuf::new(buf, size) };
     if let Some(req) = plugin::irecv(&comm, ub, &mr)? {
         write(request, REQUESTS.insert(req), "request")?;

@@ -1199,9 +1199,12 @@ impl Reactor {
             }
             (Machine::Recv(m), Inbound::Data { seq, len }) => {
                 let dst = match m.handle_data(seq, len)? {
-                    Placement::Deliver { seq, .. } => {
-                        Some(m.message(seq).expect("delivering a posted receive").buf)
-                    }
+                    Placement::Deliver { seq, .. } => Some(
+                        m.message(seq)
+                            .expect("delivering a posted receive")
+                            .buf
+                            .lend(),
+                    ),
                     Placement::Discard { .. } => {
                         self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
                         None
@@ -1423,8 +1426,11 @@ impl Reactor {
                     while let Some(t) = m.poll_transmit() {
                         match t {
                             Transmit::Data { seq, len } => {
-                                let buf =
-                                    m.message(seq).expect("transmitting a queued message").buf;
+                                let buf = m
+                                    .message(seq)
+                                    .expect("transmitting a queued message")
+                                    .buf
+                                    .lend();
                                 lane.writer
                                     .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
                                 lane.writer.push_payload(buf, len as usize);
@@ -1657,8 +1663,7 @@ mod tests {
         let pending = Arc::new(PendingConnect::default());
         let queued = Arc::new(Request::new(comm.clone()));
         let close = Arc::new(Done::default());
-        // Safe only because the buffer is empty: nothing is ever read through it.
-        let empty = || UserBuf::of_slice(&mut []);
+        let empty = || UserBuf::of_slice(Vec::leak(Vec::new()));
         q.push(Command::Send {
             comm: comm.clone(),
             req: queued.clone(),
