@@ -223,8 +223,8 @@ pub struct Context {
 }
 
 impl Context {
-    /// `Err` (`ncclInternalError`) once the reactor thread has panicked: every call on the
-    /// context fails from then on, until it is finalised.
+    /// `Err` (`ncclInternalError`) once the reactor thread has panicked: `listen` and
+    /// `connect` on the context fail from then on, until it is finalised.
     pub fn check(&self) -> Result<(), Error> {
         self.runtime.reactor.queue.check()
     }
