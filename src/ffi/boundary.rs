@@ -1,6 +1,7 @@
 //! The panic barrier around every exported function: a panic becomes
 //! `ncclInternalError` and one WARN line, never an unwind into NCCL.
 
+use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::error;
@@ -13,15 +14,20 @@ pub fn guard(name: &'static str, body: impl FnOnce() -> Result<(), Error>) -> Nc
         Ok(Ok(())) => NCCL_SUCCESS,
         Ok(Err(e)) => error::report(name, &e),
         Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+            let what = panic_message(&*panic);
             tracing::warn!("railover {name}: internal panic caught at the NCCL boundary: {what}");
             NCCL_INTERNAL_ERROR
         }
     }
+}
+
+/// The text of a panic payload (`panic!` makes a `&str` or a `String`).
+pub fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 #[cfg(test)]

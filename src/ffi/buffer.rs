@@ -1,11 +1,17 @@
 //! Memory NCCL lends the plugin for the life of a request.
+//!
+//! [`UserBuf`] is the request's one handle on that memory: move-only, made only by the
+//! `unsafe` [`UserBuf::new`] in `ffi`, and kept with the request by the reactor. The frame
+//! reader and writer copy into and out of it through [`LentBuf`] views of it. Neither
+//! type is `Clone`.
+//!
+//! Reading and writing through a [`LentBuf`] is safe code that relies on the contract of
+//! [`UserBuf::new`]; the reactor keeps its side of it (see there).
 
 use std::ffi::c_void;
 
-/// A buffer NCCL passed to `isend`/`irecv`. NCCL keeps it valid and leaves it alone until
-/// `test` reports the request done; the reactor is the only plugin code that touches it
-/// in that window, so handing out slices of it is sound.
-#[derive(Debug, Clone, Copy)]
+/// A buffer NCCL passed to `isend`/`irecv`.
+#[derive(Debug)]
 pub struct UserBuf {
     ptr: *mut u8,
     len: usize,
@@ -17,8 +23,14 @@ unsafe impl Send for UserBuf {}
 
 impl UserBuf {
     /// # Safety
-    /// `ptr` must be valid for reads and writes of `len` bytes until the request that
-    /// carries this buffer completes, and nothing else may access it meanwhile.
+    /// `ptr` must be valid for reads and writes of `len` bytes (or `len` must be 0), and
+    /// nothing but the plugin may access them, from this call until the plugin reports the
+    /// request finished (`test`) or confirms its comm closed (`closeSend`/`closeRecv`),
+    /// which is NCCL's `isend`/`irecv` contract.
+    ///
+    /// The plugin's side, which makes [`LentBuf::slice`] and [`LentBuf::slice_mut`] sound:
+    /// the buffer and its views are used on the reactor thread only, never after that
+    /// point, and a slice of a view lives for one copy or one system call.
     pub(crate) unsafe fn new(ptr: *mut c_void, len: usize) -> UserBuf {
         UserBuf {
             ptr: ptr.cast(),
@@ -34,13 +46,48 @@ impl UserBuf {
         self.len == 0
     }
 
+    /// The address, for range checks against memory registrations.
+    pub fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+
+    /// A view for the frame reader (to fill) or writer (to send from), under the contract
+    /// of [`UserBuf::new`].
+    pub fn lend(&self) -> LentBuf {
+        LentBuf {
+            ptr: self.ptr,
+            len: self.len,
+        }
+    }
+}
+
+/// A view of a [`UserBuf`] held by a lane's frame reader or writer.
+#[derive(Debug)]
+pub struct LentBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: as for `UserBuf`: the reactor is the one thread that uses the views.
+unsafe impl Send for LentBuf {}
+
+impl LentBuf {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Bytes `off..off + n` of the buffer (clamped to its length).
     pub fn slice(&self, off: usize, n: usize) -> &[u8] {
         let (off, n) = self.clamp(off, n);
         if n == 0 {
             return &[];
         }
-        // SAFETY: in bounds by `clamp`; validity and exclusivity by the contract of `new`.
+        // SAFETY: in bounds by `clamp`; valid and not written meanwhile by the contract
+        // of `UserBuf::new`.
         unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) }
     }
 
@@ -50,7 +97,8 @@ impl UserBuf {
         if n == 0 {
             return &mut [];
         }
-        // SAFETY: in bounds by `clamp`; validity and exclusivity by the contract of `new`.
+        // SAFETY: in bounds by `clamp`; valid and not accessed otherwise meanwhile by the
+        // contract of `UserBuf::new`.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), n) }
     }
 
@@ -61,21 +109,47 @@ impl UserBuf {
         let off = off.min(self.len);
         (off, n.min(self.len - off))
     }
-
-    /// The address, for range checks against memory registrations.
-    pub fn addr(&self) -> usize {
-        self.ptr as usize
-    }
 }
 
 #[cfg(test)]
 impl UserBuf {
-    /// Test helper: a view of `s`. The caller keeps `s` alive and untouched while the
-    /// view is in use, which is what NCCL promises for its buffers.
-    pub(crate) fn of_slice(s: &mut [u8]) -> UserBuf {
+    /// Test helper: a buffer over memory that lives for good and is the caller's no more.
+    pub(crate) fn of_slice(s: &'static mut [u8]) -> UserBuf {
         UserBuf {
             ptr: s.as_mut_ptr(),
             len: s.len(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Does not compile if `UserBuf` or `LentBuf` become `Clone` (or `Copy`): the call to
+    /// `check` would then match two impls.
+    trait NotClone<A> {
+        fn check() {}
+    }
+    impl<T> NotClone<()> for T {}
+    struct IsClone;
+    impl<T: Clone> NotClone<IsClone> for T {}
+    const _: fn() = || {
+        <UserBuf as NotClone<_>>::check();
+        <LentBuf as NotClone<_>>::check();
+    };
+
+    #[test]
+    fn views_see_the_buffer_and_stay_in_bounds() {
+        let buf = UserBuf::of_slice(Vec::leak((0..10u8).collect()));
+        let mut w = buf.lend();
+        w.slice_mut(8, 5).copy_from_slice(&[7, 7]);
+        let r = buf.lend();
+        assert_eq!(r.slice(6, 100), &[6, 7, 7, 7]);
+        assert_eq!(r.slice(20, 1), &[] as &[u8], "past the end");
+        assert_eq!(r.len(), 10);
+        // SAFETY: a NULL buffer of length 0 is what NCCL passes for an empty message.
+        let empty = unsafe { UserBuf::new(std::ptr::null_mut(), 0) };
+        assert!(empty.lend().slice(0, 1).is_empty());
     }
 }

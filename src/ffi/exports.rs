@@ -41,15 +41,18 @@ unsafe extern "C" fn init_v11(
         let tc = if config.is_null() {
             -1
         } else {
-            read_at(config.cast_const(), 0, "config")?.traffic_class
+            // SAFETY: `config` is NULL or NCCL's array for this call, of one element at least.
+            unsafe { read_at(config.cast_const(), 0, "config") }?.traffic_class
         };
         let c = plugin::init_context(tc)?;
-        write(ctx, CONTEXTS.insert(c), "ctx")
+        // SAFETY: `ctx` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(ctx, CONTEXTS.insert(c), "ctx") }
     })
 }
 
 unsafe extern "C" fn init_v10(log: NcclDebugLogger, _prof: NcclProfilerCallback) -> NcclResult {
-    init_v8(log)
+    // SAFETY: v8's `init` with the logger NCCL passed, which it only stores.
+    unsafe { init_v8(log) }
 }
 
 unsafe extern "C" fn init_v8(log: NcclDebugLogger) -> NcclResult {
@@ -106,7 +109,8 @@ unsafe extern "C" fn finalize(ctx: Ptr) -> NcclResult {
 unsafe extern "C" fn set_net_attr(ctx: Ptr, attr: *mut NetAttr) -> NcclResult {
     guard("setNetAttr", || {
         let c = CONTEXTS.get(ctx)?;
-        let a = read_at(attr.cast_const(), 0, "netAttr")?;
+        // SAFETY: `attr` is NULL or NCCL's array for this call, of one element at least.
+        let a = unsafe { read_at(attr.cast_const(), 0, "netAttr") }?;
         *c.hints.lock() = Some(NetHints {
             send_max_flows_per_peer: a.send_comm_attr.max_flows_per_peer,
             recv_max_flows_per_peer: a.recv_comm_attr.max_flows_per_peer,
@@ -123,7 +127,8 @@ unsafe extern "C" fn set_net_attr(ctx: Ptr, attr: *mut NetAttr) -> NcclResult {
 unsafe extern "C" fn devices(ndev: *mut c_int) -> NcclResult {
     guard("devices", || {
         let n = plugin::devices()?;
-        write(ndev, n as c_int, "ndev")
+        // SAFETY: `ndev` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(ndev, n as c_int, "ndev") }
     })
 }
 
@@ -172,26 +177,32 @@ fn properties(dev: c_int) -> Result<PropertiesV12, Error> {
 }
 
 unsafe extern "C" fn get_properties_v12(dev: c_int, props: *mut PropertiesV12) -> NcclResult {
-    guard("getProperties", || write(props, properties(dev)?, "props"))
+    // SAFETY: `props` is NCCL's out-pointer for this call: NULL or writable.
+    guard("getProperties", || unsafe {
+        write(props, properties(dev)?, "props")
+    })
 }
 
 unsafe extern "C" fn get_properties_v11(dev: c_int, props: *mut PropertiesV11) -> NcclResult {
     guard("getProperties", || {
-        write(props, PropertiesV11::from(properties(dev)?), "props")
+        // SAFETY: `props` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(props, PropertiesV11::from(properties(dev)?), "props") }
     })
 }
 
 unsafe extern "C" fn get_properties_v9(dev: c_int, props: *mut PropertiesV9) -> NcclResult {
     guard("getProperties", || {
         let p = PropertiesV11::from(properties(dev)?);
-        write(props, PropertiesV9::from(p), "props")
+        // SAFETY: `props` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(props, PropertiesV9::from(p), "props") }
     })
 }
 
 unsafe extern "C" fn get_properties_v8(dev: c_int, props: *mut PropertiesV8) -> NcclResult {
     guard("getProperties", || {
         let p = PropertiesV9::from(PropertiesV11::from(properties(dev)?));
-        write(props, PropertiesV8::from(p), "props")
+        // SAFETY: `props` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(props, PropertiesV8::from(p), "props") }
     })
 }
 
@@ -205,17 +216,21 @@ unsafe extern "C" fn listen_v11(
 ) -> NcclResult {
     guard("listen", || {
         let c = CONTEXTS.get(ctx)?;
-        do_listen(&c, dev, handle, listen_comm)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_listen` requires.
+        unsafe { do_listen(&c, dev, handle, listen_comm) }
     })
 }
 
 unsafe extern "C" fn listen_v8(dev: c_int, handle: Ptr, listen_comm: *mut Ptr) -> NcclResult {
     guard("listen", || {
-        do_listen(&*plugin::legacy_context()?, dev, handle, listen_comm)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_listen` requires.
+        unsafe { do_listen(&*plugin::legacy_context()?, dev, handle, listen_comm) }
     })
 }
 
-fn do_listen(
+/// # Safety
+/// `handle` and `listen_comm` as NCCL passes them to `listen`: NULL or valid for the call.
+unsafe fn do_listen(
     c: &plugin::Context,
     dev: c_int,
     handle: Ptr,
@@ -224,9 +239,12 @@ fn do_listen(
     if listen_comm.is_null() {
         return Err(Error::InvalidArgument("NULL listenComm".into()));
     }
-    let h = handle_mut(handle)?;
+    c.check()?;
+    // SAFETY: `handle` is NULL or NCCL's 128-byte handle buffer, its own for this call.
+    let h = unsafe { handle_mut(handle) }?;
     let l = plugin::listen(c, dev, h)?;
-    write(listen_comm, LISTENS.insert(l), "listenComm")
+    // SAFETY: `listen_comm` is NCCL's out-pointer for this call: NULL or writable.
+    unsafe { write(listen_comm, LISTENS.insert(l), "listenComm") }
 }
 
 unsafe extern "C" fn connect_v11(
@@ -238,7 +256,8 @@ unsafe extern "C" fn connect_v11(
 ) -> NcclResult {
     guard("connect", || {
         let c = CONTEXTS.get(ctx)?;
-        do_connect(&c, dev, handle, send_comm)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_connect` requires.
+        unsafe { do_connect(&c, dev, handle, send_comm) }
     })
 }
 
@@ -250,7 +269,8 @@ unsafe extern "C" fn connect_v10(
     _dev_comm: *mut *mut NetDeviceHandle,
 ) -> NcclResult {
     guard("connect", || {
-        do_connect(&*plugin::legacy_context()?, dev, handle, send_comm)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_connect` requires.
+        unsafe { do_connect(&*plugin::legacy_context()?, dev, handle, send_comm) }
     })
 }
 
@@ -261,21 +281,29 @@ unsafe extern "C" fn connect_v8(
     _dev_comm: *mut *mut NetDeviceHandle,
 ) -> NcclResult {
     guard("connect", || {
-        do_connect(&*plugin::legacy_context()?, dev, handle, send_comm)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_connect` requires.
+        unsafe { do_connect(&*plugin::legacy_context()?, dev, handle, send_comm) }
     })
 }
 
 /// `sendDevComm` may be NULL or point to NULL: a host plugin never writes it.
-fn do_connect(
+///
+/// # Safety
+/// `handle` and `send_comm` as NCCL passes them to `connect`: NULL or valid for the call.
+unsafe fn do_connect(
     c: &plugin::Context,
     dev: c_int,
     handle: Ptr,
     send_comm: *mut Ptr,
 ) -> Result<(), Error> {
-    write(send_comm, std::ptr::null_mut(), "sendComm")?;
-    let h = handle_mut(handle)?;
+    // SAFETY: `send_comm` is NCCL's out-pointer for this call: NULL or writable.
+    unsafe { write(send_comm, std::ptr::null_mut(), "sendComm") }?;
+    c.check()?;
+    // SAFETY: `handle` is NULL or NCCL's 128-byte handle buffer, its own for this call.
+    let h = unsafe { handle_mut(handle) }?;
     if let Some(comm) = plugin::connect(c, dev, h)? {
-        write(send_comm, COMMS.insert(comm), "sendComm")?;
+        // SAFETY: `send_comm` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(send_comm, COMMS.insert(comm), "sendComm") }?;
     }
     Ok(())
 }
@@ -286,10 +314,12 @@ unsafe extern "C" fn accept(
     _dev_comm: *mut *mut NetDeviceHandle,
 ) -> NcclResult {
     guard("accept", || {
-        write(recv_comm, std::ptr::null_mut(), "recvComm")?;
+        // SAFETY: `recv_comm` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(recv_comm, std::ptr::null_mut(), "recvComm") }?;
         let l = LISTENS.get(listen_comm)?;
         if let Some(comm) = plugin::accept(&l)? {
-            write(recv_comm, COMMS.insert(comm), "recvComm")?;
+            // SAFETY: `recv_comm` is NCCL's out-pointer for this call: NULL or writable.
+            unsafe { write(recv_comm, COMMS.insert(comm), "recvComm") }?;
         }
         Ok(())
     })
@@ -313,7 +343,8 @@ unsafe extern "C" fn reg_mr(
     mhandle: *mut Ptr,
 ) -> NcclResult {
     guard("regMr", || {
-        write(mhandle, std::ptr::null_mut(), "mhandle")?;
+        // SAFETY: `mhandle` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(mhandle, std::ptr::null_mut(), "mhandle") }?;
         let c = COMMS.get(comm)?;
         if data.is_null() && size > 0 {
             return Err(Error::InvalidArgument(
@@ -321,7 +352,8 @@ unsafe extern "C" fn reg_mr(
             ));
         }
         let mr = plugin::reg_mr(&c, data as usize, size, kind)?;
-        write(mhandle, MRS.insert(mr), "mhandle")
+        // SAFETY: `mhandle` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(mhandle, MRS.insert(mr), "mhandle") }
     })
 }
 
@@ -335,7 +367,8 @@ unsafe extern "C" fn reg_mr_dma_buf(
     mhandle: *mut Ptr,
 ) -> NcclResult {
     guard("regMrDmaBuf", || {
-        write_opt(mhandle, std::ptr::null_mut());
+        // SAFETY: `mhandle` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write_opt(mhandle, std::ptr::null_mut()) };
         COMMS.get(comm)?;
         Err(Error::InvalidUsage(
             "DMA-BUF registration is not available: railover advertises host memory only until its RDMA fabric is enabled".into(),
@@ -359,13 +392,17 @@ unsafe extern "C" fn get_device_mr(comm: Ptr, mhandle: Ptr, dptr_mhandle: *mut P
         // Host plugin: there is no device-side handle; NULL tells NCCL so.
         COMMS.get(comm)?;
         MRS.get(mhandle)?;
-        write(dptr_mhandle, std::ptr::null_mut(), "dptr_mhandle")
+        // SAFETY: `dptr_mhandle` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(dptr_mhandle, std::ptr::null_mut(), "dptr_mhandle") }
     })
 }
 
 // ---- data path -------------------------------------------------------------------
 
-fn do_isend(
+/// # Safety
+/// `request` as NCCL passes it to `isend` (NULL or valid for a write); `data` NULL or
+/// valid for `size` bytes until the request finishes or the comm closes.
+unsafe fn do_isend(
     send_comm: Ptr,
     data: Ptr,
     size: usize,
@@ -373,7 +410,8 @@ fn do_isend(
     request: *mut Ptr,
 ) -> Result<(), Error> {
     // Always write *request first: NCCL may have left a stale value there.
-    write(request, std::ptr::null_mut(), "request")?;
+    // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
+    unsafe { write(request, std::ptr::null_mut(), "request") }?;
     let comm = COMMS.get(send_comm)?;
     let mr = MRS.get(mhandle)?;
     if data.is_null() && size > 0 {
@@ -382,10 +420,11 @@ fn do_isend(
         ));
     }
     // SAFETY: NCCL keeps `data[..size]` valid and untouched until `test` reports the
-    // request done (the isend contract).
+    // request done or the comm is closed (the isend contract), as `new` requires.
     let buf = unsafe { UserBuf::new(data, size) };
     if let Some(req) = plugin::isend(&comm, buf, &mr)? {
-        write(request, REQUESTS.insert(req), "request")?;
+        // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(request, REQUESTS.insert(req), "request") }?;
     }
     Ok(())
 }
@@ -400,7 +439,8 @@ unsafe extern "C" fn isend_v10(
     request: *mut Ptr,
 ) -> NcclResult {
     guard("isend", || {
-        do_isend(send_comm, data, size, mhandle, request)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_isend` requires.
+        unsafe { do_isend(send_comm, data, size, mhandle, request) }
     })
 }
 
@@ -413,7 +453,8 @@ unsafe extern "C" fn isend_v9(
     request: *mut Ptr,
 ) -> NcclResult {
     guard("isend", || {
-        do_isend(send_comm, data, size, mhandle, request)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_isend` requires.
+        unsafe { do_isend(send_comm, data, size, mhandle, request) }
     })
 }
 
@@ -428,11 +469,16 @@ unsafe extern "C" fn isend_v8(
     guard("isend", || {
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
-        do_isend(send_comm, data, size, mhandle, request)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_isend` requires.
+        unsafe { do_isend(send_comm, data, size, mhandle, request) }
     })
 }
 
-fn do_irecv(
+/// # Safety
+/// The arrays and `request` as NCCL passes them to `irecv`: NULL or valid for the call;
+/// `data[0]` NULL or valid for the size `size0` returns until the request finishes or
+/// the comm closes.
+unsafe fn do_irecv(
     recv_comm: Ptr,
     n: c_int,
     data: *mut Ptr,
@@ -441,26 +487,30 @@ fn do_irecv(
     request: *mut Ptr,
 ) -> Result<(), Error> {
     // Overwrites NCCL's pre-stored NCCL_NET_OPTIONAL_RECV_COMPLETION (0x1) or stale value.
-    write(request, std::ptr::null_mut(), "request")?;
+    // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
+    unsafe { write(request, std::ptr::null_mut(), "request") }?;
     let comm = COMMS.get(recv_comm)?;
     if n != 1 {
         return Err(Error::Internal(format!(
             "irecv with n={n}: railover reports maxRecvs=1"
         )));
     }
-    let buf = read_at(data.cast_const(), 0, "data")?;
+    // SAFETY: `data` is NULL or NCCL's array for this call, of one element at least.
+    let buf = unsafe { read_at(data.cast_const(), 0, "data") }?;
     let size = size0()?;
-    let mr = MRS.get(read_at(mhandles.cast_const(), 0, "mhandles")?)?;
+    // SAFETY: `mhandles` is NULL or NCCL's array for this call, of one element at least.
+    let mr = MRS.get(unsafe { read_at(mhandles.cast_const(), 0, "mhandles") }?)?;
     if buf.is_null() && size > 0 {
         return Err(Error::InvalidArgument(
             "NULL data with a non-zero size".into(),
         ));
     }
     // SAFETY: NCCL keeps `buf[..size]` valid and leaves it alone until `test` reports the
-    // request done (the irecv contract).
+    // request done or the comm is closed (the irecv contract), as `new` requires.
     let ub = unsafe { UserBuf::new(buf, size) };
     if let Some(req) = plugin::irecv(&comm, ub, &mr)? {
-        write(request, REQUESTS.insert(req), "request")?;
+        // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(request, REQUESTS.insert(req), "request") }?;
     }
     Ok(())
 }
@@ -476,14 +526,17 @@ unsafe extern "C" fn irecv_v10(
     request: *mut Ptr,
 ) -> NcclResult {
     guard("irecv", || {
-        do_irecv(
-            recv_comm,
-            n,
-            data,
-            || read_at(sizes.cast_const(), 0, "sizes"),
-            mhandles,
-            request,
-        )
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_irecv` requires.
+        unsafe {
+            do_irecv(
+                recv_comm,
+                n,
+                data,
+                || read_at(sizes.cast_const(), 0, "sizes"),
+                mhandles,
+                request,
+            )
+        }
     })
 }
 
@@ -497,14 +550,17 @@ unsafe extern "C" fn irecv_v9(
     request: *mut Ptr,
 ) -> NcclResult {
     guard("irecv", || {
-        do_irecv(
-            recv_comm,
-            n,
-            data,
-            || read_at(sizes.cast_const(), 0, "sizes"),
-            mhandles,
-            request,
-        )
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_irecv` requires.
+        unsafe {
+            do_irecv(
+                recv_comm,
+                n,
+                data,
+                || read_at(sizes.cast_const(), 0, "sizes"),
+                mhandles,
+                request,
+            )
+        }
     })
 }
 
@@ -519,10 +575,12 @@ unsafe extern "C" fn irecv_v8(
 ) -> NcclResult {
     guard("irecv", || {
         let size0 = || {
-            let s = read_at(sizes.cast_const(), 0, "sizes")?;
+            // SAFETY: `sizes` is NULL or NCCL's array for this call, of one element at least.
+            let s = unsafe { read_at(sizes.cast_const(), 0, "sizes") }?;
             usize::try_from(s).map_err(|_| Error::InvalidArgument(format!("negative size {s}")))
         };
-        do_irecv(recv_comm, n, data, size0, mhandles, request)
+        // SAFETY: the pointers NCCL passed to this entry point, as `do_irecv` requires.
+        unsafe { do_irecv(recv_comm, n, data, size0, mhandles, request) }
     })
 }
 
@@ -536,7 +594,8 @@ unsafe extern "C" fn iflush(
 ) -> NcclResult {
     guard("iflush", || {
         // Host memory needs no flush: a NULL request means "nothing to wait for".
-        write(request, std::ptr::null_mut(), "request")?;
+        // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(request, std::ptr::null_mut(), "request") }?;
         COMMS.get(recv_comm).map(|_| ())
     })
 }
@@ -548,15 +607,19 @@ unsafe extern "C" fn test(request: Ptr, done: *mut c_int, sizes: *mut c_int) -> 
             return Err(Error::InvalidArgument("NULL done".into()));
         }
         match plugin::test(&req) {
-            Ok(Status::Pending) => write(done, 0, "done"),
+            // SAFETY: `done` is NCCL's out-pointer for this call: NULL or writable.
+            Ok(Status::Pending) => unsafe { write(done, 0, "done") },
             Ok(Status::Done(n)) => {
                 REQUESTS.remove(request)?;
-                write_opt(sizes, n.min(c_int::MAX as u64) as c_int);
-                write(done, 1, "done")
+                // SAFETY: `sizes` is NCCL's out-pointer for this call: NULL or writable.
+                unsafe { write_opt(sizes, n.min(c_int::MAX as u64) as c_int) };
+                // SAFETY: `done` is NCCL's out-pointer for this call: NULL or writable.
+                unsafe { write(done, 1, "done") }
             }
             Err(e) => {
                 REQUESTS.remove(request)?;
-                write(done, 1, "done")?;
+                // SAFETY: `done` is NCCL's out-pointer for this call: NULL or writable.
+                unsafe { write(done, 1, "done") }?;
                 Err(e)
             }
         }
@@ -585,8 +648,12 @@ unsafe extern "C" fn close_recv(recv_comm: Ptr) -> NcclResult {
 
 /// NIC fusion is refused: railover moves traffic between NICs itself, at failure time,
 /// so NCCL's own choice of one NIC per connection stays in place (P8).
-fn refuse_vdevice(d: *mut c_int) -> Result<(), Error> {
-    write_opt(d, -1);
+///
+/// # Safety
+/// `d` is NULL or valid for a write, as NCCL passes it to `makeVDevice`.
+unsafe fn refuse_vdevice(d: *mut c_int) -> Result<(), Error> {
+    // SAFETY: `d` is NCCL's out-pointer for this call: NULL or writable.
+    unsafe { write_opt(d, -1) };
     tracing::info!(
         "railover: NIC fusion (makeVDevice) declined: railover fails over between NICs by itself"
     );
@@ -594,11 +661,13 @@ fn refuse_vdevice(d: *mut c_int) -> Result<(), Error> {
 }
 
 unsafe extern "C" fn make_v_device_v12(d: *mut c_int, _props: *mut VDevicePropsV12) -> NcclResult {
-    guard("makeVDevice", || refuse_vdevice(d))
+    // SAFETY: `d` is NCCL's out-pointer for this call: NULL or writable.
+    guard("makeVDevice", || unsafe { refuse_vdevice(d) })
 }
 
 unsafe extern "C" fn make_v_device_v11(d: *mut c_int, _props: *mut VDevicePropsV11) -> NcclResult {
-    guard("makeVDevice", || refuse_vdevice(d))
+    // SAFETY: `d` is NCCL's out-pointer for this call: NULL or writable.
+    guard("makeVDevice", || unsafe { refuse_vdevice(d) })
 }
 
 // ---- the tables ------------------------------------------------------------------

@@ -90,18 +90,24 @@ pub static COMMS: Registry<CommShared> = Registry::new("comm");
 pub static MRS: Registry<MemoryRegion> = Registry::new("memory handle");
 pub static REQUESTS: Registry<Request> = Registry::new("request");
 
-/// Writes through an out-pointer after a NULL check. Only for pointers NCCL passed in.
-pub(super) fn write<T>(p: *mut T, v: T, what: &str) -> Result<(), Error> {
+/// Writes through an out-pointer after a NULL check (NULL: `ncclInvalidArgument`).
+///
+/// # Safety
+/// `p` is NULL or valid for a write of `T`, as NCCL's out-pointers are for the call.
+pub(super) unsafe fn write<T>(p: *mut T, v: T, what: &str) -> Result<(), Error> {
     if p.is_null() {
         return Err(Error::InvalidArgument(format!("NULL {what}")));
     }
-    // SAFETY: non-null, and NCCL passes out-pointers to valid, aligned storage of `T`.
+    // SAFETY: non-null, so valid and aligned by the caller's contract.
     unsafe { p.write(v) };
     Ok(())
 }
 
 /// Writes through an out-pointer NCCL may legally pass as NULL.
-pub(super) fn write_opt<T>(p: *mut T, v: T) {
+///
+/// # Safety
+/// As for [`write`].
+pub(super) unsafe fn write_opt<T>(p: *mut T, v: T) {
     if !p.is_null() {
         // SAFETY: as in `write`.
         unsafe { p.write(v) };
@@ -109,20 +115,26 @@ pub(super) fn write_opt<T>(p: *mut T, v: T) {
 }
 
 /// Reads element `i` of an array NCCL passed, after a NULL check.
-pub(super) fn read_at<T: Copy>(p: *const T, i: usize, what: &str) -> Result<T, Error> {
+///
+/// # Safety
+/// `p` is NULL or valid for reads of at least `i + 1` elements of `T`.
+pub(super) unsafe fn read_at<T: Copy>(p: *const T, i: usize, what: &str) -> Result<T, Error> {
     if p.is_null() {
         return Err(Error::InvalidArgument(format!("NULL {what}")));
     }
-    // SAFETY: non-null; NCCL passes arrays of at least `n` elements and callers index below `n`.
+    // SAFETY: non-null, so element `i` is readable by the caller's contract.
     Ok(unsafe { p.add(i).read() })
 }
 
 /// The 128-byte handle buffer NCCL passes to `listen`/`connect`.
-pub(super) fn handle_mut<'a>(p: *mut c_void) -> Result<&'a mut [u8; 128], Error> {
+///
+/// # Safety
+/// `p` is NULL or points to 128 bytes that nothing else touches for the lifetime `'a`
+/// (NCCL_NET_HANDLE_MAXSIZE, byte-aligned, the calling thread's for the call).
+pub(super) unsafe fn handle_mut<'a>(p: *mut c_void) -> Result<&'a mut [u8; 128], Error> {
     if p.is_null() {
         return Err(Error::InvalidArgument("NULL handle".into()));
     }
-    // SAFETY: NCCL's handle buffers are NCCL_NET_HANDLE_MAXSIZE (128) bytes, byte-aligned,
-    // and owned by the calling thread for the duration of the call.
+    // SAFETY: non-null, so 128 exclusive bytes for `'a` by the caller's contract.
     Ok(unsafe { &mut *(p as *mut [u8; 128]) })
 }

@@ -1,7 +1,9 @@
 //! NCCL's logger, stored once from `init`, and the one place it is called.
 
 use std::ffi::{c_int, CString};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
 
 use super::types::{
     NcclDebugLogger, NCCL_ALL, NCCL_LOG_INFO, NCCL_LOG_TRACE, NCCL_LOG_WARN, NCCL_NET,
@@ -17,6 +19,24 @@ pub enum Severity {
 
 static LOGGER: AtomicUsize = AtomicUsize::new(0);
 
+/// Test seam: while capturing, lines meant for NCCL's logger are kept here instead.
+/// Rust tests cannot define the C-variadic function NCCL's logger is.
+static CAPTURING: AtomicBool = AtomicBool::new(false);
+static CAPTURED: Mutex<Vec<(Severity, String)>> = Mutex::new(Vec::new());
+
+/// Test only: from now on, keep every line meant for NCCL's logger for [`captured`].
+#[doc(hidden)]
+pub fn capture() {
+    CAPTURED.lock().clear();
+    CAPTURING.store(true, Ordering::Release);
+}
+
+/// Test only: the lines kept since [`capture`], in order.
+#[doc(hidden)]
+pub fn captured() -> Vec<(Severity, String)> {
+    CAPTURED.lock().clone()
+}
+
 /// Remembers NCCL's logger (it is the same function for every `init`).
 pub fn set(f: NcclDebugLogger) {
     if let Some(f) = f {
@@ -27,6 +47,10 @@ pub fn set(f: NcclDebugLogger) {
 /// Sends one line to NCCL's logger with a fixed `"%s"` format. Returns `false` when NCCL
 /// gave no logger.
 pub fn emit(sev: Severity, file: &str, line: u32, msg: &str) -> bool {
+    if CAPTURING.load(Ordering::Acquire) {
+        CAPTURED.lock().push((sev, msg.to_string()));
+        return true;
+    }
     let raw = LOGGER.load(Ordering::Acquire);
     if raw == 0 {
         return false;

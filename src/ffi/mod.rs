@@ -6,7 +6,9 @@
 //! * `connect` and `accept` return success with a NULL comm until the comm is ready.
 //! * `deregMr(comm, NULL)` succeeds; `iflush` returns a NULL request for host memory.
 //! * NULL or unknown handles return `ncclInvalidArgument`; a panic returns
-//!   `ncclInternalError` ([`boundary`]); no unwind ever crosses into NCCL.
+//!   `ncclInternalError` ([`boundary`]); no unwind ever crosses into NCCL. After a panic
+//!   of the reactor thread, `listen`, `connect`, `accept`, `regMr`, `isend`, `irecv` and
+//!   `test` of a pending request return `ncclInternalError`; closes still succeed.
 //! * Legal NULLs (`sizes` in `test`, `sendDevComm`, profiler handles) are not errors.
 //!
 //! `unsafe` is allowed in this module (and the verbs fabric) only; each block says why

@@ -90,9 +90,10 @@ impl CommShared {
         self.failed.lock().get_or_insert(e);
     }
 
-    /// Why the comm can no longer carry data, once it cannot.
+    /// Why the comm can no longer carry data, once it cannot: its own failure, or its
+    /// reactor's panic.
     pub(crate) fn failure(&self) -> Option<Error> {
-        self.failed.lock().clone()
+        self.failed.lock().clone().or_else(|| self.queue.panicked())
     }
 
     pub(crate) fn is_closed(&self) -> bool {

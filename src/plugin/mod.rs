@@ -222,6 +222,14 @@ pub struct Context {
     legacy: bool,
 }
 
+impl Context {
+    /// `Err` (`ncclInternalError`) once the reactor thread has panicked: `listen` and
+    /// `connect` on the context fail from then on, until it is finalised.
+    pub fn check(&self) -> Result<(), Error> {
+        self.runtime.reactor.queue.check()
+    }
+}
+
 /// `setNetAttr`'s advisory traffic shape, kept for later use by lane planning.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct NetHints {
@@ -417,6 +425,7 @@ pub fn connect(
 
 /// Non-blocking accept: `Ok(None)` means "call again".
 pub fn accept(listen: &ListenShared) -> Result<Option<Arc<CommShared>>, Error> {
+    listen.queue.check()?;
     Ok(listen.ready.lock().pop_front())
 }
 
@@ -435,7 +444,9 @@ pub fn reg_mr(
     ptr_type: i32,
 ) -> Result<Arc<MemoryRegion>, Error> {
     use crate::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
-    // Registration is local: a comm whose peer already failed may still register.
+    // Registration is local: a comm whose peer already failed may still register; one
+    // whose reactor is gone may not.
+    comm.queue.check()?;
     if comm.is_closed() {
         return Err(Error::InvalidArgument("comm is closed".into()));
     }
@@ -457,6 +468,7 @@ pub fn reg_mr(
 /// hands out the request, already failed, so that `test` reports the remote error, as
 /// NCCL's own transports do.
 fn new_request(comm: &Arc<CommShared>) -> Result<Option<Arc<Request>>, Error> {
+    comm.queue.check()?;
     if comm.is_closed() {
         return Err(Error::InvalidArgument("comm is closed".into()));
     }
@@ -519,9 +531,18 @@ pub fn irecv(
 }
 
 /// `test`: the request's outcome without blocking. A finished request frees its slot;
-/// the caller forgets the request.
+/// the caller forgets the request. A request still pending when the reactor panicked
+/// never finishes: it fails here.
 pub fn test(req: &Request) -> Result<Status, Error> {
-    let st = req.status();
+    let mut st = req.status();
+    if matches!(st, Ok(Status::Pending)) {
+        // The queue is poisoned only after the reactor's state is dropped: no buffer of
+        // this request is referenced any more, so NCCL may reuse it.
+        if let Some(e) = req.comm.queue.panicked() {
+            req.fail(e.clone());
+            st = Err(e);
+        }
+    }
     if !matches!(st, Ok(Status::Pending)) {
         req.comm.release_slot();
     }
@@ -541,7 +562,7 @@ pub fn close_comm(comm: &Arc<CommShared>) -> Result<(), Error> {
     let done = Arc::new(crate::reactor::Done::default());
     comm.queue.push(Command::CloseComm {
         comm: comm.clone(),
-        done: done.clone(),
+        done: done.signaller(),
     });
     if !done.wait(std::time::Duration::from_secs(10)) {
         return Err(Error::Internal(
@@ -564,5 +585,17 @@ pub fn inject_link(dev: usize, up: bool) -> Result<(), Error> {
         )));
     }
     rt.reactor.queue.push(Command::InjectLink { nic: dev, up });
+    Ok(())
+}
+
+/// Test only: makes the reactor thread panic with `message`, to check that a reactor
+/// panic fails every caller instead of hanging. A Rust function, not in any exported
+/// table, so NCCL cannot reach it; an environment switch would be reachable from any job.
+#[doc(hidden)]
+pub fn inject_reactor_panic(message: &str) -> Result<(), Error> {
+    runtime()?
+        .reactor
+        .queue
+        .push(Command::Panic(message.into()));
     Ok(())
 }

@@ -8,7 +8,10 @@
 //! * only the reactor touches a comm's machine, lanes and buffers; outcomes reach NCCL
 //!   through each request's atomic state;
 //! * after the last context is finalised, [`Reactor::run`] returns and the thread is
-//!   joined, so the library can be unloaded.
+//!   joined, so the library can be unloaded;
+//! * if the reactor thread panics, it stops for good: requests in flight and every later
+//!   call fail with `ncclInternalError`, closes return at once, one WARN gives the
+//!   panic's message ([`CommandQueue::check`]).
 //!
 //! Not guaranteed, merely today's behaviour: the reactor busy-polls for
 //! `RAILOVER_SPIN_US` after its last progress while requests are in flight, then parks.
@@ -22,8 +25,9 @@ pub use gate::{PER_LISTENER as HANDSHAKES_PER_LISTENER, TOTAL as HANDSHAKES_TOTA
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
@@ -125,7 +129,7 @@ pub enum Command {
     /// the comm's buffers, so NCCL may free them as soon as `closeSend`/`closeRecv` return.
     CloseComm {
         comm: Arc<CommShared>,
-        done: Arc<Done>,
+        done: Signal,
     },
     /// Fault injection: treat local NIC `nic` as cut (`up = false`) or restored.
     InjectLink {
@@ -133,6 +137,11 @@ pub enum Command {
         up: bool,
     },
     Shutdown,
+    /// Test only: panics on the reactor thread with this message, to prove that a reactor
+    /// panic fails every caller instead of hanging. Pushed only by
+    /// [`crate::plugin::inject_reactor_panic`], which no NCCL entry point calls.
+    #[doc(hidden)]
+    Panic(String),
 }
 
 /// A one-shot signal from the reactor to a waiting NCCL thread.
@@ -148,6 +157,11 @@ impl Done {
         self.cv.notify_all();
     }
 
+    /// The reactor's end of this signal.
+    pub fn signaller(self: &Arc<Self>) -> Signal {
+        Signal(self.clone())
+    }
+
     /// Waits up to `limit`; `true` if signalled.
     pub fn wait(&self, limit: Duration) -> bool {
         let mut f = self.flag.lock();
@@ -158,6 +172,22 @@ impl Done {
             }
         }
         true
+    }
+}
+
+/// The reactor's end of a [`Done`]: it signals when used or dropped, so a waiter is
+/// released even when a reactor panic drops the command unrun.
+#[derive(Debug)]
+pub struct Signal(Arc<Done>);
+
+impl Signal {
+    /// Signals now; dropping it does the same.
+    pub fn signal(self) {}
+}
+
+impl Drop for Signal {
+    fn drop(&mut self) {
+        self.0.signal();
     }
 }
 
@@ -174,6 +204,8 @@ pub struct CommandQueue {
     /// Taken (and its eventfd closed) when the reactor exits: comms NCCL never closed keep
     /// this queue alive past `finalize`, and must not keep a file descriptor with it.
     waker: Mutex<Option<Waker>>,
+    /// Set once, before `stopped`, when the reactor thread panicked: the panic's message.
+    panic: OnceLock<String>,
 }
 
 impl CommandQueue {
@@ -184,6 +216,7 @@ impl CommandQueue {
             parked: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             waker: Mutex::new(Some(waker)),
+            panic: OnceLock::new(),
         }
     }
 
@@ -194,7 +227,7 @@ impl CommandQueue {
             let mut q = self.q.lock();
             if self.stopped.load(Ordering::Acquire) {
                 drop(q);
-                refuse(c);
+                refuse(c, self.stop_reason());
                 return;
             }
             q.push_back(c);
@@ -220,6 +253,27 @@ impl CommandQueue {
         self.stopped.load(Ordering::Acquire)
     }
 
+    /// The error every call gets once the reactor thread has panicked.
+    pub fn panicked(&self) -> Option<Error> {
+        self.panic.get().map(|_| {
+            Error::Internal(
+                "the railover reactor thread panicked (see the WARN that gives its message); \
+                 nothing more can be sent or received until the plugin is finalised"
+                    .into(),
+            )
+        })
+    }
+
+    /// `Err` once the reactor thread has panicked.
+    pub fn check(&self) -> Result<(), Error> {
+        self.panicked().map_or(Ok(()), Err)
+    }
+
+    fn stop_reason(&self) -> Error {
+        self.panicked()
+            .unwrap_or_else(|| Error::InvalidUsage("the plugin was finalised".into()))
+    }
+
     fn take(&self) -> VecDeque<Command> {
         let cmds = std::mem::take(&mut *self.q.lock());
         self.len.fetch_sub(cmds.len(), Ordering::SeqCst);
@@ -235,22 +289,30 @@ impl CommandQueue {
             std::mem::take(&mut *q)
         };
         self.len.fetch_sub(left.len(), Ordering::SeqCst);
-        left.into_iter().for_each(refuse);
+        let reason = self.stop_reason();
+        left.into_iter().for_each(|c| refuse(c, reason.clone()));
         self.waker.lock().take();
+    }
+
+    /// The reactor thread panicked and its state is gone: record why, say it once, and
+    /// refuse everything from now on.
+    fn poison(&self, message: String) {
+        if self.panic.set(message.clone()).is_ok() {
+            tracing::warn!(
+                "railover: the reactor thread panicked: {message}; every request in flight \
+                 and every later call fails with ncclInternalError until the plugin is finalised"
+            );
+        }
+        self.stop();
     }
 }
 
 /// A command no reactor will run: nobody is left waiting on it.
-fn refuse(c: Command) {
+fn refuse(c: Command, reason: Error) {
     match c {
-        Command::Send { req, .. } | Command::Recv { req, .. } => {
-            req.fail(Error::InvalidUsage("the plugin was finalised".into()))
-        }
+        Command::Send { req, .. } | Command::Recv { req, .. } => req.fail(reason),
         Command::CloseComm { done, .. } => done.signal(),
-        Command::Connect { pending, .. } => {
-            *pending.result.lock() =
-                Some(Err(Error::InvalidUsage("the plugin was finalised".into())))
-        }
+        Command::Connect { pending, .. } => *pending.result.lock() = Some(Err(reason)),
         _ => {}
     }
 }
@@ -348,7 +410,7 @@ impl ReactorHandle {
         let queue = Arc::new(CommandQueue::new(waker));
         let stats = Arc::new(ReactorStats::default());
         let now = Instant::now();
-        let mut reactor = Reactor {
+        let reactor = Reactor {
             poll,
             queue: queue.clone(),
             stats: stats.clone(),
@@ -395,7 +457,7 @@ impl ReactorHandle {
         };
         let thread = std::thread::Builder::new()
             .name(REACTOR_THREAD.into())
-            .spawn(move || reactor.run())?;
+            .spawn(move || run_guarded(reactor))?;
         Ok(ReactorHandle {
             queue,
             stats,
@@ -414,6 +476,23 @@ impl ReactorHandle {
             }
         }
     }
+}
+
+/// Runs the reactor until shutdown, and fails loudly if it panics. The catch is around
+/// the whole loop, not each turn: a panic can leave a machine, a lane or the router
+/// half-updated, and running on from there could deliver wrongly (P4). So the state is
+/// dropped unread (closing every socket, so peers see the end at once), and the queue is
+/// poisoned: requests in flight and every later call fail with `ncclInternalError`
+/// instead of waiting forever (P5), and `finalize` still joins this thread.
+fn run_guarded(mut reactor: Reactor) {
+    let queue = reactor.queue.clone();
+    let Err(panic) = catch_unwind(AssertUnwindSafe(|| reactor.run())) else {
+        return;
+    };
+    let message = crate::ffi::boundary::panic_message(&*panic);
+    // Dropping touches no user memory; a panic in some Drop must not stop the poisoning.
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(reactor)));
+    queue.poison(message);
 }
 
 /// A message's buffer and the request NCCL tests.
@@ -790,6 +869,7 @@ impl Reactor {
             }
             Command::InjectLink { nic, up } => self.inject_link(nic, up, now),
             Command::Shutdown => self.shutdown = true,
+            Command::Panic(message) => panic!("{message}"),
         }
     }
 
@@ -1121,9 +1201,12 @@ impl Reactor {
             }
             (Machine::Recv(m), Inbound::Data { seq, len }) => {
                 let dst = match m.handle_data(seq, len)? {
-                    Placement::Deliver { seq, .. } => {
-                        Some(m.message(seq).expect("delivering a posted receive").buf)
-                    }
+                    Placement::Deliver { seq, .. } => Some(
+                        m.message(seq)
+                            .expect("delivering a posted receive")
+                            .buf
+                            .lend(),
+                    ),
                     Placement::Discard { .. } => {
                         self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
                         None
@@ -1345,8 +1428,11 @@ impl Reactor {
                     while let Some(t) = m.poll_transmit() {
                         match t {
                             Transmit::Data { seq, len } => {
-                                let buf =
-                                    m.message(seq).expect("transmitting a queued message").buf;
+                                let buf = m
+                                    .message(seq)
+                                    .expect("transmitting a queued message")
+                                    .buf
+                                    .lend();
                                 lane.writer
                                     .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
                                 lane.writer.push_payload(buf, len as usize);
@@ -1553,7 +1639,7 @@ mod tests {
         let queued = Arc::new(Done::default());
         q.push(Command::CloseComm {
             comm: comm.clone(),
-            done: queued.clone(),
+            done: queued.signaller(),
         });
         q.stop();
         assert!(queued.wait(Duration::ZERO), "released by the stop");
@@ -1562,11 +1648,61 @@ mod tests {
         q.parked.store(true, Ordering::SeqCst);
         q.push(Command::CloseComm {
             comm,
-            done: later.clone(),
+            done: later.signaller(),
         });
         assert!(later.wait(Duration::ZERO), "refused at once");
         assert_eq!(q.len.load(Ordering::SeqCst), 0);
         assert!(q.take().is_empty());
+    }
+
+    #[test]
+    fn a_poisoned_queue_fails_what_is_queued_and_what_comes_later_as_internal() {
+        let poll = Poll::new().unwrap();
+        let q = Arc::new(CommandQueue::new(
+            Waker::new(poll.registry(), WAKER).unwrap(),
+        ));
+        let comm = Arc::new(CommShared::new(Side::Send, 0, q.clone(), 0));
+        let pending = Arc::new(PendingConnect::default());
+        let queued = Arc::new(Request::new(comm.clone()));
+        let close = Arc::new(Done::default());
+        let empty = || UserBuf::of_slice(Vec::leak(Vec::new()));
+        q.push(Command::Send {
+            comm: comm.clone(),
+            req: queued.clone(),
+            buf: empty(),
+        });
+        assert_eq!(q.check(), Ok(()));
+        q.poison("on purpose".into());
+        fn internal<T>(r: Result<T, Error>) -> bool {
+            matches!(r, Err(Error::Internal(_)))
+        }
+        assert!(internal(queued.status()), "{:?}", queued.status());
+        assert!(internal(q.check()));
+        q.push(Command::CloseComm {
+            comm: comm.clone(),
+            done: close.signaller(),
+        });
+        assert!(close.wait(Duration::ZERO), "a close is released at once");
+        q.push(Command::Connect {
+            stream: TcpStream::connect("127.0.0.1:9".parse().unwrap()).unwrap(),
+            nic: 0,
+            to: "127.0.0.1:9".parse().unwrap(),
+            token: [0; 16],
+            pending: pending.clone(),
+        });
+        assert!(internal(pending.result.lock().take().unwrap()));
+    }
+
+    #[test]
+    fn a_dropped_signal_releases_its_waiter() {
+        let done = Arc::new(Done::default());
+        let s = done.signaller();
+        assert!(!done.wait(Duration::ZERO));
+        drop(s);
+        assert!(
+            done.wait(Duration::ZERO),
+            "a command lost in a panic still signals"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
 
 use crate::conn::wire::{Header, Kind, WireError, HEADER_LEN};
-use crate::ffi::buffer::UserBuf;
+use crate::ffi::buffer::LentBuf;
 
 /// Bytes moved per call before yielding to other lanes.
 const BUDGET: usize = 8 << 20;
@@ -55,7 +55,7 @@ enum State {
         seq: u64,
         len: u64,
         off: u64,
-        dst: Option<UserBuf>,
+        dst: Option<LentBuf>,
     },
 }
 
@@ -200,7 +200,7 @@ impl FrameReader {
 
     /// Where the payload announced by the last [`Inbound::Data`] goes: `Some(buf)` (at
     /// least `len` bytes) or `None` to read and drop it.
-    pub fn place(&mut self, dst: Option<UserBuf>) {
+    pub fn place(&mut self, dst: Option<LentBuf>) {
         if let State::NeedPlacement { seq, len } = self.state {
             self.state = State::Payload {
                 seq,
@@ -285,7 +285,7 @@ enum Chunk {
         off: usize,
     },
     Payload {
-        buf: UserBuf,
+        buf: LentBuf,
         off: usize,
         end: usize,
     },
@@ -318,7 +318,7 @@ impl FrameWriter {
     }
 
     /// Queues the first `len` bytes of `buf`.
-    pub fn push_payload(&mut self, buf: UserBuf, len: usize) {
+    pub fn push_payload(&mut self, buf: LentBuf, len: usize) {
         if len > 0 {
             let end = len.min(buf.len());
             self.pushed += end as u64;
@@ -436,8 +436,9 @@ mod tests {
         }
     }
 
-    fn heap_buf(v: &mut [u8]) -> UserBuf {
-        UserBuf::of_slice(v)
+    /// A copy of `v` that outlives every view of it (leaked).
+    fn heap_buf(v: &[u8]) -> crate::ffi::buffer::UserBuf {
+        crate::ffi::buffer::UserBuf::of_slice(Vec::leak(v.to_vec()))
     }
 
     #[test]
@@ -501,20 +502,20 @@ mod tests {
                 block_next: false,
             };
             let mut r = FrameReader::default();
-            let mut dst = vec![0u8; payload.len()];
+            let dst = heap_buf(&vec![0u8; payload.len()]);
             let mut got = Vec::new();
             for _ in 0..1_000_000 {
                 match r.next(&mut sock).unwrap() {
                     None => continue,
                     Some(Inbound::Data { seq, len }) => {
                         got.push(format!("data {seq} {len}"));
-                        r.place(Some(heap_buf(&mut dst)));
+                        r.place(Some(dst.lend()));
                     }
                     Some(Inbound::Eof) => break,
                     Some(other) => got.push(format!("{other:?}")),
                 }
             }
-            assert_eq!(dst, payload, "chunk {chunk}");
+            assert_eq!(dst.lend().slice(0, dst.len()), payload, "chunk {chunk}");
             assert_eq!(got.len(), 6, "chunk {chunk}: {got:?}");
             assert!(got[2].starts_with("PayloadDone { seq: 4"), "{got:?}");
             assert!(
@@ -594,14 +595,15 @@ mod tests {
 
     #[test]
     fn writer_resumes_exactly_where_the_socket_stopped() {
-        let mut payload: Vec<u8> = (0..50_000u32).map(|i| (i % 251) as u8).collect();
+        let payload: Vec<u8> = (0..50_000u32).map(|i| (i % 251) as u8).collect();
         let expected: Vec<u8> = [&b"head"[..], &payload, &b"tail"[..]].concat();
         for chunk in [1, 5, 999, 1 << 20] {
             let mut w = FrameWriter::default();
             w.push_ctrl(b"he");
             w.push_ctrl(b"ad");
-            w.push_payload(heap_buf(&mut payload), 50_000);
-            w.push_payload(heap_buf(&mut payload), 0);
+            let src = heap_buf(&payload);
+            w.push_payload(src.lend(), 50_000);
+            w.push_payload(src.lend(), 0);
             w.push_ctrl(b"tail");
             let mut sink = Sink {
                 out: Vec::new(),
