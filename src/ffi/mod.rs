@@ -9,8 +9,8 @@
 //!   `ncclInternalError` ([`boundary`]); no unwind ever crosses into NCCL.
 //! * Legal NULLs (`sizes` in `test`, `sendDevComm`, profiler handles) are not errors.
 //!
-//! `unsafe` is allowed in this module (and the verbs fabric) only; each block says why
-//! it is sound. [`sys`] holds the few OS calls no safe crate wraps.
+//! `unsafe` is allowed in this module and in each fabric's own `transport/*/sys` only;
+//! each block says why it is sound.
 #![allow(unsafe_code)]
 
 pub mod boundary;
@@ -20,5 +20,4 @@ pub mod error;
 pub mod exports;
 pub mod handle;
 pub mod logger;
-pub mod sys;
 pub mod types;
