@@ -562,7 +562,7 @@ impl<F: Fabric> Reactor<F> {
             .filter(|(_, l)| l.nic == Some(nic) && matches!(l.role, Role::Comm(_)))
             .map(|(_, l)| {
                 let p = self.fabric.progress(&l.sock);
-                p.sent - p.acked
+                p.sent.saturating_sub(p.acked)
             })
             .sum();
         health::probe_deadline(
@@ -683,7 +683,7 @@ impl<F: Fabric> Reactor<F> {
             // can hold every byte in flight, so the userspace queue alone would not show
             // a stuck path.
             let p = self.fabric.progress(&lane.sock);
-            let (unacked, delivered) = (p.sent - p.acked, p.acked);
+            let (unacked, delivered) = (p.sent.saturating_sub(p.acked), p.acked);
             let queued = !lane.writer.is_empty();
             let waiting = lane.writer.queued_bytes() + unacked;
             let moved = delivered.saturating_sub(lane.progress.last_total());
