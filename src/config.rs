@@ -120,7 +120,7 @@ pub struct Config {
     /// `RAILOVER_RAILS`: explicit NIC → rail map.
     pub rails: Option<RailMap>,
     /// `RAILOVER_FAIR_SHARE`: pace the busy TCP lanes of a NIC to even shares (on by
-    /// default; see `transport::tcp::fair`).
+    /// default; see `transport::fair`).
     pub fair_share: bool,
     /// `RAILOVER_LOOPBACK_NICS`: when not 0, this many NICs on loopback addresses
     /// (127.100.<i>.1) instead of the interfaces: a multi-NIC node without root, for the

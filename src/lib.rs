@@ -10,7 +10,8 @@
 //!   connection machines; NCCL's threads only queue commands to it.
 //! * [`conn`] — sans-IO per-comm send/receive machines and the wire format.
 //! * [`routing`] — sans-IO route bookkeeping; the reactor publishes snapshots lock-free.
-//! * [`transport`] — fabric-specific code: NIC discovery and sockets for TCP.
+//! * [`transport`] — the `Fabric` seam the reactor drives lanes through (listen, connect,
+//!   move frames, progress, pacing, fence), implemented for TCP.
 //! * [`topology`] — pure data about NICs, GPUs, PCI paths and rails.
 //! * [`config`] — `RAILOVER_*` environment variables parsed into typed values.
 //! * [`telemetry`] — logging into NCCL's logger, Prometheus metrics.

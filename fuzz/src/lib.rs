@@ -21,8 +21,8 @@ use railover::conn::wire::{
     MAX_BODY, MAX_DATA,
 };
 use railover::topology::{PathType, RailRule, Topology};
-use railover::transport::tcp::netlink;
-use railover::transport::tcp::stream::{FrameReader, Inbound, ReadError};
+use railover::transport::frames::{FrameReader, Inbound, ReadError};
+use railover::transport::netlink;
 
 /// A fuzz target: panics only when an invariant breaks.
 pub type Target = fn(&[u8]);

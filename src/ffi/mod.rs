@@ -11,8 +11,8 @@
 //!   `test` of a pending request return `ncclInternalError`; closes still succeed.
 //! * Legal NULLs (`sizes` in `test`, `sendDevComm`, profiler handles) are not errors.
 //!
-//! `unsafe` is allowed in this module (and the verbs fabric) only; each block says why
-//! it is sound. [`sys`] holds the few OS calls no safe crate wraps.
+//! `unsafe` is allowed in this module and in each fabric's own `transport/*/sys` only;
+//! each block says why it is sound.
 #![allow(unsafe_code)]
 
 pub mod boundary;
@@ -22,5 +22,4 @@ pub mod error;
 pub mod exports;
 pub mod handle;
 pub mod logger;
-pub mod sys;
 pub mod types;

@@ -3,10 +3,12 @@
 //! immutable, atomic, or behind a short lock.
 
 use std::collections::VecDeque;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::Error;
 use crate::ffi::types::NCCL_NET_MAX_REQUESTS;
@@ -119,6 +121,34 @@ pub struct ListenShared {
 #[derive(Debug, Default)]
 pub struct PendingConnect {
     pub(crate) result: Mutex<Option<Result<Arc<CommShared>, Error>>>,
+}
+
+/// A `listen` waiting for the reactor to open its listener: the address peers connect
+/// to, or why there is none.
+#[derive(Debug, Default)]
+pub struct PendingListen {
+    result: Mutex<Option<Result<SocketAddr, Error>>>,
+    cv: Condvar,
+}
+
+impl PendingListen {
+    /// Reactor side: the outcome, once.
+    pub(crate) fn finish(&self, r: Result<SocketAddr, Error>) {
+        self.result.lock().get_or_insert(r);
+        self.cv.notify_all();
+    }
+
+    /// Waits up to `limit` for the outcome; `None` if it did not come.
+    pub(crate) fn wait(&self, limit: Duration) -> Option<Result<SocketAddr, Error>> {
+        let end = Instant::now() + limit;
+        let mut r = self.result.lock();
+        while r.is_none() {
+            if self.cv.wait_until(&mut r, end).timed_out() {
+                break;
+            }
+        }
+        r.take()
+    }
 }
 
 /// A memory registration. It remembers its region so that a lane moving to another NIC

@@ -13,17 +13,18 @@ pub mod request;
 use std::ffi::{CStr, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
 use crate::config::Config;
-use crate::ffi::buffer::UserBuf;
+pub use crate::ffi::buffer::UserBuf;
 use crate::reactor::{Command, LocalNic, ReactorHandle, ReactorStats, Setup};
 use crate::telemetry::exporter::ExporterConfig;
 use crate::telemetry::metrics::Telemetry;
 use crate::topology::{Fabric, Topology};
-use crate::transport::tcp::{self, TcpNic};
-pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, Side};
+use crate::transport::tcp::{self, TcpFabric, TcpNic};
+pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, PendingListen, Side};
 pub use error::Error;
 pub use net_handle::NetHandle;
 pub use request::{Request, Status};
@@ -112,7 +113,8 @@ impl Runtime {
             )),
         };
         let telemetry = setup.telemetry.clone();
-        let reactor = match ReactorHandle::spawn(setup) {
+        let fabric = TcpFabric::new(&nics.iter().map(|n| n.tcp.clone()).collect::<Vec<_>>());
+        let reactor = match ReactorHandle::spawn(setup, fabric) {
             Ok(r) => r,
             Err(e) => {
                 telemetry.shutdown();
@@ -344,12 +346,15 @@ pub fn nic_info(dev: i32) -> Result<NicInfo, Error> {
     runtime()?.nic(dev).cloned()
 }
 
-/// Opens a listener on device `dev` and describes it in `handle`.
+/// How long `listen` waits for the reactor to open the listener: a bind takes
+/// microseconds; this only bounds a reactor that stopped answering.
+const LISTEN_REPLY: Duration = Duration::from_secs(30);
+
+/// Opens a listener on device `dev` and describes it in `handle`. The reactor opens it;
+/// this waits for its address, since NCCL sends the handle on as soon as we return.
 pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<ListenShared>, Error> {
     let rt = &ctx.runtime;
-    let nic = rt.nic(dev)?;
-    let listener = tcp::listen(nic.tcp.ip)?;
-    let addr = listener.local_addr()?;
+    rt.nic(dev)?;
     let mut token = [0u8; 16];
     getrandom::getrandom(&mut token)
         .map_err(|e| Error::System(format!("no randomness for the comm token: {e}")))?;
@@ -360,16 +365,31 @@ pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<Lis
         ready: Mutex::new(Default::default()),
         queue: rt.reactor.queue.clone(),
     });
+    let reply = Arc::new(PendingListen::default());
+    rt.reactor.queue.push(Command::Listen {
+        nic: dev as usize,
+        shared: shared.clone(),
+        reply: reply.clone(),
+    });
+    let addr = reply.wait(LISTEN_REPLY).unwrap_or_else(|| {
+        Err(Error::Internal(
+            "the reactor did not open the listener in time".into(),
+        ))
+    });
+    let addr = match addr {
+        Ok(a) => a,
+        Err(e) => {
+            // Opened too late for us: the reactor closes it when it sees this.
+            close_listen(&shared);
+            return Err(e);
+        }
+    };
     *handle = NetHandle {
         addr,
         token,
         connect_id: 0,
     }
     .encode();
-    rt.reactor.queue.push(Command::Listen {
-        listener,
-        shared: shared.clone(),
-    });
     Ok(shared)
 }
 
@@ -406,8 +426,7 @@ pub fn connect(
         };
     }
     let rt = &ctx.runtime;
-    let nic = rt.nic(dev)?;
-    let stream = tcp::connect(nic.tcp.ip, h.addr)?;
+    rt.nic(dev)?;
     static NEXT_ID: AtomicU64 = AtomicU64::new(1);
     h.connect_id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     *handle = h.encode();
@@ -416,7 +435,6 @@ pub fn connect(
     rt.reactor.queue.push(Command::Connect {
         nic: dev as usize,
         to: h.addr,
-        stream,
         token: h.token,
         pending,
     });

@@ -14,7 +14,7 @@ use crate::routing::{
     CommId, CommSpec, Event, LaneId, LocalNic as RouteLocal, MoveReason, NicId, PeerId, RemoteNic,
 };
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair, NicSample};
-use crate::transport::tcp::fair::LaneSample;
+use crate::transport::fair::LaneSample;
 
 /// How a socket error is classified: a peer that closed or reset the connection is gone
 /// (its kernel answered, so the path works); anything else is a path failure.
@@ -54,7 +54,7 @@ fn receiver_grace(
 /// The one lane a comm has, in the router's numbering.
 const LANE: LaneId = LaneId(0);
 
-impl Reactor {
+impl<F: Fabric> Reactor<F> {
     /// A send comm was just connected: tell the router about both NIC lists.
     pub(super) fn register_route(
         &mut self,
@@ -160,7 +160,7 @@ impl Reactor {
                 let (c, mv) = (*comm, *mv);
                 // Reset, so that nothing the kernel still holds (a Proof) reaches the
                 // receiver later and displaces the lane that replaces this one.
-                let _ = socket2::SockRef::from(&lane.sock).set_linger(Some(Duration::ZERO));
+                self.fabric.fence(&mut self.lanes[k].sock);
                 tracing::warn!(
                     "railover: comm {c}: replacement lane {} failed: {error}",
                     mv.to
@@ -187,9 +187,9 @@ impl Reactor {
                     // Reset rather than close: what the kernel still holds is replayed on
                     // the next lane, and draining it into a sick link would only compete
                     // with the probes that test whether the link healed.
-                    let _ = socket2::SockRef::from(&lane.sock).set_linger(Some(Duration::ZERO));
+                    self.fabric.fence(&mut self.lanes[k].sock);
                 }
-                let silent = now.saturating_duration_since(lane.last_rx);
+                let silent = now.saturating_duration_since(self.lanes[k].last_rx);
                 self.drop_lane(k);
                 self.comm_lane_lost(c, k, error, reason, silent, now);
                 return;
@@ -511,13 +511,13 @@ impl Reactor {
         now: Instant,
         limit: Duration,
     ) -> Option<usize> {
-        let local = self.setup.nics.get(pair.local.0 as usize)?.ip;
+        let local = pair.local.0 as usize;
         let remote = self
             .peers
             .get(pair.peer.0 as usize)?
             .get(pair.remote.0 as usize)?
             .addr;
-        let stream = match tcp::connect(local, remote) {
+        let stream = match self.fabric.connect(local, remote) {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!("railover: cannot open {pair}: {e}");
@@ -560,7 +560,10 @@ impl Reactor {
             .lanes
             .iter()
             .filter(|(_, l)| l.nic == Some(nic) && matches!(l.role, Role::Comm(_)))
-            .map(|(_, l)| crate::ffi::sys::tcp_send_queue(&l.sock).unwrap_or(0))
+            .map(|(_, l)| {
+                let p = self.fabric.progress(&l.sock);
+                p.sent.saturating_sub(p.acked)
+            })
             .sum();
         health::probe_deadline(
             self.setup.probe_timeout,
@@ -608,8 +611,8 @@ impl Reactor {
             comm.detected.get_or_insert((now, reason));
         }
         if let Some(old) = comm.migrating.take() {
-            if let Some(l) = self.lanes.get(old) {
-                let _ = socket2::SockRef::from(&l.sock).set_linger(Some(Duration::ZERO));
+            if let Some(l) = self.lanes.get_mut(old) {
+                self.fabric.fence(&mut l.sock);
             }
             self.drop_lane(old);
         }
@@ -636,7 +639,7 @@ impl Reactor {
             .clamp(Duration::from_millis(5), Duration::from_millis(100))
     }
 
-    /// Applies the NICs' fair shares (see `transport::tcp::fair`) to the lanes' sockets.
+    /// Applies the NICs' fair shares (see `transport::fair`) to the lanes as pacing caps.
     fn pace(&mut self, shares: &[LaneSample], now: Instant) {
         if !self.setup.fair_share {
             return;
@@ -649,8 +652,8 @@ impl Reactor {
             );
         }
         for (k, cap) in sampled.changes {
-            if let Some(lane) = self.lanes.get(k) {
-                if let Err(e) = crate::ffi::sys::set_max_pacing_rate(&lane.sock, cap) {
+            if let Some(lane) = self.lanes.get_mut(k) {
+                if let Err(e) = self.fabric.set_pacing(&mut lane.sock, cap) {
                     tracing::debug!("railover: pacing lane {k}: {e}");
                 }
             }
@@ -676,11 +679,11 @@ impl Reactor {
                 dead.push((k, e, Some(silent)));
                 continue;
             }
-            // Delivery progress: what the peer's TCP has acknowledged. A large socket
-            // buffer can hold every byte in flight, so the userspace queue alone would
-            // not show a stuck path.
-            let unacked = crate::ffi::sys::tcp_send_queue(&lane.sock).unwrap_or(0);
-            let delivered = lane.writer.total_written().saturating_sub(unacked);
+            // Delivery progress: what the peer has acknowledged. A large socket buffer
+            // can hold every byte in flight, so the userspace queue alone would not show
+            // a stuck path.
+            let p = self.fabric.progress(&lane.sock);
+            let (unacked, delivered) = (p.sent.saturating_sub(p.acked), p.acked);
             let queued = !lane.writer.is_empty();
             let waiting = lane.writer.queued_bytes() + unacked;
             let moved = delivered.saturating_sub(lane.progress.last_total());
@@ -725,10 +728,10 @@ impl Reactor {
             if self.comms[c].shared.side == Side::Recv {
                 // Tell the sender before letting go: in a one-way failure it still hears
                 // us and would otherwise never notice. Best effort, one small write.
-                use std::io::Write;
-                let lane = &self.lanes[k];
-                let _ =
-                    tcp::NoSigPipe(&lane.sock).write(&Header::new(Kind::Stalled, 0, 0).encode());
+                let lane = &mut self.lanes[k];
+                lane.writer
+                    .push_ctrl(&Header::new(Kind::Stalled, 0, 0).encode());
+                let _ = self.fabric.write(&mut lane.sock, &mut lane.writer);
             }
             self.lane_failed(k, e, FailReason::Timeout, now);
         }
@@ -897,7 +900,9 @@ impl Reactor {
         let name = self.setup.nics[i].name.clone();
         if up {
             tracing::warn!("railover: NIC {name} restored (fault injection)");
-            self.graveyard.clear();
+            for l in std::mem::take(&mut self.graveyard) {
+                self.fabric.close(l);
+            }
             self.router.handle_nic_up(NicId(i as u32), now);
             return;
         }

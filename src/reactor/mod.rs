@@ -1,6 +1,10 @@
 //! The reactor: the one thread per process that owns every socket and drives every
 //! comm's protocol machine.
 //!
+//! It opens every listener and lane itself, through a [`Fabric`] it is given at
+//! [`ReactorHandle::spawn`]; it names no fabric's types and makes no fabric's calls, so
+//! lanes may be TCP streams or RC QPs alike.
+//!
 //! What producers (NCCL's threads, through [`crate::plugin`]) can rely on:
 //! * a command pushed with [`CommandQueue::push`] is seen by the reactor's next turn; if
 //!   the reactor is parked in `epoll`, `push` wakes it (one `eventfd` write), otherwise
@@ -30,7 +34,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 use slab::Slab;
@@ -41,16 +44,16 @@ use crate::conn::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
 use crate::conn::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
 };
-use crate::ffi::buffer::UserBuf;
-use crate::plugin::comm::{CommShared, ListenShared, PendingConnect, Side};
+use crate::plugin::comm::{CommShared, ListenShared, PendingConnect, PendingListen, Side};
 use crate::plugin::request::Request;
-use crate::plugin::Error;
+use crate::plugin::{Error, UserBuf};
 use crate::routing::{self, FailReason, Move, Pair, RoutePublisher, Router, RouterConfig};
 use crate::telemetry::metrics::{Delta, Telemetry};
 use crate::topology::PathType;
-use crate::transport::tcp::fair::FairShare;
-use crate::transport::tcp::netlink::LinkWatcher;
-use crate::transport::tcp::{self, stream::FrameReader, stream::FrameWriter, stream::Inbound};
+use crate::transport::fair::FairShare;
+use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
+use crate::transport::netlink::LinkWatcher;
+use crate::transport::Fabric;
 use budget::SpinBudget;
 
 /// One local NIC as the reactor needs it.
@@ -100,15 +103,18 @@ const LISTENER_BIT: usize = 1 << (usize::BITS - 2);
 /// Work for the reactor.
 #[derive(Debug)]
 pub enum Command {
+    /// Opens NCCL's listener on local NIC `nic`; the address peers connect to, or why
+    /// there is none, goes to `reply`.
     Listen {
-        listener: TcpListener,
+        nic: usize,
         shared: Arc<ListenShared>,
+        reply: Arc<PendingListen>,
     },
     CloseListen {
         shared: Arc<ListenShared>,
     },
+    /// Connects from local NIC `nic` to NCCL's listener at `to`.
     Connect {
-        stream: TcpStream,
         nic: usize,
         to: SocketAddr,
         /// The handle's token: the key of this handshake, never sent.
@@ -313,6 +319,7 @@ fn refuse(c: Command, reason: Error) {
         Command::Send { req, .. } | Command::Recv { req, .. } => req.fail(reason),
         Command::CloseComm { done, .. } => done.signal(),
         Command::Connect { pending, .. } => *pending.result.lock() = Some(Err(reason)),
+        Command::Listen { reply, .. } => reply.finish(Err(reason)),
         _ => {}
     }
 }
@@ -365,14 +372,24 @@ pub struct ReactorHandle {
 impl ReactorHandle {
     /// Starts the reactor thread: one failover listener per NIC, the link watcher, the
     /// router.
-    pub fn spawn(setup: Setup) -> io::Result<ReactorHandle> {
+    /// `fabric` drives the lanes; its NICs are `setup.nics`, index for index.
+    pub fn spawn<F: Fabric>(setup: Setup, mut fabric: F) -> io::Result<ReactorHandle> {
+        if fabric.nics().len() != setup.nics.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the fabric has {} NICs, the reactor was given {}",
+                    fabric.nics().len(),
+                    setup.nics.len()
+                ),
+            ));
+        }
         let poll = Poll::new()?;
         let waker = Waker::new(poll.registry(), WAKER)?;
         let mut listeners = Slab::new();
         let mut wire_nics = Vec::new();
         for (i, nic) in setup.nics.iter().enumerate() {
-            let mut l = tcp::listen(nic.ip)?;
-            let addr = l.local_addr()?;
+            let (mut l, addr) = fabric.listen(i)?;
             let key = listeners.insert(Listener {
                 sock: None,
                 shared: None,
@@ -412,6 +429,7 @@ impl ReactorHandle {
         let now = Instant::now();
         let reactor = Reactor {
             poll,
+            fabric,
             queue: queue.clone(),
             stats: stats.clone(),
             wire: wire_nics.clone(),
@@ -484,7 +502,7 @@ impl ReactorHandle {
 /// dropped unread (closing every socket, so peers see the end at once), and the queue is
 /// poisoned: requests in flight and every later call fail with `ncclInternalError`
 /// instead of waiting forever (P5), and `finalize` still joins this thread.
-fn run_guarded(mut reactor: Reactor) {
+fn run_guarded<F: Fabric>(mut reactor: Reactor<F>) {
     let queue = reactor.queue.clone();
     let Err(panic) = catch_unwind(AssertUnwindSafe(|| reactor.run())) else {
         return;
@@ -565,8 +583,8 @@ enum Auth {
 }
 
 #[derive(Debug)]
-struct Lane {
-    sock: TcpStream,
+struct Lane<F: Fabric> {
+    sock: F::Lane,
     reader: FrameReader,
     writer: FrameWriter,
     role: Role,
@@ -584,25 +602,26 @@ struct Lane {
     progress: Progress,
 }
 
-struct Listener {
+struct Listener<F: Fabric> {
     /// `None` only while being registered.
-    sock: Option<TcpListener>,
+    sock: Option<F::Listener>,
     /// The NCCL listen comm, or `None` for a NIC's failover listener.
     shared: Option<Arc<ListenShared>>,
     nic: usize,
 }
 
-struct Reactor {
+struct Reactor<F: Fabric> {
     poll: Poll,
+    fabric: F,
     queue: Arc<CommandQueue>,
     stats: Arc<ReactorStats>,
     /// Our NICs as peers see them.
     wire: Vec<NicAddr>,
     nic_up: Vec<bool>,
     budget: SpinBudget,
-    listeners: Slab<Listener>,
+    listeners: Slab<Listener<F>>,
     listener_ids: HashMap<u64, usize>,
-    lanes: Slab<Lane>,
+    lanes: Slab<Lane<F>>,
     comms: Slab<Comm>,
     /// Lanes with queued output to flush at the end of the turn.
     dirty: Vec<usize>,
@@ -630,7 +649,7 @@ struct Reactor {
     /// Local NICs cut by fault injection, and the sockets they swallowed: kept open and
     /// never served, as a dead cable would leave them, until the NIC is restored.
     injected_down: Vec<bool>,
-    graveyard: Vec<TcpStream>,
+    graveyard: Vec<F::Lane>,
     /// Per comm: when it first left its original pair (for the fail-back's "away" time).
     failed_at: HashMap<usize, Instant>,
     /// Per comm: how long the failure went unnoticed (silence before a timeout).
@@ -661,7 +680,7 @@ struct MetricsState {
 /// How often counters reach the metrics registry.
 const METRICS_INTERVAL: Duration = Duration::from_millis(100);
 
-impl Reactor {
+impl<F: Fabric> Reactor<F> {
     fn run(&mut self) {
         let mut events = Events::with_capacity(1024);
         while !self.shutdown {
@@ -769,15 +788,14 @@ impl Reactor {
 
     fn command(&mut self, c: Command, now: Instant) {
         match c {
-            Command::Listen {
-                mut listener,
-                shared,
-            } => {
-                let nic = listener
-                    .local_addr()
-                    .ok()
-                    .and_then(|a| self.nic_of(a.ip()))
-                    .unwrap_or(0);
+            Command::Listen { nic, shared, reply } => {
+                let (mut listener, addr) = match self.fabric.listen(nic) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        reply.finish(Err(e.into()));
+                        return;
+                    }
+                };
                 let entry = self.listeners.vacant_entry();
                 let key = entry.key();
                 if let Err(e) = self.poll.registry().register(
@@ -786,6 +804,7 @@ impl Reactor {
                     Interest::READABLE,
                 ) {
                     tracing::warn!("railover: cannot watch a listener: {e}");
+                    reply.finish(Err(e.into()));
                     return;
                 }
                 self.listener_ids.insert(shared.id, key);
@@ -794,6 +813,7 @@ impl Reactor {
                     shared: Some(shared),
                     nic,
                 });
+                reply.finish(Ok(addr));
             }
             Command::CloseListen { shared } => {
                 if let Some(key) = self.listener_ids.remove(&shared.id) {
@@ -809,7 +829,6 @@ impl Reactor {
                 }
             }
             Command::Connect {
-                stream,
                 nic,
                 to,
                 token,
@@ -818,6 +837,14 @@ impl Reactor {
                 let random = match fresh_random() {
                     Ok(r) => r,
                     Err(e) => {
+                        *pending.result.lock() = Some(Err(e.into()));
+                        return;
+                    }
+                };
+                let stream = match self.fabric.connect(nic, to) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!("railover: connect to {to} failed: {e}");
                         *pending.result.lock() = Some(Err(e.into()));
                         return;
                     }
@@ -880,14 +907,9 @@ impl Reactor {
             .map(|_| shared.key)
     }
 
-    /// The index of our NIC with address `ip`.
-    fn nic_of(&self, ip: IpAddr) -> Option<usize> {
-        self.setup.nics.iter().position(|n| n.ip == ip)
-    }
-
     fn add_lane(
         &mut self,
-        mut sock: TcpStream,
+        mut sock: F::Lane,
         role: Role,
         now: Instant,
         limit: Duration,
@@ -924,6 +946,7 @@ impl Reactor {
         self.leave_gate(k);
         if let Some(mut lane) = self.lanes.try_remove(k) {
             let _ = self.poll.registry().deregister(&mut lane.sock);
+            self.fabric.close(lane.sock);
         }
     }
 
@@ -969,26 +992,19 @@ impl Reactor {
     /// again next turn.
     fn accept_all(&mut self, key: usize, now: Instant) {
         for _ in 0..ACCEPT_BATCH {
-            let Some(l) = self.listeners.get(key) else {
+            let Some(l) = self.listeners.get_mut(key) else {
                 return;
             };
-            let Some(sock) = l.sock.as_ref() else { return };
-            match sock.accept() {
-                Ok((stream, _)) => {
+            let Some(sock) = l.sock.as_mut() else { return };
+            match self.fabric.accept(sock) {
+                Ok(Some((stream, nic))) => {
                     if self.injected_down.get(l.nic).copied().unwrap_or(false) {
                         // A cut NIC answers nothing.
                         self.graveyard.push(stream);
                         continue;
                     }
                     let listener = l.shared.as_ref().map(|s| s.id);
-                    let nic = stream
-                        .local_addr()
-                        .ok()
-                        .and_then(|a| self.nic_of(a.ip()))
-                        .or(Some(l.nic));
-                    if let Err(e) = tcp::tune_stream(&stream) {
-                        tracing::debug!("railover: cannot tune an accepted socket: {e}");
-                    }
+                    let nic = nic.or(Some(l.nic));
                     let role = Role::Handshake { listener };
                     match self.add_lane(stream, role, now, PREAUTH_DEADLINE) {
                         Ok(k) => {
@@ -1013,8 +1029,7 @@ impl Reactor {
                         Err(e) => tracing::warn!("railover: cannot watch an accepted socket: {e}"),
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(None) => return,
                 Err(e) => {
                     if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
                         // Out of descriptors: a stranger's unfinished handshake yields.
@@ -1039,7 +1054,7 @@ impl Reactor {
                 return;
             };
             let before = lane.reader.total_read();
-            let got = lane.reader.next(&mut lane.sock);
+            let got = self.fabric.read(&mut lane.sock, &mut lane.reader);
             if lane.reader.total_read() != before {
                 lane.last_rx = now;
             }
@@ -1058,8 +1073,8 @@ impl Reactor {
                 }
                 Err(e) => {
                     let e = match e {
-                        tcp::stream::ReadError::Io(e) => failover::io_error(&e),
-                        tcp::stream::ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
+                        ReadError::Io(e) => failover::io_error(&e),
+                        ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
                     };
                     self.lane_error(k, e, now);
                     return;
@@ -1495,7 +1510,7 @@ impl Reactor {
                 continue;
             }
             let before = lane.writer.total_written();
-            let res = lane.writer.flush(&mut tcp::NoSigPipe(&lane.sock));
+            let res = self.fabric.write(&mut lane.sock, &mut lane.writer);
             if lane.writer.total_written() != before {
                 lane.last_tx = now;
             }
@@ -1651,6 +1666,22 @@ mod tests {
             done: later.signaller(),
         });
         assert!(later.wait(Duration::ZERO), "refused at once");
+        // A `listen` waiting for its address is answered too, never left to time out.
+        let reply = Arc::new(PendingListen::default());
+        q.push(Command::Listen {
+            nic: 0,
+            shared: Arc::new(ListenShared {
+                id: 1,
+                token: [0; 16],
+                ready: Mutex::new(VecDeque::new()),
+                queue: q.clone(),
+            }),
+            reply: reply.clone(),
+        });
+        assert!(matches!(
+            reply.wait(Duration::ZERO),
+            Some(Err(Error::InvalidUsage(_)))
+        ));
         assert_eq!(q.len.load(Ordering::SeqCst), 0);
         assert!(q.take().is_empty());
     }
@@ -1684,7 +1715,6 @@ mod tests {
         });
         assert!(close.wait(Duration::ZERO), "a close is released at once");
         q.push(Command::Connect {
-            stream: TcpStream::connect("127.0.0.1:9".parse().unwrap()).unwrap(),
             nic: 0,
             to: "127.0.0.1:9".parse().unwrap(),
             token: [0; 16],

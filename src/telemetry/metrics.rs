@@ -323,7 +323,7 @@ pub struct NicSample<'a> {
     pub up: bool,
     /// Running lanes on it now (`routing::LocalNicRoutes::lanes`).
     pub lanes: u64,
-    /// Of those, lanes under a pacing cap (`transport::tcp::fair`).
+    /// Of those, lanes under a pacing cap (`transport::fair`).
     pub paced_lanes: u64,
     /// Bytes sent since the previous sample.
     pub tx_bytes: u64,

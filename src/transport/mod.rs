@@ -1,8 +1,133 @@
-//! Fabric-specific code. Each fabric supplies NIC discovery and the lane I/O the reactor
-//! drives; no fabric decides policy.
+//! Fabric-specific code behind one seam, the [`Fabric`] trait: what the reactor needs
+//! from a fabric to open lanes and move frames over them. No fabric decides policy; the
+//! reactor names no fabric's types and makes no fabric's system calls.
 //!
 //! Today there is one fabric, [`tcp`]: a NIC is a network interface, a lane is one TCP
-//! stream between a local and a remote interface, carrying the frames of
-//! [`crate::conn::wire`]. A verbs fabric (RC QPs) plugs in beside it.
+//! stream between a local and a remote interface. A verbs fabric (RC QPs, completion
+//! channels) plugs in beside it by implementing the same trait.
+//!
+//! Fabric-neutral pieces live here too: the frame codec every lane speaks ([`frames`]),
+//! the even sharing of a NIC between its busy lanes ([`fair`]), and the kernel's link
+//! events ([`netlink`]; RoCE ports are netdevs as well).
 
+pub mod fair;
+pub mod frames;
+pub mod netlink;
 pub mod tcp;
+
+use std::fmt::Debug;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+
+use frames::{FrameReader, FrameWriter, Inbound, ReadError};
+
+/// One NIC as a fabric reports it. Its place in [`Fabric::nics`] is the NIC index every
+/// other call takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FabricNic {
+    pub name: String,
+    /// The address peers reach the NIC at (RoCE and RDMA-CM address ports by IP too).
+    pub ip: IpAddr,
+}
+
+/// Bytes a lane has carried, as the fabric counts them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LaneProgress {
+    /// Bytes the fabric accepted from the lane's writer (written to the kernel, posted).
+    pub sent: u64,
+    /// Of those, bytes the peer has acknowledged (TCP ACKs, successful RC completions).
+    /// `sent - acked` is what the path still holds: a brown-out shows as `acked` growing
+    /// slowly while bytes wait.
+    pub acked: u64,
+}
+
+/// What a fabric provides to the reactor.
+///
+/// The reactor owns every lane and listener handle and calls these methods from its
+/// own thread only. Handles are the fabric's own types: for TCP a socket, for verbs a QP
+/// with its completion channel.
+///
+/// # Readiness
+///
+/// Lanes and listeners are [`mio::event::Source`]s: the reactor registers them in its
+/// `Poll` (lanes readable and writable, listeners readable) and treats each event as a
+/// hint, as mio does. On any event of a lane it calls [`Fabric::read`] until it returns
+/// `Ok(None)` and then [`Fabric::write`]. So a fabric whose only fd is a completion
+/// channel (verbs) reports send completions as readability: `read` then reaps them and
+/// `write` posts more. The fabric re-arms its notification before its final poll, so
+/// that no completion is missed between the two.
+///
+/// # Lane lifetime
+///
+/// A lane comes from [`Fabric::connect`] (outgoing; completion shows as readiness or an
+/// error from `read`/`write`) or [`Fabric::accept`]. It is dropped after `deregister`;
+/// dropping closes it gracefully (what was sent is still delivered) unless
+/// [`Fabric::fence`] was called first.
+///
+/// # Errors
+///
+/// `io::Error`s carry the fabric's cause. The reactor classifies `ConnectionReset`,
+/// `BrokenPipe` and `UnexpectedEof` as "the peer went away" and any other error as a
+/// path failure, so a fabric maps its own errors to those kinds (a verbs fabric: remote
+/// access errors to `ConnectionReset`, retry-exceeded to `TimedOut`).
+pub trait Fabric: Debug + Send + 'static {
+    /// A listening endpoint.
+    type Listener: mio::event::Source + Debug + Send;
+    /// One lane: a path from a local NIC to a remote one carrying frames both ways.
+    type Lane: mio::event::Source + Debug + Send;
+
+    /// The NICs this fabric drives, in index order. Fixed for the fabric's lifetime.
+    fn nics(&self) -> &[FabricNic];
+
+    /// Listens on NIC `nic`. Returns the endpoint and the address peers connect to.
+    fn listen(&mut self, nic: usize) -> io::Result<(Self::Listener, SocketAddr)>;
+
+    /// Takes one incoming lane, `Ok(None)` when none is waiting. Also returns the local
+    /// NIC the lane arrived on, when it is one of [`Fabric::nics`].
+    ///
+    /// An error other than `Ok(None)` leaves the rest of the backlog for a later call
+    /// (out of descriptors: `EMFILE`/`ENFILE` as raw OS errors).
+    fn accept(
+        &mut self,
+        listener: &mut Self::Listener,
+    ) -> io::Result<Option<(Self::Lane, Option<usize>)>>;
+
+    /// Starts a lane from local NIC `nic` to `to` without blocking.
+    fn connect(&mut self, nic: usize, to: SocketAddr) -> io::Result<Self::Lane>;
+
+    /// The next inbound item of `lane`, parsed by `reader`; `Ok(None)` when the lane has
+    /// nothing more for now or `reader`'s per-call budget is spent
+    /// ([`FrameReader::wants_more`]). Payloads land where the reader was told to place
+    /// them.
+    fn read(
+        &mut self,
+        lane: &mut Self::Lane,
+        reader: &mut FrameReader,
+    ) -> Result<Option<Inbound>, ReadError>;
+
+    /// Sends what `writer` holds, until the lane would block or the writer's per-call
+    /// budget is spent ([`FrameWriter::wants_more`]). What was not accepted stays in
+    /// `writer`, in order. Never raises a signal for a peer that went away.
+    fn write(&mut self, lane: &mut Self::Lane, writer: &mut FrameWriter) -> io::Result<()>;
+
+    /// The lane's delivery progress; cheap enough to call every tick for every lane.
+    fn progress(&self, lane: &Self::Lane) -> LaneProgress;
+
+    /// Caps the rate the lane sends at, in bytes/s (`None` lifts the cap). Optional: a
+    /// fabric that cannot pace returns `ErrorKind::Unsupported`, and lanes then share a
+    /// NIC as the hardware decides.
+    fn set_pacing(&mut self, lane: &mut Self::Lane, rate: Option<u64>) -> io::Result<()> {
+        let _ = (lane, rate);
+        Err(io::ErrorKind::Unsupported.into())
+    }
+
+    /// Fences the lane before it is dropped: nothing the fabric still holds for it may
+    /// reach the peer later (it is replayed on another lane), and the close is a reset
+    /// rather than a drain. TCP: `SO_LINGER` 0. Verbs: the QP goes to the error state.
+    fn fence(&mut self, lane: &mut Self::Lane);
+
+    /// Closes a lane the reactor has deregistered. Gracefully unless it was fenced.
+    fn close(&mut self, lane: Self::Lane) {
+        drop(lane);
+    }
+}

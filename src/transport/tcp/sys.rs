@@ -1,5 +1,7 @@
-//! The few OS calls that std, nix and socket2 do not wrap. They live here so that every
-//! `unsafe` block of the crate is in `ffi/`.
+//! The TCP fabric's own socket options that std, nix and socket2 do not wrap: progress
+//! (`TIOCOUTQ`) and pacing (`SO_MAX_PACING_RATE`). Every `unsafe` block of the TCP
+//! fabric is here.
+#![allow(unsafe_code)]
 
 use std::io;
 use std::os::fd::AsRawFd;
