@@ -252,9 +252,33 @@ impl<F: Fabric> Reactor<F> {
                     self.setup.probe_timeout,
                     silent,
                 );
-                comm.stranded.get_or_insert(now + grace);
+                comm.stranded.get_or_insert(Stranded {
+                    deadline: now + grace,
+                    path: true,
+                    error: ConnError::Io("receive lane lost and not replaced".into()),
+                });
                 comm.detected.get_or_insert((now, reason));
                 tracing::warn!("railover: comm {c}: receive lane failed ({}): {error}; waiting for the sender's replacement lane", reason.as_str());
+            }
+            (Side::Recv, false) if peer_gone => {
+                // The sender resets a lane it gives up on (a brown-out, silence), and that
+                // looks the same as a peer that went away: wait as long as a receiver
+                // that noticed first would, then fail with the peer's close.
+                let grace = receiver_grace(
+                    FailReason::NicError,
+                    self.setup.completion_timeout,
+                    self.setup.probe_timeout,
+                    Duration::ZERO,
+                );
+                comm.stranded.get_or_insert(Stranded {
+                    deadline: now + grace,
+                    path: false,
+                    error,
+                });
+                tracing::info!(
+                    "railover: comm {c}: the sender closed the lane; failing in {} ms unless it opens a replacement",
+                    grace.as_millis()
+                );
             }
             _ => {
                 let busy = match &comm.machine {
@@ -743,21 +767,29 @@ impl<F: Fabric> Reactor<F> {
         } else {
             Duration::ZERO
         };
-        let stranded: Vec<usize> = self
+        let stranded: Vec<(usize, ConnError, bool)> = self
             .comms
             .iter()
-            .filter(|(_, c)| c.stranded.is_some_and(|deadline| now >= deadline + window))
-            .map(|(k, _)| k)
+            .filter_map(|(k, c)| {
+                let s = c.stranded.as_ref()?;
+                let deadline = s.deadline + if s.path { window } else { Duration::ZERO };
+                (now >= deadline).then(|| (k, s.error.clone(), s.path))
+            })
             .collect();
-        for c in stranded {
-            tracing::warn!(
-                "railover: comm {c}: no replacement lane arrived in time; failing its receives"
-            );
-            self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
-            self.fail_comm(
-                c,
-                ConnError::Io("receive lane lost and not replaced".into()),
-            );
+        for (c, error, path) in stranded {
+            let busy = match &self.comms[c].machine {
+                Machine::Send(m) => m.pending() > 0,
+                Machine::Recv(m) => m.pending() > 0,
+            };
+            if busy || !matches!(error, ConnError::PeerClosed) {
+                tracing::warn!(
+                    "railover: comm {c}: no replacement lane arrived in time; failing its receives: {error}"
+                );
+            }
+            if path {
+                self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
+            }
+            self.fail_comm(c, error);
         }
     }
 

@@ -542,9 +542,21 @@ struct Comm {
     migrating: Option<usize>,
     /// A failure was detected at this time and traffic has not resumed yet.
     detected: Option<(Instant, FailReason)>,
-    /// Receive side: the lane was lost and no replacement has arrived; the comm fails at
-    /// this deadline, extended by the give-up window while one of our NICs is up.
-    stranded: Option<Instant>,
+    /// Receive side: the lane was lost and no replacement has arrived.
+    stranded: Option<Stranded>,
+}
+
+/// A receive comm waiting for the sender's replacement lane.
+#[derive(Debug, Clone)]
+struct Stranded {
+    /// When the comm fails if no replacement has come.
+    deadline: Instant,
+    /// The path failed (rather than the peer closing the lane): the sender may still be
+    /// re-probing candidates, so while one of our NICs is up the deadline also waits
+    /// out the sender's give-up window.
+    path: bool,
+    /// What the comm's requests fail with.
+    error: ConnError,
 }
 
 #[derive(Debug, Clone, Copy)]
