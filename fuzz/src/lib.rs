@@ -104,7 +104,7 @@ pub fn wire_header(data: &[u8]) {
         Err(_) => assert!(data.len() >= HEADER_LEN),
     }
     let mut inp = Input::new(data);
-    let kind = KINDS[inp.u8() as usize % KINDS.len()];
+    let kind = Kind::ALL[inp.u8() as usize % Kind::ALL.len()];
     let h = Header {
         kind,
         aux: inp.u32(),
@@ -119,21 +119,6 @@ pub fn wire_header(data: &[u8]) {
         Err(e) => panic!("{h:?} encoded, then refused: {e}"),
     }
 }
-
-const KINDS: [Kind; 12] = [
-    Kind::Hello,
-    Kind::Welcome,
-    Kind::Refuse,
-    Kind::Cts,
-    Kind::Data,
-    Kind::Ack,
-    Kind::Truncated,
-    Kind::Close,
-    Kind::Keepalive,
-    Kind::Stalled,
-    Kind::Challenge,
-    Kind::Proof,
-];
 
 fn max_len(kind: Kind) -> u64 {
     match kind {

@@ -55,6 +55,22 @@ pub enum Kind {
 }
 
 impl Kind {
+    /// Every kind, in wire-code order.
+    pub const ALL: [Kind; 12] = [
+        Kind::Hello,
+        Kind::Welcome,
+        Kind::Refuse,
+        Kind::Cts,
+        Kind::Data,
+        Kind::Ack,
+        Kind::Truncated,
+        Kind::Close,
+        Kind::Keepalive,
+        Kind::Stalled,
+        Kind::Challenge,
+        Kind::Proof,
+    ];
+
     fn code(self) -> u8 {
         match self {
             Kind::Hello => 1,
@@ -422,20 +438,13 @@ mod tests {
 
     #[test]
     fn header_roundtrip_every_kind() {
-        for kind in [
-            Kind::Hello,
-            Kind::Welcome,
-            Kind::Refuse,
-            Kind::Cts,
-            Kind::Data,
-            Kind::Ack,
-            Kind::Truncated,
-            Kind::Close,
-            Kind::Keepalive,
-            Kind::Stalled,
-            Kind::Challenge,
-            Kind::Proof,
-        ] {
+        let codes: Vec<u8> = Kind::ALL.iter().map(|k| k.code()).collect();
+        assert_eq!(
+            codes,
+            (1..=12).collect::<Vec<u8>>(),
+            "ALL lists every kind once"
+        );
+        for kind in Kind::ALL {
             let h = Header {
                 kind,
                 aux: 7,
