@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The fault-injection tier (tests/fault.rs): network namespaces joined by tc-shaped veth
+# The fault-injection tier (cli/tests/fault.rs): network namespaces joined by tc-shaped veth
 # pairs stand in for two nodes with one NIC per rail; links are cut, slowed and flapped
 # while checksummed streams run through the plugin. Needs root (namespaces, tc), so the
 # tests are #[ignore]d and run here with --ignored; without root this script says why it

@@ -15,8 +15,10 @@
 //! * [`topology`] — pure data about NICs, GPUs, PCI paths and rails.
 //! * [`config`] — `RAILOVER_*` environment variables parsed into typed values.
 //! * [`telemetry`] — logging into NCCL's logger, Prometheus metrics.
-//! * [`testbed`] — two network namespaces joined by shaped veth pairs, for the fault
-//!   tier and `railover demo`: real links to cut, slow and flap.
+//!
+//! The `railover` command lives in `cli/`, and the test machinery (namespace testbed,
+//! fixture sysfs trees, a Rust driver of the C ABI) in `testkit/`, so neither is part of
+//! the library NCCL loads.
 #![deny(unsafe_code)]
 
 pub mod config;
@@ -26,6 +28,5 @@ pub mod plugin;
 pub mod reactor;
 pub mod routing;
 pub mod telemetry;
-pub mod testbed;
 pub mod topology;
 pub mod transport;

@@ -12,8 +12,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use railover::ffi::driver::{Ctx, Listener, Request};
 use railover::reactor::HANDSHAKES_TOTAL;
+use railover_testkit::driver::{Ctx, Listener, Request};
 
 const FLOOD: usize = 3000;
 

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use railover::conn::auth;
 use railover::conn::wire::{Header, Hello, Kind, Proof, Purpose, HEADER_LEN};
-use railover::ffi::driver::{self, Ctx, RecvComm, Request, SendComm};
 use railover::plugin::NetHandle;
+use railover_testkit::driver::{self, Ctx, RecvComm, Request, SendComm};
 
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(30)

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use railover::ffi::driver::{Code, Ctx};
+use railover_testkit::driver::{Code, Ctx};
 
 fn thread_names() -> Vec<String> {
     std::fs::read_dir("/proc/self/task")

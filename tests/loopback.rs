@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use railover::ffi::driver::{self, Buffer, Ctx, RecvComm, Request, SendComm};
+use railover_testkit::driver::{self, Buffer, Ctx, RecvComm, Request, SendComm};
 
 fn setup() -> Ctx {
     // Tests touch only loopback.

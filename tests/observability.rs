@@ -612,7 +612,7 @@ fn idle_scrape_child() {
     std::env::set_var("RAILOVER_LOOPBACK_NICS", "2");
     std::env::set_var("RAILOVER_METRICS_PORT", "0");
     std::env::set_var("RAILOVER_METRICS_ADDR", "127.0.0.1");
-    let ctx = railover::ffi::driver::Ctx::init().expect("init");
+    let ctx = railover_testkit::driver::Ctx::init().expect("init");
     let addr = railover::plugin::runtime()
         .unwrap()
         .telemetry

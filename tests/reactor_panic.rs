@@ -6,8 +6,8 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use railover::ffi::driver::{Code, Ctx, Listener, RecvComm, Request, SendComm};
 use railover::ffi::logger::{self, Severity};
+use railover_testkit::driver::{Code, Ctx, Listener, RecvComm, Request, SendComm};
 
 /// ncclInternalError.
 const INTERNAL: Code = Code(3);

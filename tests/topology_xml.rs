@@ -2,8 +2,8 @@
 //! `fixture::machines::dgx_h100` (sysfs) and `tests/fixtures/topology/dgx-h100.xml` (the
 //! same node as NCCL_TOPO_DUMP_FILE would write it).
 
-use railover::topology::fixture::machines;
 use railover::topology::{PathType, RailError, RailSource, Topology, TopologyError};
+use railover_testkit::fixture::machines;
 
 const DGX_XML: &str = include_str!("fixtures/topology/dgx-h100.xml");
 

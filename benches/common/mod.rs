@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use railover::ffi::driver::{Buffer, Ctx, RecvComm, Request, SendComm};
+use railover_testkit::driver::{Buffer, Ctx, RecvComm, Request, SendComm};
 
 /// Loopback only, no metrics endpoint; `spin_us` is the reactor's busy-poll budget.
 pub fn init(spin_us: u32) -> Ctx {

@@ -17,7 +17,6 @@
 
 pub mod boundary;
 pub mod buffer;
-pub mod driver;
 pub mod error;
 pub mod exports;
 pub mod handle;

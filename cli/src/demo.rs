@@ -18,7 +18,7 @@ fn seconds(v: &str) -> Result<f64, String> {
 
 pub fn run(a: &Args) -> i32 {
     let seconds = a.seconds;
-    match railover::testbed::unavailable() {
+    match railover_testkit::testbed::unavailable() {
         None => {
             crate::failover_demo::run(seconds.max(12.0), crate::failover_demo::Mode::Namespaces)
         }

@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use railover::ffi::driver::{Buffer, Code, Ctx, Listener, RecvComm, Request, SendComm};
+use railover_testkit::driver::{Buffer, Code, Ctx, Listener, RecvComm, Request, SendComm};
 
 pub const PEER_COMMAND: &str = "__peer";
 

@@ -12,8 +12,8 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use railover::testbed::proc::Proc;
-use railover::testbed::{unix_ms, Side, Testbed};
+use railover_testkit::testbed::proc::Proc;
+use railover_testkit::testbed::{unix_ms, Side, Testbed};
 
 /// Where the two nodes live and how a link is cut.
 pub enum Mode {

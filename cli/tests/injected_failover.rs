@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use railover::testbed::proc::Proc;
+use railover_testkit::testbed::proc::Proc;
 
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace()

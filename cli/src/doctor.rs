@@ -111,7 +111,7 @@ fn report(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> Result<Box<Docto
 #[cfg(test)]
 mod tests {
     use super::*;
-    use railover::topology::fixture::machines;
+    use railover_testkit::fixture::machines;
 
     fn run_with(
         root: &std::path::Path,

@@ -9,8 +9,8 @@ use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::exports::ncclNetPlugin_v12;
-use super::types::{CommConfig, NetV12, PropertiesV12, NCCL_PTR_HOST, NCCL_SUCCESS};
+use railover::ffi::exports::ncclNetPlugin_v12;
+use railover::ffi::types::{CommConfig, NetV12, PropertiesV12, NCCL_PTR_HOST, NCCL_SUCCESS};
 
 /// An `ncclResult_t` other than success.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,7 +288,7 @@ impl Request {
     /// `Ok(Some(size))` once done; `Ok(None)` while pending.
     pub fn test(&mut self) -> Result<Option<usize>, Code> {
         if self.finished {
-            return Err(Code(super::types::NCCL_INVALID_ARGUMENT));
+            return Err(Code(railover::ffi::types::NCCL_INVALID_ARGUMENT));
         }
         let mut done = 0;
         let mut size = 0;
@@ -369,7 +369,7 @@ impl RecvComm {
         let mut mr = buf.mr;
         let mut phandle = std::ptr::null_mut();
         // NCCL may pre-store the optional-completion hint; the plugin must overwrite it.
-        let mut req = super::types::NCCL_NET_OPTIONAL_RECV_COMPLETION as *mut c_void;
+        let mut req = railover::ffi::types::NCCL_NET_OPTIONAL_RECV_COMPLETION as *mut c_void;
         // SAFETY: one-element arrays for n=1; the buffer stays alive and untouched until
         // `test` reports done.
         let r = unsafe {

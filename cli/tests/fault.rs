@@ -1104,7 +1104,7 @@ fault_test! {
         if needs_failover() {
             return;
         }
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let root = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
         let installed = std::process::Command::new("bash")
             .arg(root.join("scripts/install-prometheus.sh"))
             .status()

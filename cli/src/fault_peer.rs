@@ -13,7 +13,7 @@ use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use railover::ffi::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
+use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
 
 const MAGIC: u32 = 0x5246_5031;
 const HDR: usize = 32;

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use railover::topology::fixture::machines;
+use railover_testkit::fixture::machines;
 
 fn doctor(root: &Path, args: &[&str], vars: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_railover"));
@@ -170,7 +170,7 @@ fn topo_file_gives_distances_and_sysfs_gives_state() {
         .unwrap();
     let xml = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/topology/dgx-h100.xml"
+        "/../tests/fixtures/topology/dgx-h100.xml"
     );
     let o = doctor(dir.path(), &["--json", "--topo-file", xml], &[]);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
@@ -187,12 +187,12 @@ fn topo_file_gives_distances_and_sysfs_gives_state() {
 #[test]
 fn single_nic_has_no_backup() {
     let dir = tempfile::tempdir().unwrap();
-    let b = railover::topology::fixture::SysfsBuilder::new(dir.path()).unwrap();
+    let b = railover_testkit::fixture::SysfsBuilder::new(dir.path()).unwrap();
     b.eth_nic(
         "eth0",
         &["0000:00:01.0", "0000:01:00.0"],
-        railover::topology::fixture::PciOpts::new(4, 16, 0),
-        &railover::topology::fixture::NetdevOpts::ethernet(100_000, "aa:bb:cc:dd:ee:ff"),
+        railover_testkit::fixture::PciOpts::new(4, 16, 0),
+        &railover_testkit::fixture::NetdevOpts::ethernet(100_000, "aa:bb:cc:dd:ee:ff"),
     )
     .unwrap();
     let o = doctor(dir.path(), &[], &[]);
@@ -228,7 +228,7 @@ fn usage_and_unknown_arguments() {
 
 #[test]
 fn mixed_link_layers_are_reported() {
-    use railover::topology::fixture::{PciOpts, PortOpts};
+    use railover_testkit::fixture::{PciOpts, PortOpts};
     let dir = tempfile::tempdir().unwrap();
     let b = machines::dual_socket(dir.path()).unwrap();
     // An InfiniBand NIC next to the two RoCE ones.

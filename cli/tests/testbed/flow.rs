@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use railover::testbed::proc::Proc;
-use railover::testbed::{Side, Testbed};
+use railover_testkit::testbed::proc::Proc;
+use railover_testkit::testbed::{Side, Testbed};
 
 pub const EXE: &str = env!("CARGO_BIN_EXE_railover");
 

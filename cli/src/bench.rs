@@ -12,9 +12,9 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use railover::ffi::driver::{Buffer, Ctx, RecvComm, SendComm};
 use railover::reactor::REACTOR_THREAD;
-use railover::testbed::{Side, Testbed};
+use railover_testkit::driver::{Buffer, Ctx, RecvComm, SendComm};
+use railover_testkit::testbed::{Side, Testbed};
 use serde::Serialize;
 
 use crate::peer::{self, Peer};
@@ -459,7 +459,7 @@ pub fn run(a: Args, raw: Vec<OsString>) -> i32 {
 
 /// Builds the testbed and runs the bench again inside namespace A, with its peer in B.
 fn on_testbed(rails: usize, o: &Opts, args: &[OsString]) -> i32 {
-    if let Some(why) = railover::testbed::unavailable() {
+    if let Some(why) = railover_testkit::testbed::unavailable() {
         eprintln!("railover bench: --testbed needs root and iproute2: {why}");
         return 1;
     }
@@ -681,7 +681,7 @@ impl Rig {
 
     fn point(&mut self, size: usize, o: &Opts) -> Result<Point, String> {
         let (count, depth) = plan(size, o.comms, o.depth, o.quick);
-        let e = |e: railover::ffi::driver::Code| e.to_string();
+        let e = |e: railover_testkit::driver::Code| e.to_string();
         let mut pbufs: Vec<Vec<Buffer>> = Vec::new();
         for r in &self.recv {
             let mut v = Vec::new();
@@ -767,7 +767,7 @@ impl Rig {
 
     fn round_trip(&mut self, o: &Opts) -> Result<RoundTrip, String> {
         let pings: u64 = if o.quick { 500 } else { 5_000 };
-        let e = |e: railover::ffi::driver::Code| e.to_string();
+        let e = |e: railover_testkit::driver::Code| e.to_string();
         let sb = self.back.register(8).map_err(e)?;
         let mut rbs = [
             self.recv[0].register(8).map_err(e)?,
@@ -840,7 +840,7 @@ fn memory_cost(ctx: &Ctx) -> Result<Memory, String> {
     const PAIRS: usize = 64;
     const PER_COMM: usize = 16;
     let me = std::process::id();
-    let e = |e: railover::ffi::driver::Code| e.to_string();
+    let e = |e: railover_testkit::driver::Code| e.to_string();
     let pair = || -> Result<(SendComm, RecvComm), String> {
         let (mut h, l) = ctx.listen(0).map_err(e)?;
         let end = Instant::now() + peer::PATIENCE;
