@@ -3,9 +3,11 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::config::{RailRule, RouterConfig};
+use super::config::RouterConfig;
 use super::rng::SplitMix64;
 use super::snapshot::{CommRoutes, LaneRoute, LaneStatus, LocalNicRoutes, RemoteNicRoutes, Routes};
+use crate::topology::pair_eligibility;
+
 use super::{
     CommId, CommSpec, Event, Exclusion, FailReason, LaneId, LocalNic, Move, MoveReason, NicId,
     Pair, PeerId, ProbeRequest, RemoteNic, RouterError, Stats,
@@ -17,8 +19,9 @@ use super::{
 /// # Selection (P2, P3)
 ///
 /// When a lane's pair fails, every other (local, remote) pair of its comm is a candidate.
-/// A candidate must pass, in order, the rail rule, the distance limit, the local NIC's
-/// carrier and the health check. Health is "good" when the pair carries lanes without a
+/// A candidate must pass, in order, the rail rule and the distance limit (the static rules
+/// of [`pair_eligibility`], shared with `railover doctor`; an unknown distance passes and
+/// ranks as the limit), the local NIC's carrier and the health check. Health is "good" when the pair carries lanes without a
 /// reported failure, or answered a probe within `health_ttl`; "bad" after a failure, for
 /// `health_ttl` (a lane failure) or for the re-probe backoff (a failed probe); otherwise
 /// "unknown". An original pair under its fail-back watch is a candidate like any other:
@@ -803,22 +806,13 @@ impl Router {
                     peer: comm.peer,
                     remote: y.id,
                 };
-                let rail_ok = match self.config.rail_rule {
-                    RailRule::Any => true,
-                    RailRule::Same => x.rail.is_some() && x.rail == y.rail,
-                };
-                let topology_unknown = rail_ok && x.distance.is_none();
-                let verdict = if !rail_ok {
-                    Verdict::Excluded(Exclusion::RailMismatch {
-                        local: x.rail,
-                        remote: y.rail,
-                    })
-                } else if let Some(d) = x.distance.filter(|&d| d > limit) {
-                    Verdict::Excluded(Exclusion::TooFar { distance: d, limit })
-                } else if self.down.contains(&x.id) {
-                    Verdict::Excluded(Exclusion::Down)
-                } else {
-                    match self.health(pair, loads, now) {
+                let allowed =
+                    pair_eligibility(self.config.rail_rule, limit, x.rail, y.rail, x.distance);
+                let topology_unknown = allowed.is_ok_and(|a| a.distance_unknown);
+                let verdict = match allowed {
+                    Err(e) => Verdict::Excluded(Exclusion::Rule(e)),
+                    Ok(_) if self.down.contains(&x.id) => Verdict::Excluded(Exclusion::Down),
+                    Ok(allowed) => match self.health(pair, loads, now) {
                         Health::Bad(_) => Verdict::Excluded(Exclusion::Unhealthy {
                             failed_probes: self.pairs.get(&pair).map_or(0, |ps| ps.failed_probes),
                         }),
@@ -827,13 +821,11 @@ impl Router {
                         },
                         Health::Good(_) => {
                             let (max, sum) = loads.cost(pair);
-                            // Unknown distance ranks as the limit itself: allowed, not preferred.
-                            let rank = x.distance.unwrap_or(limit) as u8;
                             Verdict::Eligible {
-                                key: (max, sum, rank),
+                                key: (max, sum, allowed.rank as u8),
                             }
                         }
-                    }
+                    },
                 };
                 out.push(Candidate {
                     pair,

@@ -207,7 +207,7 @@ fn config(seed: u64) -> RouterConfig {
 }
 
 fn mismatch(local: Option<u32>, remote: Option<u32>) -> Exclusion {
-    Exclusion::RailMismatch { local, remote }
+    Exclusion::Rule(crate::topology::Exclusion::RailMismatch { local, remote })
 }
 
 fn ceil_div(a: u32, b: u32) -> u32 {
@@ -346,17 +346,17 @@ fn selection_over_nic_sets() {
                 ((0, 0), Exclusion::Down),
                 (
                     (1, 0),
-                    Exclusion::TooFar {
-                        distance: Pxb,
+                    Exclusion::Rule(crate::topology::Exclusion::DistanceLimit {
+                        kind: Pxb,
                         limit: Pix,
-                    },
+                    }),
                 ),
                 (
                     (2, 0),
-                    Exclusion::TooFar {
-                        distance: Sys,
+                    Exclusion::Rule(crate::topology::Exclusion::DistanceLimit {
+                        kind: Sys,
                         limit: Pix,
-                    },
+                    }),
                 ),
             ]),
             topology_unknown: false,
@@ -813,8 +813,8 @@ fn two_sided_failure_with_same_rail_leaves_nothing_on_two_nics() {
         events[1].to_string(),
         format!(
             "comm 0 lane 1: no eligible NIC pair: nic0 -> peer1/nic0 (local NIC down); \
-         nic0 -> peer1/nic1 (rail rule: local rail 0 != remote rail 1); \
-         nic1 -> peer1/nic0 (rail rule: local rail 1 != remote rail 0); \
+         nic0 -> peer1/nic1 (rail rule same: local rail 0 != remote rail 1); \
+         nic1 -> peer1/nic0 (rail rule same: local rail 1 != remote rail 0); \
          nic1 -> peer1/nic1 (pair unhealthy: {failed_probes} probes failed in a row)"
         )
     );
@@ -1001,6 +1001,36 @@ fn failback_after_k_good_probes_not_a_millisecond_before() {
     assert_eq!(stats.failovers.timeout, 1);
     assert_eq!(sim.router.poll_timeout(), None);
     assert_eq!(sim.local_loads(), BTreeMap::from([(0, 1), (1, 1)]));
+}
+
+#[test]
+fn an_unknown_distance_is_allowed_and_ranked_as_the_limit() {
+    // NIC 1 is at the limit, NIC 2's distance is unknown, NIC 3 is beyond the limit: the
+    // lanes of failed NIC 0 spread over 1 and 2 alike, and 2 is reported once.
+    let mut sim = Sim::new(config(3));
+    let spec = CommSpec {
+        peer: PEER,
+        local_nics: vec![
+            local(0, Some(0), Some(PathType::Pix)),
+            local(1, Some(0), Some(PathType::Phb)),
+            local(2, Some(0), None),
+            local(3, Some(0), Some(PathType::Sys)),
+        ],
+        remote_nics: vec![remote(0, Some(0))],
+        lanes: vec![(NicId(0), NicId(0)); 4],
+    };
+    sim.add(0, spec);
+    sim.nic_down(0);
+    assert_eq!(
+        sim.local_loads(),
+        BTreeMap::from([(0, 0), (1, 2), (2, 2), (3, 0)])
+    );
+    let unknown: Vec<&Event> = sim
+        .events
+        .iter()
+        .filter(|e| matches!(e, Event::TopologyUnknown { .. }))
+        .collect();
+    assert_eq!(unknown, vec![&Event::TopologyUnknown { nic: NicId(2) }]);
 }
 
 #[test]
