@@ -18,8 +18,11 @@
 //!
 //! 1. Build with [`Router::new`]; register each comm with [`Router::add_comm`] once its
 //!    connect handshake has exchanged NIC lists.
-//! 2. Feed inputs as they happen: [`Router::handle_lane_failure`], [`Router::handle_probe`]
-//!    (the answer to every [`ProbeRequest`]), [`Router::handle_nic_down`],
+//! 2. Feed inputs as they happen: [`Router::handle_lane_failure`] (and
+//!    [`Router::handle_brownout`] for a pair that failed by browning out),
+//!    [`Router::handle_probe`] (the answer to every [`ProbeRequest`]; ask
+//!    [`Router::check_probe_rate`] first when the probe's payload crossed),
+//!    [`Router::handle_nic_down`],
 //!    [`Router::handle_nic_up`], and [`Router::handle_timeout`] when the deadline from
 //!    [`Router::poll_timeout`] has passed.
 //! 3. After each input, drain [`Router::poll_move`], [`Router::poll_probe`] and

@@ -125,6 +125,9 @@ struct PairState {
     last_failback: Option<Instant>,
     /// Probes that failed in a row; reset by a good probe or the carrier returning.
     failed_probes: u32,
+    /// The least rate (bytes/s) a probe of the pair must show, once it has failed by
+    /// browning out (see [`Router::handle_brownout`]).
+    probe_floor: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -389,6 +392,26 @@ impl Router {
             self.fail_pair(pair, FailReason::Probe, now);
         }
         self.settle(now);
+    }
+
+    /// Reports that `pair` failed by browning out: it still delivered, but below `floor`
+    /// (bytes/s, the bar the reactor's detector used). A slow link still answers a probe
+    /// within its deadline, so from now on a probe of the pair passes only at `floor` or
+    /// better ([`Router::check_probe_rate`]). A later brown-out replaces the floor. Report
+    /// the lane failure itself with [`Router::handle_lane_failure`].
+    pub fn handle_brownout(&mut self, pair: Pair, floor: f64) {
+        self.pairs.entry(pair).or_default().probe_floor = Some(floor);
+    }
+
+    /// Whether a probe whose payload crossed `pair` at `rate` (bytes/s) within its deadline
+    /// shows the pair working: always, unless the pair failed by browning out; then the
+    /// rate must reach the floor, which is returned as the error. Answer the probe with
+    /// [`Router::handle_probe`] either way.
+    pub fn check_probe_rate(&self, pair: Pair, rate: f64) -> Result<(), f64> {
+        match self.pairs.get(&pair).and_then(|ps| ps.probe_floor) {
+            Some(floor) if rate < floor => Err(floor),
+            _ => Ok(()),
+        }
     }
 
     /// Carrier lost on a local NIC: every pair using it fails and its lanes move now, with
