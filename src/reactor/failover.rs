@@ -471,7 +471,6 @@ impl<F: Fabric> Reactor<F> {
         let t = self.setup.telemetry.clone();
         match mv.reason {
             MoveReason::Failback => {
-                self.stats.failbacks.fetch_add(1, Ordering::Relaxed);
                 let away = self
                     .failed_at
                     .remove(&c)
@@ -486,7 +485,6 @@ impl<F: Fabric> Reactor<F> {
                 tracing::warn!("{f} replayed={replayed}B");
             }
             MoveReason::Failover(reason) => {
-                self.stats.failovers.fetch_add(1, Ordering::Relaxed);
                 let (t0, detected_by) = detected.unwrap_or((now, reason));
                 self.failed_at.entry(c).or_insert(t0);
                 let f = Failover {

@@ -344,9 +344,6 @@ pub struct ReactorStats {
     pub lane_failures: AtomicU64,
     pub bytes_sent: AtomicU64,
     pub bytes_received: AtomicU64,
-    /// Lanes moved to another NIC pair after a failure, and moved back.
-    pub failovers: AtomicU64,
-    pub failbacks: AtomicU64,
     /// Comms that failed because no eligible NIC pair remained.
     pub gave_up: AtomicU64,
     /// Bytes sent again after a move.
