@@ -174,12 +174,11 @@ impl<F: Fabric> Reactor<F> {
         if fence {
             self.fabric.fence(&mut self.lanes[k].sock);
         }
-        self.release_lane(k, cause.cut);
         let Cause {
             error,
             reason,
             brownout,
-            ..
+            cut,
         } = cause;
         match role {
             Role::ProbeSink | Role::Closing => {}
@@ -211,13 +210,17 @@ impl<F: Fabric> Reactor<F> {
                 }
             }
             Role::Comm(c) => {
+                self.release_lane(k, cut);
                 if let (Some(floor), Some(r)) = (brownout, self.comms.get(c).and_then(|m| m.route))
                 {
                     self.router.handle_brownout(r.current, floor);
                 }
                 self.comm_lane_lost(c, k, error, reason, silent, now);
+                return;
             }
         }
+        // After the accounting: whoever sees the socket close may read the counters.
+        self.release_lane(k, cut);
     }
 
     /// Lets lane `k` go: closed, or after a cut kept open and never served (as a dead
