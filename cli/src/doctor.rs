@@ -5,15 +5,17 @@
 //! * `NCCL_TOPO_FILE` (`--topo-file` overrides): a topology XML to take distances from, as
 //!   NCCL would; link states then still come from sysfs, matched by NIC name;
 //! * `RAILOVER_RAILS`, `RAILOVER_RAIL_RULE` (`same`|`any`, default `same`),
-//!   `RAILOVER_DISTANCE_LIMIT` (`PIX`|`PXB`|`PHB`|`SYS`, default `PHB`).
+//!   `RAILOVER_DISTANCE_LIMIT` (`PIX`|`PXB`|`PHB`|`SYS`, default `PHB`); the rule and the
+//!   limit go through [`Config`] as in the plugin, so every `RAILOVER_*` value is checked.
 //!
 //! Exit codes: 0 healthy; 1 when a NIC has no possible backup (or there is no NIC); 2 on a
 //! bad argument, a bad setting or an unreadable topology.
 
 use std::path::PathBuf;
 
+use railover::config::Config;
 use railover::topology::report::{DoctorReport, DoctorSettings};
-use railover::topology::{PathType, RailRule, Topology};
+use railover::topology::Topology;
 
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(
@@ -76,19 +78,11 @@ fn report(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> Result<Box<Docto
         .topo_file
         .clone()
         .or_else(|| from_env("NCCL_TOPO_FILE"));
+    // The plugin's own parser, so the doctor applies the settings the router would.
+    let config = Config::from_lookup(env).map_err(|e| e.to_string())?;
     let settings = DoctorSettings {
-        rail_rule: match env("RAILOVER_RAIL_RULE") {
-            Some(v) => {
-                RailRule::from_setting("RAILOVER_RAIL_RULE", &v).map_err(|e| e.to_string())?
-            }
-            None => RailRule::Same,
-        },
-        distance_limit: match env("RAILOVER_DISTANCE_LIMIT") {
-            Some(v) => {
-                PathType::from_setting("RAILOVER_DISTANCE_LIMIT", &v).map_err(|e| e.to_string())?
-            }
-            None => PathType::Phb,
-        },
+        rail_rule: config.router.rail_rule,
+        distance_limit: config.router.distance_limit,
     };
     let root = sysfs_root.unwrap_or_else(|| PathBuf::from("/sys"));
     let live = Topology::discover(&root).map_err(|e| e.to_string())?;
@@ -111,6 +105,7 @@ fn report(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> Result<Box<Docto
 #[cfg(test)]
 mod tests {
     use super::*;
+    use railover::topology::{PathType, RailRule};
     use railover_testkit::fixture::machines;
 
     fn run_with(

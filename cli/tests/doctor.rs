@@ -157,7 +157,9 @@ fn bad_limit_exits_2_with_the_variable_named() {
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
     assert!(
-        t.contains("RAILOVER_DISTANCE_LIMIT=\"NEAR\" is not valid; accepted: PIX, PXB, PHB or SYS"),
+        t.contains(
+            "RAILOVER_DISTANCE_LIMIT=\"NEAR\" is not valid: expected one of PIX, PXB, PHB, SYS"
+        ),
         "{t}"
     );
 }
@@ -250,4 +252,40 @@ fn mixed_link_layers_are_reported() {
     // mlx5_0 and mlx5_2 share socket 0 (PHB), mlx5_1 is alone on socket 1.
     assert!(t.contains("mlx5_1 has no backup"), "{t}");
     assert_eq!(o.status.code(), Some(1), "{t}");
+}
+
+#[test]
+fn an_unknown_distance_is_allowed_as_the_router_allows_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = machines::dual_socket(dir.path()).unwrap();
+    // Soft-RoCE: a NIC with no PCI device, so no distance to any GPU.
+    b.set("class/infiniband/rxe0/ports/1/state", "4: ACTIVE")
+        .unwrap();
+    let o = doctor(dir.path(), &[], &[("RAILOVER_RAIL_RULE", "any")]);
+    let t = text(&o);
+    // The two PCI NICs are SYS apart (beyond PHB), yet each has a backup: rxe0.
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    assert!(
+        t.contains("backups from GPU0: rxe0 (allowed: distance unknown)"),
+        "{t}"
+    );
+    assert!(
+        t.contains("excluded: mlx5_1 by distance limit PHB: its path is SYS"),
+        "{t}"
+    );
+    let o = doctor(
+        dir.path(),
+        &["--json"],
+        &[
+            ("RAILOVER_RAIL_RULE", "any"),
+            ("RAILOVER_DISTANCE_LIMIT", "PIX"),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let backups = v["nics"][0]["backups"].as_array().unwrap();
+    assert_eq!(backups[0]["name"], "rxe0");
+    assert!(backups[0]["excluded_by"].is_null());
+    assert_eq!(backups[0]["distance_unknown"], true);
+    assert_eq!(backups[1]["excluded_by"]["rule"], "distance_limit");
 }

@@ -34,6 +34,35 @@ fn reason_of(e: &ConnError) -> FailReason {
     }
 }
 
+/// Why a lane fails, and how: the one input of [`Reactor::fail_lane`], for real failures
+/// and fault injection alike.
+pub(super) struct Cause {
+    error: ConnError,
+    reason: FailReason,
+    /// It browned out: the least rate (bytes/s) a probe of its pair must show from now on.
+    brownout: Option<f64>,
+    /// An injected cut: the socket stays open and silent, as a pulled cable leaves it (the
+    /// peer must notice by itself), instead of being reset or closed.
+    cut: bool,
+}
+
+impl Cause {
+    pub(super) fn new(error: ConnError, reason: FailReason) -> Cause {
+        Cause {
+            error,
+            reason,
+            brownout: None,
+            cut: false,
+        }
+    }
+
+    /// A socket or protocol error, for the reason it implies.
+    pub(super) fn error(error: ConnError) -> Cause {
+        let reason = reason_of(&error);
+        Cause::new(error, reason)
+    }
+}
+
 /// How long a receiver whose lane died waits for the sender's replacement lane. When the
 /// receiver noticed first (its carrier, a socket error) the sender may only notice at its
 /// completion timeout, which started when the lane fell `silent`; when the receiver
@@ -120,26 +149,39 @@ impl<F: Fabric> Reactor<F> {
         }
     }
 
-    /// A lane hit `error` (a socket or protocol error): fail it for the reason that error
-    /// implies.
-    pub(super) fn lane_error(&mut self, k: usize, error: ConnError, now: Instant) {
-        let reason = reason_of(&error);
-        self.lane_failed(k, error, reason, now);
-    }
-
-    /// A lane is unusable: settle whatever depended on it.
-    pub(super) fn lane_failed(
-        &mut self,
-        k: usize,
-        error: ConnError,
-        reason: FailReason,
-        now: Instant,
-    ) {
-        let Some(lane) = self.lanes.get(k) else {
+    /// Lane `k` is unusable: let it go and settle whatever depended on it. The one
+    /// teardown path, whatever the cause (socket or protocol error, silence, brown-out,
+    /// deadline, carrier loss, injected cut).
+    pub(super) fn fail_lane(&mut self, k: usize, cause: Cause, now: Instant) {
+        let Some(lane) = self.lanes.get_mut(k) else {
             return;
         };
-        match &lane.role {
-            Role::ProbeSink => {}
+        let silent = now.saturating_duration_since(lane.last_rx);
+        let role = std::mem::replace(&mut lane.role, Role::Closing);
+        // Reset rather than close: a send lane's unacknowledged data is replayed on the
+        // next lane (draining it into a sick link would only compete with the probes that
+        // test whether it healed), and nothing a replacement lane still holds (a Proof)
+        // may reach the receiver later and displace the lane that replaces it.
+        let fence = !cause.cut
+            && match &role {
+                Role::Migrating { .. } => true,
+                Role::Comm(c) => self
+                    .comms
+                    .get(*c)
+                    .is_some_and(|m| m.shared.side == Side::Send),
+                _ => false,
+            };
+        if fence {
+            self.fabric.fence(&mut self.lanes[k].sock);
+        }
+        let Cause {
+            error,
+            reason,
+            brownout,
+            cut,
+        } = cause;
+        match role {
+            Role::ProbeSink | Role::Closing => {}
             Role::Handshake { .. } => {
                 self.stats
                     .rejected_connections
@@ -152,15 +194,8 @@ impl<F: Fabric> Reactor<F> {
                 tracing::warn!("railover: connect failed: {error}");
                 *pending.result.lock() = Some(Err(error.into()));
             }
-            Role::Probe { pair, .. } => {
-                let pair = *pair;
-                self.probe_failed(pair, now);
-            }
-            Role::Migrating { comm, mv } => {
-                let (c, mv) = (*comm, *mv);
-                // Reset, so that nothing the kernel still holds (a Proof) reaches the
-                // receiver later and displaces the lane that replaces this one.
-                self.fabric.fence(&mut self.lanes[k].sock);
+            Role::Probe { pair, .. } => self.probe_failed(pair, now),
+            Role::Migrating { comm: c, mv } => {
                 tracing::warn!(
                     "railover: comm {c}: replacement lane {} failed: {error}",
                     mv.to
@@ -168,40 +203,74 @@ impl<F: Fabric> Reactor<F> {
                 if let Some(comm) = self.comms.get_mut(c) {
                     comm.migrating = None;
                     if comm.route.is_some() {
-                        let _ = self.router.handle_lane_failure(
-                            CommId(c),
-                            LANE,
-                            FailReason::Probe,
-                            now,
-                        );
+                        let _ = self
+                            .router
+                            .handle_lane_failure(CommId(c), LANE, reason, now);
                     }
                 }
             }
             Role::Comm(c) => {
-                let c = *c;
-                if self
-                    .comms
-                    .get(c)
-                    .is_some_and(|m| m.shared.side == Side::Send)
+                self.release_lane(k, cut);
+                if let (Some(floor), Some(r)) = (brownout, self.comms.get(c).and_then(|m| m.route))
                 {
-                    // Reset rather than close: what the kernel still holds is replayed on
-                    // the next lane, and draining it into a sick link would only compete
-                    // with the probes that test whether the link healed.
-                    self.fabric.fence(&mut self.lanes[k].sock);
+                    self.router.handle_brownout(r.current, floor);
                 }
-                let silent = now.saturating_duration_since(self.lanes[k].last_rx);
-                self.drop_lane(k);
                 self.comm_lane_lost(c, k, error, reason, silent, now);
                 return;
             }
-            Role::Closing => {}
         }
-        self.drop_lane(k);
+        // After the accounting: whoever sees the socket close may read the counters.
+        self.release_lane(k, cut);
     }
 
-    /// The active lane `k` of comm `c` is gone (already dropped); it had received
+    /// Lets lane `k` go: closed, or after a cut kept open and never served (as a dead
+    /// cable leaves it) until the NIC is restored.
+    fn release_lane(&mut self, k: usize, cut: bool) {
+        if !cut {
+            self.drop_lane(k);
+            return;
+        }
+        self.fair.forget(k);
+        self.leave_gate(k);
+        if let Some(mut lane) = self.lanes.try_remove(k) {
+            let _ = self.poll.registry().deregister(&mut lane.sock);
+            self.graveyard.push(lane.sock);
+        }
+    }
+
+    /// Local NIC `i` lost its link (carrier, or an injected `cut`): the router stops
+    /// using it and every lane on it fails.
+    fn nic_lost(&mut self, i: usize, cut: bool, now: Instant) {
+        self.nic_up[i] = false;
+        self.routes_dirty = true;
+        self.router.handle_nic_down(NicId(i as u32), now);
+        let name = self.setup.nics[i].name.clone();
+        let on_nic: Vec<usize> = self
+            .lanes
+            .iter()
+            .filter(|(_, l)| l.nic == Some(i))
+            .map(|(k, _)| k)
+            .collect();
+        for k in on_nic {
+            let error = ConnError::Io(format!("link down on {name}"));
+            let cause = Cause {
+                cut,
+                ..Cause::new(error, FailReason::LinkDown)
+            };
+            self.fail_lane(k, cause, now);
+        }
+    }
+
+    /// Local NIC `i` has its link again (carrier, or the end of an injected cut).
+    fn nic_restored(&mut self, i: usize, now: Instant) {
+        self.nic_up[i] = true;
+        self.routes_dirty = true;
+        self.router.handle_nic_up(NicId(i as u32), now);
+    }
+
+    /// The active lane `k` of comm `c` is gone (already released); it had received
     /// nothing for `silent`.
-    pub(super) fn comm_lane_lost(
+    fn comm_lane_lost(
         &mut self,
         c: usize,
         k: usize,
@@ -405,7 +474,6 @@ impl<F: Fabric> Reactor<F> {
         let t = self.setup.telemetry.clone();
         match mv.reason {
             MoveReason::Failback => {
-                self.stats.failbacks.fetch_add(1, Ordering::Relaxed);
                 let away = self
                     .failed_at
                     .remove(&c)
@@ -420,7 +488,6 @@ impl<F: Fabric> Reactor<F> {
                 tracing::warn!("{f} replayed={replayed}B");
             }
             MoveReason::Failover(reason) => {
-                self.stats.failovers.fetch_add(1, Ordering::Relaxed);
                 let (t0, detected_by) = detected.unwrap_or((now, reason));
                 self.failed_at.entry(c).or_insert(t0);
                 let f = Failover {
@@ -598,22 +665,22 @@ impl<F: Fabric> Reactor<F> {
         )
     }
 
-    /// A probe's payload crossed within its deadline. A pair that failed by browning
-    /// out must also show a rate no worse than what made it fail: a slow link still
-    /// passes a deadline, and a tbf-like shaper lets a burst through at full speed.
+    /// A probe's payload crossed within its deadline. A slow link still passes a
+    /// deadline (and a tbf-like shaper lets a burst through at full speed), so the router,
+    /// which knows the pairs that failed by browning out, judges the rate too.
     pub(super) fn probe_answered(&mut self, pair: Pair, started: Instant, now: Instant) {
-        let floor = self.probe_floor.get(&pair).copied();
         let took = now.saturating_duration_since(started);
-        let (rate, ok) = health::probe_rate(self.setup.probe_bytes, took, floor);
-        if ok {
-            self.router.handle_probe(pair, true, now);
-        } else {
-            tracing::debug!(
-                "railover: probe of {pair}: {:.0} kB/s, below the {:.0} kB/s it must show after its brown-out",
-                rate / 1e3,
-                floor.unwrap_or(0.0) / 1e3
-            );
-            self.probe_failed(pair, now);
+        let rate = self.setup.probe_bytes as f64 / took.as_secs_f64().max(1e-6);
+        match self.router.check_probe_rate(pair, rate) {
+            Ok(()) => self.router.handle_probe(pair, true, now),
+            Err(floor) => {
+                tracing::debug!(
+                    "railover: probe of {pair}: {:.0} kB/s, below the {:.0} kB/s it must show after its brown-out",
+                    rate / 1e3,
+                    floor / 1e3
+                );
+                self.probe_failed(pair, now);
+            }
         }
     }
 
@@ -690,17 +757,17 @@ impl<F: Fabric> Reactor<F> {
         let keepalive = timeout / 4;
         self.next_tick = now + self.tick_interval();
         // Lanes to fail, with how long they had been silent when that was the cause.
-        let mut dead: Vec<(usize, ConnError, Option<Duration>)> = Vec::new();
+        let mut dead: Vec<(usize, Cause, Option<Duration>)> = Vec::new();
         let mut shares: Vec<LaneSample> = Vec::new();
         for (k, lane) in self.lanes.iter_mut() {
-            let Role::Comm(c) = lane.role else {
+            let Role::Comm(_) = lane.role else {
                 continue;
             };
             let silent = now.saturating_duration_since(lane.last_rx);
             if silent > timeout {
                 let e =
                     ConnError::Stalled(format!("nothing received for {} ms", silent.as_millis()));
-                dead.push((k, e, Some(silent)));
+                dead.push((k, Cause::new(e, FailReason::Timeout), Some(silent)));
                 continue;
             }
             // Delivery progress: what the peer has acknowledged. A large socket buffer
@@ -723,16 +790,16 @@ impl<F: Fabric> Reactor<F> {
             }
             if let Verdict::Slow { rate, peak } = lane.progress.observe(now, delivered, backlogged)
             {
-                if let Some(r) = self.comms.get(c).and_then(|c| c.route) {
-                    self.probe_floor
-                        .insert(r.current, health::recovery_floor(peak));
-                }
                 let e = ConnError::Stalled(format!(
                     "brown-out: delivering {:.0} kB/s with data waiting, against {:.0} kB/s before",
                     rate / 1e3,
                     peak / 1e3
                 ));
-                dead.push((k, e, None));
+                let cause = Cause {
+                    brownout: Some(health::recovery_floor(peak)),
+                    ..Cause::new(e, FailReason::Timeout)
+                };
+                dead.push((k, cause, None));
                 continue;
             }
             if now.saturating_duration_since(lane.last_tx) >= keepalive && !queued {
@@ -742,7 +809,7 @@ impl<F: Fabric> Reactor<F> {
             }
         }
         self.pace(&shares, now);
-        for (k, e, silent) in dead {
+        for (k, cause, silent) in dead {
             let Role::Comm(c) = self.lanes[k].role else {
                 continue;
             };
@@ -757,7 +824,7 @@ impl<F: Fabric> Reactor<F> {
                     .push_ctrl(&Header::new(Kind::Stalled, 0, 0).encode());
                 let _ = self.fabric.write(&mut lane.sock, &mut lane.writer);
             }
-            self.lane_failed(k, e, FailReason::Timeout, now);
+            self.fail_lane(k, cause, now);
         }
         // A receiver whose sender never came back: the peer is gone or has no pair left.
         // While one of our NICs is up the sender may still be re-probing candidates, for
@@ -805,32 +872,13 @@ impl<F: Fabric> Reactor<F> {
             if self.nic_up[i] == ev.up {
                 continue;
             }
-            self.nic_up[i] = ev.up;
             self.stats.link_events.fetch_add(1, Ordering::Relaxed);
-            self.routes_dirty = true;
             if ev.up {
                 tracing::warn!("railover: NIC {} is up again", ev.ifname);
-                self.router.handle_nic_up(NicId(i as u32), now);
+                self.nic_restored(i, now);
             } else {
                 tracing::warn!("railover: NIC {} lost its link", ev.ifname);
-                self.router.handle_nic_down(NicId(i as u32), now);
-                let on_nic: Vec<usize> = self
-                    .lanes
-                    .iter()
-                    .filter(|(_, l)| {
-                        l.nic == Some(i)
-                            && !matches!(l.role, Role::Handshake { .. } | Role::Closing)
-                    })
-                    .map(|(k, _)| k)
-                    .collect();
-                for k in on_nic {
-                    self.lane_failed(
-                        k,
-                        ConnError::Io(format!("link down on {}", ev.ifname)),
-                        FailReason::LinkDown,
-                        now,
-                    );
-                }
+                self.nic_lost(i, false, now);
             }
         }
     }
@@ -916,9 +964,9 @@ impl<F: Fabric> Reactor<F> {
         (local, remote)
     }
 
-    /// Fault injection: NIC `i` is cut or restored. A cut keeps its lanes' sockets open
-    /// and silent (the peer must detect the silence, as with a pulled cable) and reports
-    /// a carrier loss here.
+    /// Fault injection: NIC `i` is cut or restored. A cut fails its lanes through the one
+    /// teardown path, as a carrier loss would, but keeps their sockets open and silent:
+    /// the peer must detect the silence, as with a pulled cable.
     pub(super) fn inject_link(&mut self, i: usize, up: bool, now: Instant) {
         let Some(down) = self.injected_down.get_mut(i) else {
             return;
@@ -927,58 +975,16 @@ impl<F: Fabric> Reactor<F> {
             return;
         }
         *down = !up;
-        self.nic_up[i] = up;
-        self.routes_dirty = true;
-        let name = self.setup.nics[i].name.clone();
+        let name = &self.setup.nics[i].name;
         if up {
             tracing::warn!("railover: NIC {name} restored (fault injection)");
             for l in std::mem::take(&mut self.graveyard) {
                 self.fabric.close(l);
             }
-            self.router.handle_nic_up(NicId(i as u32), now);
-            return;
-        }
-        tracing::warn!("railover: NIC {name} cut (fault injection)");
-        self.router.handle_nic_down(NicId(i as u32), now);
-        let on_nic: Vec<usize> = self
-            .lanes
-            .iter()
-            .filter(|(_, l)| l.nic == Some(i))
-            .map(|(k, _)| k)
-            .collect();
-        for k in on_nic {
-            self.leave_gate(k);
-            let Some(mut lane) = self.lanes.try_remove(k) else {
-                continue;
-            };
-            let _ = self.poll.registry().deregister(&mut lane.sock);
-            let role = std::mem::replace(&mut lane.role, Role::Closing);
-            self.graveyard.push(lane.sock);
-            let error = ConnError::Io(format!("link down on {name}"));
-            let silent = now.saturating_duration_since(lane.last_rx);
-            match role {
-                Role::Comm(c) => {
-                    self.comm_lane_lost(c, k, error, FailReason::LinkDown, silent, now)
-                }
-                Role::Probe { pair, .. } => self.probe_failed(pair, now),
-                Role::Migrating { comm, .. } => {
-                    if let Some(cm) = self.comms.get_mut(comm) {
-                        cm.migrating = None;
-                        if cm.route.is_some() {
-                            let _ = self.router.handle_lane_failure(
-                                CommId(comm),
-                                LANE,
-                                FailReason::LinkDown,
-                                now,
-                            );
-                        }
-                    }
-                }
-                Role::Connecting { pending, .. } => {
-                    *pending.result.lock() = Some(Err(error.into()))
-                }
-                Role::Handshake { .. } | Role::ProbeSink | Role::Closing => {}
-            }
+            self.nic_restored(i, now);
+        } else {
+            tracing::warn!("railover: NIC {name} cut (fault injection)");
+            self.nic_lost(i, true, now);
         }
     }
 }

@@ -344,9 +344,6 @@ pub struct ReactorStats {
     pub lane_failures: AtomicU64,
     pub bytes_sent: AtomicU64,
     pub bytes_received: AtomicU64,
-    /// Lanes moved to another NIC pair after a failure, and moved back.
-    pub failovers: AtomicU64,
-    pub failbacks: AtomicU64,
     /// Comms that failed because no eligible NIC pair remained.
     pub gave_up: AtomicU64,
     /// Bytes sent again after a move.
@@ -457,7 +454,6 @@ impl ReactorHandle {
             graveyard: Vec::new(),
             failed_at: HashMap::new(),
             detection_latency: HashMap::new(),
-            probe_floor: HashMap::new(),
             fair: FairShare::new(),
             metrics: MetricsState {
                 nic: vec![[0; 4]; setup.nics.len()],
@@ -666,9 +662,6 @@ struct Reactor<F: Fabric> {
     failed_at: HashMap<usize, Instant>,
     /// Per comm: how long the failure went unnoticed (silence before a timeout).
     detection_latency: HashMap<usize, Duration>,
-    /// The least rate (bytes/s) a probe of a pair must show: set for pairs that failed
-    /// by browning out, which still answer a probe in time.
-    probe_floor: HashMap<Pair, f64>,
     /// Pacing caps that share each NIC evenly between its backlogged lanes.
     fair: FairShare,
 }
@@ -1073,7 +1066,7 @@ impl<F: Fabric> Reactor<F> {
             match got {
                 Ok(Some(item)) => {
                     if let Err(e) = self.inbound(k, item, now) {
-                        self.lane_error(k, e, now);
+                        self.fail_lane(k, failover::Cause::error(e), now);
                         return;
                     }
                 }
@@ -1088,7 +1081,7 @@ impl<F: Fabric> Reactor<F> {
                         ReadError::Io(e) => failover::io_error(&e),
                         ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
                     };
-                    self.lane_error(k, e, now);
+                    self.fail_lane(k, failover::Cause::error(e), now);
                     return;
                 }
             }
@@ -1534,7 +1527,7 @@ impl<F: Fabric> Reactor<F> {
                         self.drop_lane(k);
                     }
                 }
-                Err(e) => self.lane_error(k, failover::io_error(&e), now),
+                Err(e) => self.fail_lane(k, failover::Cause::error(failover::io_error(&e)), now),
             }
         }
         self.dirty = dirty;
@@ -1604,12 +1597,8 @@ impl<F: Fabric> Reactor<F> {
             .map(|(k, _)| k)
             .collect();
         for k in overdue {
-            self.lane_failed(
-                k,
-                ConnError::Io("handshake, probe or close timed out".into()),
-                FailReason::Timeout,
-                now,
-            );
+            let e = ConnError::Io("handshake, probe or close timed out".into());
+            self.fail_lane(k, failover::Cause::new(e, FailReason::Timeout), now);
         }
         self.next_deadline = self.lanes.iter().filter_map(|(_, l)| l.deadline).min();
     }

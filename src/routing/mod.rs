@@ -18,8 +18,11 @@
 //!
 //! 1. Build with [`Router::new`]; register each comm with [`Router::add_comm`] once its
 //!    connect handshake has exchanged NIC lists.
-//! 2. Feed inputs as they happen: [`Router::handle_lane_failure`], [`Router::handle_probe`]
-//!    (the answer to every [`ProbeRequest`]), [`Router::handle_nic_down`],
+//! 2. Feed inputs as they happen: [`Router::handle_lane_failure`] (and
+//!    [`Router::handle_brownout`] for a pair that failed by browning out),
+//!    [`Router::handle_probe`] (the answer to every [`ProbeRequest`]; ask
+//!    [`Router::check_probe_rate`] first when the probe's payload crossed),
+//!    [`Router::handle_nic_down`],
 //!    [`Router::handle_nic_up`], and [`Router::handle_timeout`] when the deadline from
 //!    [`Router::poll_timeout`] has passed.
 //! 3. After each input, drain [`Router::poll_move`], [`Router::poll_probe`] and
@@ -100,7 +103,8 @@ pub struct LocalNic {
     /// Its rail, if known.
     pub rail: Option<u32>,
     /// Its PCIe path type to the GPU this comm serves; `None` when the topology is unknown
-    /// (the distance limit then counts as met, and [`Event::TopologyUnknown`] says so once).
+    /// (the distance limit then counts as met, the pair ranks as the limit itself, and
+    /// [`Event::TopologyUnknown`] says so once).
     pub distance: Option<PathType>,
 }
 
@@ -205,20 +209,9 @@ pub struct ProbeRequest {
 /// The rule that kept a candidate pair from being chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Exclusion {
-    /// [`RailRule::Same`] and the two ends are on different (or unknown) rails.
-    RailMismatch {
-        /// The local NIC's rail.
-        local: Option<u32>,
-        /// The remote NIC's rail.
-        remote: Option<u32>,
-    },
-    /// The local NIC is further from the comm's GPU than the distance limit.
-    TooFar {
-        /// The local NIC's path type to the GPU.
-        distance: PathType,
-        /// The configured limit.
-        limit: PathType,
-    },
+    /// A static rule (rail rule, distance limit) excludes the pair: the one rule
+    /// `railover doctor` shows too ([`crate::topology::pair_eligibility`]).
+    Rule(crate::topology::Exclusion),
     /// The local NIC has no carrier.
     Down,
     /// The pair failed recently (a lane error or a failed probe) and has not passed a
@@ -231,17 +224,8 @@ pub enum Exclusion {
 
 impl fmt::Display for Exclusion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rail = |r: Option<u32>| r.map_or_else(|| "unknown".to_owned(), |r| r.to_string());
         match *self {
-            Exclusion::RailMismatch { local, remote } => write!(
-                f,
-                "rail rule: local rail {} != remote rail {}",
-                rail(local),
-                rail(remote)
-            ),
-            Exclusion::TooFar { distance, limit } => {
-                write!(f, "distance limit: {distance} is further than {limit}")
-            }
+            Exclusion::Rule(e) => e.fmt(f),
             Exclusion::Down => f.write_str("local NIC down"),
             Exclusion::Unhealthy { failed_probes: 0 } => f.write_str("pair unhealthy"),
             Exclusion::Unhealthy { failed_probes: n } => write!(

@@ -3,9 +3,11 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::config::{RailRule, RouterConfig};
+use super::config::RouterConfig;
 use super::rng::SplitMix64;
 use super::snapshot::{CommRoutes, LaneRoute, LaneStatus, LocalNicRoutes, RemoteNicRoutes, Routes};
+use crate::topology::pair_eligibility;
+
 use super::{
     CommId, CommSpec, Event, Exclusion, FailReason, LaneId, LocalNic, Move, MoveReason, NicId,
     Pair, PeerId, ProbeRequest, RemoteNic, RouterError, Stats,
@@ -17,8 +19,9 @@ use super::{
 /// # Selection (P2, P3)
 ///
 /// When a lane's pair fails, every other (local, remote) pair of its comm is a candidate.
-/// A candidate must pass, in order, the rail rule, the distance limit, the local NIC's
-/// carrier and the health check. Health is "good" when the pair carries lanes without a
+/// A candidate must pass, in order, the rail rule and the distance limit (the static rules
+/// of [`pair_eligibility`], shared with `railover doctor`; an unknown distance passes and
+/// ranks as the limit), the local NIC's carrier and the health check. Health is "good" when the pair carries lanes without a
 /// reported failure, or answered a probe within `health_ttl`; "bad" after a failure, for
 /// `health_ttl` (a lane failure) or for the re-probe backoff (a failed probe); otherwise
 /// "unknown". An original pair under its fail-back watch is a candidate like any other:
@@ -122,6 +125,9 @@ struct PairState {
     last_failback: Option<Instant>,
     /// Probes that failed in a row; reset by a good probe or the carrier returning.
     failed_probes: u32,
+    /// The least rate (bytes/s) a probe of the pair must show, once it has failed by
+    /// browning out (see [`Router::handle_brownout`]).
+    probe_floor: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -386,6 +392,26 @@ impl Router {
             self.fail_pair(pair, FailReason::Probe, now);
         }
         self.settle(now);
+    }
+
+    /// Reports that `pair` failed by browning out: it still delivered, but below `floor`
+    /// (bytes/s, the bar the reactor's detector used). A slow link still answers a probe
+    /// within its deadline, so from now on a probe of the pair passes only at `floor` or
+    /// better ([`Router::check_probe_rate`]). A later brown-out replaces the floor. Report
+    /// the lane failure itself with [`Router::handle_lane_failure`].
+    pub fn handle_brownout(&mut self, pair: Pair, floor: f64) {
+        self.pairs.entry(pair).or_default().probe_floor = Some(floor);
+    }
+
+    /// Whether a probe whose payload crossed `pair` at `rate` (bytes/s) within its deadline
+    /// shows the pair working: always, unless the pair failed by browning out; then the
+    /// rate must reach the floor, which is returned as the error. Answer the probe with
+    /// [`Router::handle_probe`] either way.
+    pub fn check_probe_rate(&self, pair: Pair, rate: f64) -> Result<(), f64> {
+        match self.pairs.get(&pair).and_then(|ps| ps.probe_floor) {
+            Some(floor) if rate < floor => Err(floor),
+            _ => Ok(()),
+        }
     }
 
     /// Carrier lost on a local NIC: every pair using it fails and its lanes move now, with
@@ -803,22 +829,13 @@ impl Router {
                     peer: comm.peer,
                     remote: y.id,
                 };
-                let rail_ok = match self.config.rail_rule {
-                    RailRule::Any => true,
-                    RailRule::Same => x.rail.is_some() && x.rail == y.rail,
-                };
-                let topology_unknown = rail_ok && x.distance.is_none();
-                let verdict = if !rail_ok {
-                    Verdict::Excluded(Exclusion::RailMismatch {
-                        local: x.rail,
-                        remote: y.rail,
-                    })
-                } else if let Some(d) = x.distance.filter(|&d| d > limit) {
-                    Verdict::Excluded(Exclusion::TooFar { distance: d, limit })
-                } else if self.down.contains(&x.id) {
-                    Verdict::Excluded(Exclusion::Down)
-                } else {
-                    match self.health(pair, loads, now) {
+                let allowed =
+                    pair_eligibility(self.config.rail_rule, limit, x.rail, y.rail, x.distance);
+                let topology_unknown = allowed.is_ok_and(|a| a.distance_unknown);
+                let verdict = match allowed {
+                    Err(e) => Verdict::Excluded(Exclusion::Rule(e)),
+                    Ok(_) if self.down.contains(&x.id) => Verdict::Excluded(Exclusion::Down),
+                    Ok(allowed) => match self.health(pair, loads, now) {
                         Health::Bad(_) => Verdict::Excluded(Exclusion::Unhealthy {
                             failed_probes: self.pairs.get(&pair).map_or(0, |ps| ps.failed_probes),
                         }),
@@ -827,13 +844,11 @@ impl Router {
                         },
                         Health::Good(_) => {
                             let (max, sum) = loads.cost(pair);
-                            // Unknown distance ranks as the limit itself: allowed, not preferred.
-                            let rank = x.distance.unwrap_or(limit) as u8;
                             Verdict::Eligible {
-                                key: (max, sum, rank),
+                                key: (max, sum, allowed.rank as u8),
                             }
                         }
-                    }
+                    },
                 };
                 out.push(Candidate {
                     pair,

@@ -34,6 +34,8 @@ struct Sim {
     /// When false, probe requests pile up in `pending_probes` for the test to answer.
     auto_probe: bool,
     pending_probes: Vec<Pair>,
+    /// The rate (bytes/s) a probe's payload crosses each pair at, when not fast.
+    probe_rate: BTreeMap<Pair, f64>,
     /// Every probe request, with the time it was handed out.
     probe_log: Vec<(Instant, ProbeRequest)>,
     moves: Vec<Move>,
@@ -52,6 +54,7 @@ impl Sim {
             dead_until: BTreeMap::new(),
             auto_probe: true,
             pending_probes: Vec::new(),
+            probe_rate: BTreeMap::new(),
             probe_log: Vec::new(),
             moves: Vec::new(),
             events: Vec::new(),
@@ -84,7 +87,10 @@ impl Sim {
                 progress = true;
                 self.probe_log.push((self.now, p));
                 if self.auto_probe {
-                    let ok = self.probe_ok(p.pair);
+                    // As the reactor does: a probe that crossed is judged on its rate too.
+                    let rate = self.probe_rate.get(&p.pair).copied().unwrap_or(1e9);
+                    let ok =
+                        self.probe_ok(p.pair) && self.router.check_probe_rate(p.pair, rate).is_ok();
                     self.router.handle_probe(p.pair, ok, self.now);
                 } else {
                     self.pending_probes.push(p.pair);
@@ -207,7 +213,7 @@ fn config(seed: u64) -> RouterConfig {
 }
 
 fn mismatch(local: Option<u32>, remote: Option<u32>) -> Exclusion {
-    Exclusion::RailMismatch { local, remote }
+    Exclusion::Rule(crate::topology::Exclusion::RailMismatch { local, remote })
 }
 
 fn ceil_div(a: u32, b: u32) -> u32 {
@@ -346,17 +352,17 @@ fn selection_over_nic_sets() {
                 ((0, 0), Exclusion::Down),
                 (
                     (1, 0),
-                    Exclusion::TooFar {
-                        distance: Pxb,
+                    Exclusion::Rule(crate::topology::Exclusion::DistanceLimit {
+                        kind: Pxb,
                         limit: Pix,
-                    },
+                    }),
                 ),
                 (
                     (2, 0),
-                    Exclusion::TooFar {
-                        distance: Sys,
+                    Exclusion::Rule(crate::topology::Exclusion::DistanceLimit {
+                        kind: Sys,
                         limit: Pix,
-                    },
+                    }),
                 ),
             ]),
             topology_unknown: false,
@@ -813,8 +819,8 @@ fn two_sided_failure_with_same_rail_leaves_nothing_on_two_nics() {
         events[1].to_string(),
         format!(
             "comm 0 lane 1: no eligible NIC pair: nic0 -> peer1/nic0 (local NIC down); \
-         nic0 -> peer1/nic1 (rail rule: local rail 0 != remote rail 1); \
-         nic1 -> peer1/nic0 (rail rule: local rail 1 != remote rail 0); \
+         nic0 -> peer1/nic1 (rail rule same: local rail 0 != remote rail 1); \
+         nic1 -> peer1/nic0 (rail rule same: local rail 1 != remote rail 0); \
          nic1 -> peer1/nic1 (pair unhealthy: {failed_probes} probes failed in a row)"
         )
     );
@@ -1001,6 +1007,86 @@ fn failback_after_k_good_probes_not_a_millisecond_before() {
     assert_eq!(stats.failovers.timeout, 1);
     assert_eq!(sim.router.poll_timeout(), None);
     assert_eq!(sim.local_loads(), BTreeMap::from([(0, 1), (1, 1)]));
+}
+
+#[test]
+fn a_browned_out_pair_fails_back_only_once_its_probes_reach_the_floor() {
+    let mut sim = router_with_rails(2, 1, config(0));
+    let (slow, floor) = (10e6, 50e6);
+    sim.probe_rate.insert(pair(0, 0), slow);
+    sim.router.handle_brownout(pair(0, 0), floor);
+    sim.fail_lane(0, 0, FailReason::Timeout);
+    assert_eq!(
+        sim.router.current_pair(CommId(0), LaneId(0)),
+        Some(pair(1, 1))
+    );
+    sim.take_moves();
+    // Every fail-back probe crosses in time, but too slowly.
+    sim.advance_to(ms(10_000));
+    assert!(sim.take_moves().is_empty(), "failed back while still slow");
+    let stats = sim.router.stats();
+    assert_eq!((stats.probes_ok, stats.probes_failed), (0, 10));
+    // Healed: three probes at the floor or better, one interval apart.
+    sim.probe_rate.insert(pair(0, 0), floor);
+    sim.advance_to(ms(12_999));
+    assert!(sim.take_moves().is_empty(), "no failback at 12999 ms");
+    sim.advance_to(ms(13_000));
+    let moves = sim.take_moves();
+    assert_eq!(moves.len(), 1);
+    assert_eq!(
+        (moves[0].to, moves[0].reason),
+        (pair(0, 0), MoveReason::Failback)
+    );
+}
+
+#[test]
+fn only_a_pair_that_browned_out_has_a_probe_floor() {
+    let mut router = Router::new(config(0));
+    assert_eq!(router.check_probe_rate(pair(0, 0), 1.0), Ok(()));
+    router.handle_brownout(pair(0, 0), 50e6);
+    assert_eq!(router.check_probe_rate(pair(0, 0), 50e6), Ok(()));
+    assert_eq!(router.check_probe_rate(pair(0, 0), 49.9e6), Err(50e6));
+    // Another pair, and the same NICs towards another peer, are not held to it.
+    assert_eq!(router.check_probe_rate(pair(1, 1), 1.0), Ok(()));
+    let other_peer = Pair {
+        peer: PeerId(2),
+        ..pair(0, 0)
+    };
+    assert_eq!(router.check_probe_rate(other_peer, 1.0), Ok(()));
+    // A later brown-out sets the bar it showed then.
+    router.handle_brownout(pair(0, 0), 20e6);
+    assert_eq!(router.check_probe_rate(pair(0, 0), 30e6), Ok(()));
+    assert_eq!(router.check_probe_rate(pair(0, 0), 19e6), Err(20e6));
+}
+
+#[test]
+fn an_unknown_distance_is_allowed_and_ranked_as_the_limit() {
+    // NIC 1 is at the limit, NIC 2's distance is unknown, NIC 3 is beyond the limit: the
+    // lanes of failed NIC 0 spread over 1 and 2 alike, and 2 is reported once.
+    let mut sim = Sim::new(config(3));
+    let spec = CommSpec {
+        peer: PEER,
+        local_nics: vec![
+            local(0, Some(0), Some(PathType::Pix)),
+            local(1, Some(0), Some(PathType::Phb)),
+            local(2, Some(0), None),
+            local(3, Some(0), Some(PathType::Sys)),
+        ],
+        remote_nics: vec![remote(0, Some(0))],
+        lanes: vec![(NicId(0), NicId(0)); 4],
+    };
+    sim.add(0, spec);
+    sim.nic_down(0);
+    assert_eq!(
+        sim.local_loads(),
+        BTreeMap::from([(0, 0), (1, 2), (2, 2), (3, 0)])
+    );
+    let unknown: Vec<&Event> = sim
+        .events
+        .iter()
+        .filter(|e| matches!(e, Event::TopologyUnknown { .. }))
+        .collect();
+    assert_eq!(unknown, vec![&Event::TopologyUnknown { nic: NicId(2) }]);
 }
 
 #[test]

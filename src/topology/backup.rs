@@ -1,26 +1,26 @@
-//! Backup candidates: which local NICs may take over a failed NIC's connections.
+//! Pair eligibility: the static rules a backup NIC pair must pass (DESIGN.md P2), in one
+//! place for the router (at failure time) and `railover doctor` (what the router would do).
 //!
-//! A candidate `x` for a failed NIC `n` must pass two rules (DESIGN.md P2):
+//! * **Rail rule** ([`RailRule`]). On a rail-optimised cluster a backup pair (local `x`,
+//!   remote `y`) must have `rail(x) == rail(y)`, both known, or traffic would cross the
+//!   spine. [`RailRule::Any`] accepts every pair. Seen from one node (the doctor) the
+//!   remote end is not known yet; by the cluster convention every rail has a NIC on every
+//!   node, so the remote end is taken to be the peer's NIC on `x`'s rail.
+//! * **Distance limit** (a [`PathType`]): the path type from the failed NIC's nearest GPU
+//!   (the GPU whose traffic it carried; the failed NIC itself on a node without GPUs) to
+//!   `x` must be <= the limit. NCCL's GPUDirect RDMA default is PXB: past it, traffic is
+//!   staged through host memory. An **unknown** distance passes: the plugin cannot check
+//!   it, so it allows the pair, ranks it as the limit itself (allowed, not preferred) and
+//!   reports it once (`routing::Event::TopologyUnknown`).
 //!
-//! * **Rail rule** ([`RailRule`]). On a rail-optimised cluster a backup *pair* (local `x`,
-//!   remote `y`) must have `rail(x) == rail(y)`, or traffic would cross the spine. Seen
-//!   from one node the remote end is not known yet; by the cluster convention every rail
-//!   has a NIC on every node, so under [`RailRule::Same`] a local candidate is eligible
-//!   when it has a known rail (the remote end is then the peer's NIC on that rail). A NIC
-//!   without a rail is excluded. [`RailRule::Any`] accepts every NIC.
-//! * **Distance limit** (a [`PathType`]): the path type from `n`'s nearest GPU (the GPU
-//!   whose traffic `n` carried) to `x` must be ≤ the limit. NCCL's GPUDirect RDMA default is
-//!   PXB: past it, traffic is staged through host memory. When the node has no GPU the
-//!   path from `n` itself is used.
-//!
-//! Health (is the candidate's link up now?) is not a rule here: the routing layer probes at
-//! failure time.
+//! [`pair_eligibility`] applies both. Carrier and health (is the pair up and answering
+//! now?) are run-time checks the router adds on top.
 
 use std::fmt;
 
 use serde::Serialize;
 
-use super::{Device, NicId, Path, PathType, SettingError, Topology};
+use super::{Device, NicId, Path, PathType, Topology};
 
 /// Which NICs may back each other up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -41,20 +41,6 @@ impl RailRule {
             RailRule::Any => "any",
         }
     }
-
-    /// Parses the value of the variable `var` (case-insensitive); the error names the
-    /// variable, the value and the accepted values.
-    pub fn from_setting(var: &str, value: &str) -> Result<RailRule, SettingError> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "same" => Ok(RailRule::Same),
-            "any" => Ok(RailRule::Any),
-            _ => Err(SettingError {
-                var: var.to_string(),
-                value: value.to_string(),
-                accepted: "same (backup pairs stay on one rail) or any".to_string(),
-            }),
-        }
-    }
 }
 
 impl fmt::Display for RailRule {
@@ -63,30 +49,79 @@ impl fmt::Display for RailRule {
     }
 }
 
-/// Why a candidate is not eligible.
+/// The static rule that excludes a pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(tag = "rule", rename_all = "snake_case")]
 pub enum Exclusion {
-    /// Rail rule `same`, and the candidate has no rail.
-    NoRail,
-    /// The path from the reference device is `kind`, beyond `limit`.
+    /// Rail rule `same`, and the two ends are not on one known rail.
+    RailMismatch {
+        local: Option<u32>,
+        remote: Option<u32>,
+    },
+    /// The local NIC's path from the reference GPU is `kind`, beyond `limit`.
     DistanceLimit { kind: PathType, limit: PathType },
-    /// The candidate has no place in the PCI tree, so its distance is unknown and counted as
-    /// beyond any limit short of SYS.
-    UnknownDistance { limit: PathType },
 }
 
 impl fmt::Display for Exclusion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Exclusion::NoRail => f.write_str("rail rule same: it has no rail"),
+        match *self {
+            Exclusion::RailMismatch { local: None, .. } => {
+                f.write_str("rail rule same: the local NIC has no rail")
+            }
+            Exclusion::RailMismatch { remote: None, .. } => {
+                f.write_str("rail rule same: the remote NIC has no rail")
+            }
+            Exclusion::RailMismatch {
+                local: Some(l),
+                remote: Some(r),
+            } => write!(f, "rail rule same: local rail {l} != remote rail {r}"),
             Exclusion::DistanceLimit { kind, limit } => {
                 write!(f, "distance limit {limit}: its path is {kind}")
             }
-            Exclusion::UnknownDistance { limit } => {
-                write!(f, "distance limit {limit}: its PCI distance is unknown")
-            }
         }
+    }
+}
+
+/// A pair the static rules allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Allowed {
+    /// Where the pair ranks by distance: its own path type, or the limit itself when the
+    /// distance is unknown.
+    pub rank: PathType,
+    /// The distance is unknown, so the limit was not applied (worth reporting).
+    pub distance_unknown: bool,
+}
+
+/// The static rules for a backup pair: `rule` on the two ends' rails, then `limit` on the
+/// local NIC's `distance` (path type from the failed NIC's GPU; `None` when unknown, which
+/// passes: see the module doc). The error is the first rule that excludes the pair.
+pub fn pair_eligibility(
+    rule: RailRule,
+    limit: PathType,
+    local_rail: Option<u32>,
+    remote_rail: Option<u32>,
+    distance: Option<PathType>,
+) -> Result<Allowed, Exclusion> {
+    let rail_ok = match rule {
+        RailRule::Any => true,
+        RailRule::Same => local_rail.is_some() && local_rail == remote_rail,
+    };
+    if !rail_ok {
+        return Err(Exclusion::RailMismatch {
+            local: local_rail,
+            remote: remote_rail,
+        });
+    }
+    match distance {
+        Some(kind) if kind > limit => Err(Exclusion::DistanceLimit { kind, limit }),
+        Some(kind) => Ok(Allowed {
+            rank: kind,
+            distance_unknown: false,
+        }),
+        None => Ok(Allowed {
+            rank: limit,
+            distance_unknown: true,
+        }),
     }
 }
 
@@ -101,6 +136,8 @@ pub struct Candidate {
     pub path: Option<Path>,
     /// `None` when the candidate is eligible.
     pub excluded_by: Option<Exclusion>,
+    /// Eligible although its distance is unknown (the limit could not be applied).
+    pub distance_unknown: bool,
 }
 
 impl Candidate {
@@ -120,40 +157,33 @@ impl Topology {
         }
     }
 
-    /// Every other NIC of the node as a backup candidate for `nic`, eligible ones first.
-    /// Within each group the order is: path type from the reference device (nearest first),
-    /// then bandwidth (widest first), then PCI order; unknown paths last.
+    /// Every other NIC of the node as a backup candidate for `nic` under
+    /// [`pair_eligibility`], the remote end taken as the peer's NIC on the candidate's rail.
+    /// Eligible ones come first in the router's distance order (unknown distances rank as
+    /// the limit), then by bandwidth (widest first) and PCI order; then the excluded ones.
     pub fn backup_candidates(&self, nic: NicId, rule: RailRule, limit: PathType) -> Vec<Candidate> {
         let reference = self.backup_reference(nic);
-        let mut out: Vec<Candidate> = self
+        let mut out: Vec<(Option<PathType>, Candidate)> = self
             .nic_ids()
             .filter(|&x| x != nic)
             .map(|x| {
                 let path = self.path(reference, x);
-                let excluded_by = if rule == RailRule::Same && self.nic(x).rail.is_none() {
-                    Some(Exclusion::NoRail)
-                } else {
-                    match path {
-                        Some(p) if p.kind > limit => Some(Exclusion::DistanceLimit {
-                            kind: p.kind,
-                            limit,
-                        }),
-                        None if limit < PathType::Sys => Some(Exclusion::UnknownDistance { limit }),
-                        _ => None,
-                    }
-                };
-                Candidate {
+                let rail = self.nic(x).rail;
+                let verdict = pair_eligibility(rule, limit, rail, rail, path.map(|p| p.kind));
+                let candidate = Candidate {
                     nic: x,
                     name: self.nic(x).name.clone(),
                     path,
-                    excluded_by,
-                }
+                    excluded_by: verdict.err(),
+                    distance_unknown: verdict.is_ok_and(|a| a.distance_unknown),
+                };
+                (verdict.ok().map(|a| a.rank), candidate)
             })
             .collect();
-        out.sort_by(|a, b| {
-            let key = |c: &Candidate| (c.excluded_by.is_some(), c.path.is_none());
-            key(a)
-                .cmp(&key(b))
+        out.sort_by(|(ra, a), (rb, b)| {
+            let key = |r: &Option<PathType>, c: &Candidate| (r.is_none(), *r, c.path.is_none());
+            key(ra, a)
+                .cmp(&key(rb, b))
                 .then_with(|| match (a.path, b.path) {
                     (Some(pa), Some(pb)) => pa
                         .kind
@@ -163,6 +193,111 @@ impl Topology {
                 })
                 .then(a.nic.cmp(&b.nic))
         });
-        out
+        out.into_iter().map(|(_, c)| c).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use PathType::{Phb, Pix, Pxb, Sys};
+
+    fn allowed(rank: PathType, distance_unknown: bool) -> Result<Allowed, Exclusion> {
+        Ok(Allowed {
+            rank,
+            distance_unknown,
+        })
+    }
+
+    #[test]
+    fn an_unknown_distance_is_allowed_under_every_limit_and_ranks_as_the_limit() {
+        for limit in PathType::ALL {
+            for rule in [RailRule::Same, RailRule::Any] {
+                assert_eq!(
+                    pair_eligibility(rule, limit, Some(3), Some(3), None),
+                    allowed(limit, true),
+                    "{rule} {limit}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_known_distance_passes_up_to_the_limit_and_no_further() {
+        assert_eq!(
+            pair_eligibility(RailRule::Any, Phb, None, None, Some(Phb)),
+            allowed(Phb, false)
+        );
+        assert_eq!(
+            pair_eligibility(RailRule::Any, Phb, None, None, Some(Pix)),
+            allowed(Pix, false)
+        );
+        assert_eq!(
+            pair_eligibility(RailRule::Any, Pxb, None, None, Some(Phb)),
+            Err(Exclusion::DistanceLimit {
+                kind: Phb,
+                limit: Pxb
+            })
+        );
+        assert_eq!(
+            pair_eligibility(RailRule::Any, Sys, None, None, Some(Sys)),
+            allowed(Sys, false)
+        );
+    }
+
+    #[test]
+    fn the_same_rail_rule_needs_one_known_rail_and_comes_before_distance() {
+        let same = |l, r, d| pair_eligibility(RailRule::Same, Pix, l, r, d);
+        assert_eq!(same(Some(1), Some(1), Some(Pix)), allowed(Pix, false));
+        let mismatch = |local, remote| Err(Exclusion::RailMismatch { local, remote });
+        assert_eq!(
+            same(Some(1), Some(2), Some(Pix)),
+            mismatch(Some(1), Some(2))
+        );
+        assert_eq!(same(None, None, None), mismatch(None, None));
+        assert_eq!(same(Some(1), None, None), mismatch(Some(1), None));
+        // Both rules broken: the rail rule is the one named.
+        assert_eq!(
+            same(Some(1), Some(2), Some(Sys)),
+            mismatch(Some(1), Some(2))
+        );
+        // `any` ignores rails altogether.
+        assert_eq!(
+            pair_eligibility(RailRule::Any, Pix, None, Some(2), Some(Pix)),
+            allowed(Pix, false)
+        );
+    }
+
+    #[test]
+    fn exclusions_say_which_rule_and_why() {
+        let text = |e: Exclusion| e.to_string();
+        assert_eq!(
+            text(Exclusion::RailMismatch {
+                local: None,
+                remote: Some(1)
+            }),
+            "rail rule same: the local NIC has no rail"
+        );
+        assert_eq!(
+            text(Exclusion::RailMismatch {
+                local: Some(1),
+                remote: None
+            }),
+            "rail rule same: the remote NIC has no rail"
+        );
+        assert_eq!(
+            text(Exclusion::RailMismatch {
+                local: Some(0),
+                remote: Some(1)
+            }),
+            "rail rule same: local rail 0 != remote rail 1"
+        );
+        assert_eq!(
+            text(Exclusion::DistanceLimit {
+                kind: Sys,
+                limit: Phb
+            }),
+            "distance limit PHB: its path is SYS"
+        );
     }
 }

@@ -8,8 +8,9 @@
 //!   same sysfs (PIX < PXB < PHB < SYS), with hop count and bottleneck bandwidth.
 //! * [`Topology::apply_rail_env`] / [`Topology::apply_rails`] and the automatic rule decide each NIC's rail
 //!   (see [`rails`]).
-//! * [`Topology::backup_candidates`] lists the NICs that may take over from a failed one
-//!   under a [`RailRule`] and a distance limit (see [`backup`]).
+//! * [`pair_eligibility`] is the static rule for a backup pair (rail rule, distance limit),
+//!   shared by the router and the doctor; [`Topology::backup_candidates`] applies it to
+//!   the NICs that may take over from a failed one (see [`backup`]).
 //! * [`report`] turns all of that into the `railover doctor` report.
 //!
 //! # What this layer cannot see
@@ -37,7 +38,7 @@ use std::path::PathBuf;
 use serde::{Serialize, Serializer};
 use thiserror::Error;
 
-pub use backup::{Candidate, Exclusion, RailRule};
+pub use backup::{pair_eligibility, Allowed, Candidate, Exclusion, RailRule};
 pub use graph::DEFAULT_INTER_SOCKET_GBPS;
 pub use pci::{PciAddr, PcieLink};
 pub use rails::{RailError, RailMap, RailSource};
@@ -77,16 +78,6 @@ impl PathType {
             .into_iter()
             .find(|p| p.as_str().eq_ignore_ascii_case(s.trim()))
     }
-
-    /// Parses the value of the environment variable `var` (e.g. `RAILOVER_DISTANCE_LIMIT`);
-    /// the error names the variable, the value and the accepted names.
-    pub fn from_setting(var: &str, value: &str) -> Result<PathType, SettingError> {
-        PathType::parse(value).ok_or_else(|| SettingError {
-            var: var.to_string(),
-            value: value.to_string(),
-            accepted: "PIX, PXB, PHB or SYS (NCCL's path types, nearest first)".to_string(),
-        })
-    }
 }
 
 impl fmt::Display for PathType {
@@ -99,19 +90,6 @@ impl Serialize for PathType {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(self.as_str())
     }
-}
-
-/// A bad value of a setting (an environment variable): names the variable, the value and
-/// what is accepted.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-#[error("{var}={value:?} is not valid; accepted: {accepted}")]
-pub struct SettingError {
-    /// The variable, e.g. `RAILOVER_RAIL_RULE`.
-    pub var: String,
-    /// The value as given.
-    pub value: String,
-    /// What would have been accepted.
-    pub accepted: String,
 }
 
 /// Why a topology could not be built.

@@ -190,7 +190,9 @@ impl DoctorReport {
                 // what leaves this NIC alone.
                 let rail_ok: Vec<&Candidate> = backups
                     .iter()
-                    .filter(|c| !matches!(c.excluded_by, Some(super::Exclusion::NoRail)))
+                    .filter(|c| {
+                        !matches!(c.excluded_by, Some(super::Exclusion::RailMismatch { .. }))
+                    })
                     .collect();
                 if let Some(best) = rail_ok.iter().filter_map(|c| c.path.map(|p| (c, p))).next() {
                     warnings.push(Warning {
@@ -321,7 +323,7 @@ impl DoctorReport {
         let _ = writeln!(
             o,
             "distance limit: {} (path type from the failed NIC's nearest GPU to the backup must \
-             be <= {})",
+             be <= {}; an unknown distance is allowed, as at run time)",
             s.distance_limit, s.distance_limit
         );
         let _ = writeln!(
@@ -387,12 +389,10 @@ impl DoctorReport {
                 .backups
                 .iter()
                 .filter(|c| c.eligible())
-                .map(|c| {
-                    format!(
-                        "{} ({})",
-                        c.name,
-                        c.path.map_or("?".into(), |p| fmt_path(&p))
-                    )
+                .map(|c| match c.path {
+                    Some(p) => format!("{} ({})", c.name, fmt_path(&p)),
+                    // As the router does at run time (see `backup::pair_eligibility`).
+                    None => format!("{} (allowed: distance unknown)", c.name),
                 })
                 .collect();
             let _ = writeln!(
