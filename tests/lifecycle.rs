@@ -243,3 +243,27 @@ fn process_lifecycle() {
     assert_eq!(railover::plugin::pending_connects(), 0);
     assert_eq!(plugin_threads(), 0, "{:?}", thread_names());
 }
+
+/// The last `finalize` forgets every handle of the stopped runtime. A context started on
+/// another thread meanwhile must keep its own: two threads cycling init, listen, accept
+/// and finalize over each other never see their listener called unknown.
+#[test]
+fn concurrent_init_and_finalize_keep_each_others_handles() {
+    let _g = serial();
+    std::env::set_var("RAILOVER_IFNAME", "lo");
+    let cycle = || {
+        for i in 0..1000 {
+            let ctx = Ctx::init().expect("init");
+            let (_handle, listener) = ctx.listen(0).expect("listen");
+            match listener.accept() {
+                Ok(None) => {}
+                other => panic!("cycle {i}: accept on a live listener gave {other:?}"),
+            }
+            drop(listener);
+            drop(ctx);
+        }
+    };
+    let t = std::thread::spawn(cycle);
+    cycle();
+    t.join().expect("the other thread's cycles");
+}

@@ -25,6 +25,11 @@ unsafe impl<T> Sync for Table<T> {}
 
 // ---- init / finalize -------------------------------------------------------------
 
+/// Held by every `init` and `finalize`: the last `finalize` stops the runtime and forgets
+/// every handle, and an `init` on another thread must not start a new runtime (and hand
+/// out handles) in between, or those handles would be forgotten with the old ones.
+static LIFECYCLE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
 unsafe extern "C" fn init_v11(
     ctx: *mut Ptr,
     _comm_id: u64,
@@ -44,6 +49,7 @@ unsafe extern "C" fn init_v11(
             // SAFETY: `config` is NULL or NCCL's array for this call, of one element at least.
             unsafe { read_at(config.cast_const(), 0, "config") }?.traffic_class
         };
+        let _lifecycle = LIFECYCLE.lock();
         let c = plugin::init_context(tc)?;
         // SAFETY: `ctx` is NCCL's out-pointer for this call: NULL or writable.
         unsafe { write(ctx, CONTEXTS.insert(c), "ctx") }
@@ -59,6 +65,7 @@ unsafe extern "C" fn init_v8(log: NcclDebugLogger) -> NcclResult {
     super::logger::set(log);
     guard("init", || {
         pin_library();
+        let _lifecycle = LIFECYCLE.lock();
         plugin::init_legacy().map(|_| ())
     })
 }
@@ -95,6 +102,7 @@ fn libc_dl_info_zeroed() -> libc::Dl_info {
 
 unsafe extern "C" fn finalize(ctx: Ptr) -> NcclResult {
     guard("finalize", || {
+        let _lifecycle = LIFECYCLE.lock();
         let c = CONTEXTS.remove(ctx)?;
         if plugin::finalize(&c)? {
             // Handles NCCL never closed belong to the stopped runtime: forget them, or each
