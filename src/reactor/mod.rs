@@ -1609,6 +1609,10 @@ impl<F: Fabric> Reactor<F> {
             let shared = self.comms[c].shared.clone();
             self.close_comm(&shared, Instant::now());
         }
+        // A close and the shutdown can arrive in one turn: hand the last acks to the
+        // kernel (best effort, no waiting) before the lanes go, or the peer's final
+        // sends, already delivered here, would fail for want of their ack.
+        self.flush_dirty(Instant::now());
         let lanes: Vec<usize> = self.lanes.iter().map(|(k, _)| k).collect();
         for k in lanes {
             if let Some(Role::Connecting { pending, .. }) = self.lanes.get(k).map(|l| &l.role) {
