@@ -670,7 +670,7 @@ impl<F: Fabric> Reactor<F> {
     /// which knows the pairs that failed by browning out, judges the rate too.
     pub(super) fn probe_answered(&mut self, pair: Pair, started: Instant, now: Instant) {
         let took = now.saturating_duration_since(started);
-        let rate = self.setup.probe_bytes as f64 / took.as_secs_f64().max(1e-6);
+        let rate = health::probe_rate(self.setup.probe_bytes, took);
         match self.router.check_probe_rate(pair, rate) {
             Ok(()) => self.router.handle_probe(pair, true, now),
             Err(floor) => {
