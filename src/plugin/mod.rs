@@ -111,6 +111,7 @@ impl Runtime {
                     .map(|n| (n.tcp.name.as_str(), n.rail))
                     .collect::<Vec<_>>(),
             )),
+            entropy_seed: None,
         };
         let telemetry = setup.telemetry.clone();
         let fabric = TcpFabric::new(&nics.iter().map(|n| n.tcp.clone()).collect::<Vec<_>>());

@@ -579,12 +579,12 @@ impl<F: Fabric> Reactor<F> {
 
     /// The first frame of a probe or replacement lane of a comm with `session`.
     fn opener(
-        &self,
+        &mut self,
         purpose: Purpose,
         session: &Session,
         epoch: u64,
     ) -> Result<(Initiator, Vec<u8>), ConnError> {
-        let random = fresh_random()?;
+        let random = fresh_random(&mut self.entropy)?;
         Ok(Initiator::resume(
             purpose,
             session,
@@ -630,7 +630,8 @@ impl<F: Fabric> Reactor<F> {
             .comms
             .iter()
             .find(|(_, c)| c.route.is_some_and(|r| r.current.peer == pair.peer))
-            .and_then(|(_, c)| self.opener(Purpose::Probe, &c.session, 0).ok());
+            .map(|(_, c)| c.session.clone());
+        let hello = hello.and_then(|session| self.opener(Purpose::Probe, &session, 0).ok());
         let Some(hello) = hello else {
             self.probe_failed(pair, now);
             return;
@@ -708,8 +709,8 @@ impl<F: Fabric> Reactor<F> {
             self.drop_lane(old);
         }
         self.comms[c].epoch += 1;
-        let comm = &self.comms[c];
-        let hello = self.opener(Purpose::Migrate, &comm.session, comm.epoch);
+        let (session, epoch) = (self.comms[c].session.clone(), self.comms[c].epoch);
+        let hello = self.opener(Purpose::Migrate, &session, epoch);
         let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
         let role = Role::Migrating { comm: c, mv };
         match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit)) {
@@ -866,20 +867,25 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         for ev in w.drain() {
-            let Some(i) = self.setup.nics.iter().position(|n| n.name == ev.ifname) else {
-                continue;
-            };
-            if self.nic_up[i] == ev.up {
-                continue;
+            if let Some(i) = self.setup.nics.iter().position(|n| n.name == ev.ifname) {
+                self.carrier(i, ev.up, now);
             }
-            self.stats.link_events.fetch_add(1, Ordering::Relaxed);
-            if ev.up {
-                tracing::warn!("railover: NIC {} is up again", ev.ifname);
-                self.nic_restored(i, now);
-            } else {
-                tracing::warn!("railover: NIC {} lost its link", ev.ifname);
-                self.nic_lost(i, false, now);
-            }
+        }
+    }
+
+    /// Local NIC `i`'s carrier is now `up` (a netlink event, or the simulation's).
+    pub(super) fn carrier(&mut self, i: usize, up: bool, now: Instant) {
+        if self.nic_up[i] == up {
+            return;
+        }
+        self.stats.link_events.fetch_add(1, Ordering::Relaxed);
+        let name = &self.setup.nics[i].name;
+        if up {
+            tracing::warn!("railover: NIC {name} is up again");
+            self.nic_restored(i, now);
+        } else {
+            tracing::warn!("railover: NIC {name} lost its link");
+            self.nic_lost(i, false, now);
         }
     }
 

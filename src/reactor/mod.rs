@@ -21,6 +21,8 @@
 //! `RAILOVER_SPIN_US` after its last progress while requests are in flight, then parks.
 
 pub mod budget;
+#[cfg(test)]
+pub(crate) mod driven;
 mod failover;
 mod gate;
 
@@ -47,6 +49,7 @@ use crate::conn::{
 use crate::plugin::comm::{CommShared, ListenShared, PendingConnect, PendingListen, Side};
 use crate::plugin::request::Request;
 use crate::plugin::{Error, UserBuf};
+use crate::routing::rng::SplitMix64;
 use crate::routing::{self, FailReason, Move, Pair, RoutePublisher, Router, RouterConfig};
 use crate::telemetry::metrics::{Delta, Telemetry};
 use crate::topology::PathType;
@@ -80,6 +83,9 @@ pub struct Setup {
     pub router: RouterConfig,
     /// Where counters and events are recorded (the reactor batches them).
     pub telemetry: Arc<Telemetry>,
+    /// Handshake randomness from this seed instead of the OS: only for the deterministic
+    /// simulation, whose runs must replay exactly. `None` in production.
+    pub entropy_seed: Option<u64>,
 }
 
 /// How long our own connect may wait for the listener's `Welcome`.
@@ -370,105 +376,15 @@ impl ReactorHandle {
     /// Starts the reactor thread: one failover listener per NIC, the link watcher, the
     /// router.
     /// `fabric` drives the lanes; its NICs are `setup.nics`, index for index.
-    pub fn spawn<F: Fabric>(setup: Setup, mut fabric: F) -> io::Result<ReactorHandle> {
-        if fabric.nics().len() != setup.nics.len() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "the fabric has {} NICs, the reactor was given {}",
-                    fabric.nics().len(),
-                    setup.nics.len()
-                ),
-            ));
-        }
-        let poll = Poll::new()?;
-        let waker = Waker::new(poll.registry(), WAKER)?;
-        let mut listeners = Slab::new();
-        let mut wire_nics = Vec::new();
-        for (i, nic) in setup.nics.iter().enumerate() {
-            let (mut l, addr) = fabric.listen(i)?;
-            let key = listeners.insert(Listener {
-                sock: None,
-                shared: None,
-                nic: i,
-            });
-            poll.registry()
-                .register(&mut l, Token(key | LISTENER_BIT), Interest::READABLE)?;
-            listeners[key].sock = Some(l);
-            wire_nics.push(NicAddr {
-                addr,
-                rail: nic.rail,
-            });
-        }
-        let mut watcher = match LinkWatcher::open() {
-            Ok(w) => Some(w),
-            Err(e) => {
-                tracing::warn!(
-                    "railover: cannot watch link events ({e}); relying on lane timeouts"
-                );
-                None
-            }
-        };
-        if let Some(w) = watcher.as_mut() {
-            let fd = w.raw_fd();
-            poll.registry()
-                .register(&mut mio::unix::SourceFd(&fd), NETLINK, Interest::READABLE)?;
-        }
-        let routes = Arc::new(RoutePublisher::new(routing::Routes::default()));
-        let mut router_cfg = setup.router;
-        if router_cfg.seed == 0 {
-            let mut b = [0u8; 8];
-            let _ = getrandom::getrandom(&mut b);
-            router_cfg.seed = u64::from_le_bytes(b) | 1;
-        }
-        let queue = Arc::new(CommandQueue::new(waker));
-        let stats = Arc::new(ReactorStats::default());
-        let now = Instant::now();
-        let reactor = Reactor {
-            poll,
-            fabric,
-            queue: queue.clone(),
-            stats: stats.clone(),
-            wire: wire_nics.clone(),
-            nic_up: vec![true; setup.nics.len()],
-            budget: SpinBudget::new(setup.spin),
-            listeners,
-            listener_ids: HashMap::new(),
-            lanes: Slab::new(),
-            comms: Slab::new(),
-            dirty: Vec::new(),
-            again: Vec::new(),
-            accepting: Vec::new(),
-            next_deadline: None,
-            shutdown: false,
-            router: Router::new(router_cfg),
-            routes: routes.clone(),
-            routes_dirty: false,
-            peers: Vec::new(),
-            recv_by_id: HashMap::new(),
-            gate: gate::Gate::new(gate::PER_LISTENER, gate::TOTAL),
-            turned_away: gate::LogLimit::new(gate::LOG_INTERVAL),
-            watcher,
-            next_tick: now,
-            injected_down: vec![false; setup.nics.len()],
-            graveyard: Vec::new(),
-            failed_at: HashMap::new(),
-            detection_latency: HashMap::new(),
-            fair: FairShare::new(),
-            metrics: MetricsState {
-                nic: vec![[0; 4]; setup.nics.len()],
-                probe_failures: vec![0; setup.nics.len()],
-                last_sample: now,
-                idle: Duration::ZERO,
-                replayed: Delta::default(),
-                duplicates: Delta::default(),
-                rejected: Delta::default(),
-                refused: Delta::default(),
-                protocol_errors: Delta::default(),
-                lane_failures: Delta::default(),
-            },
-            setup,
-        };
+    pub fn spawn<F: Fabric>(setup: Setup, fabric: F) -> io::Result<ReactorHandle> {
+        let mut reactor = Reactor::new(setup, fabric)?;
+        reactor.watch_links()?;
+        let (queue, stats, routes) = (
+            reactor.queue.clone(),
+            reactor.stats.clone(),
+            reactor.routes.clone(),
+        );
+        let wire_nics = reactor.wire.clone();
         let thread = std::thread::Builder::new()
             .name(REACTOR_THREAD.into())
             .spawn(move || run_guarded(reactor))?;
@@ -664,6 +580,8 @@ struct Reactor<F: Fabric> {
     detection_latency: HashMap<usize, Duration>,
     /// Pacing caps that share each NIC evenly between its backlogged lanes.
     fair: FairShare,
+    /// Seeded handshake randomness (simulation only); `None`: the OS's.
+    entropy: Option<SplitMix64>,
 }
 
 /// What the reactor accumulates between two metric samples.
@@ -686,37 +604,129 @@ struct MetricsState {
 const METRICS_INTERVAL: Duration = Duration::from_millis(100);
 
 impl<F: Fabric> Reactor<F> {
+    /// A reactor over `fabric`, its failover listeners open, not yet running.
+    fn new(setup: Setup, mut fabric: F) -> io::Result<Reactor<F>> {
+        if fabric.nics().len() != setup.nics.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "the fabric has {} NICs, the reactor was given {}",
+                    fabric.nics().len(),
+                    setup.nics.len()
+                ),
+            ));
+        }
+        let poll = Poll::new()?;
+        let waker = Waker::new(poll.registry(), WAKER)?;
+        let mut listeners = Slab::new();
+        let mut wire_nics = Vec::new();
+        for (i, nic) in setup.nics.iter().enumerate() {
+            let (mut l, addr) = fabric.listen(i)?;
+            let key = listeners.insert(Listener {
+                sock: None,
+                shared: None,
+                nic: i,
+            });
+            poll.registry()
+                .register(&mut l, Token(key | LISTENER_BIT), Interest::READABLE)?;
+            listeners[key].sock = Some(l);
+            wire_nics.push(NicAddr {
+                addr,
+                rail: nic.rail,
+            });
+        }
+        let routes = Arc::new(RoutePublisher::new(routing::Routes::default()));
+        let mut router_cfg = setup.router;
+        if router_cfg.seed == 0 {
+            let mut b = [0u8; 8];
+            let _ = getrandom::getrandom(&mut b);
+            router_cfg.seed = u64::from_le_bytes(b) | 1;
+        }
+        let queue = Arc::new(CommandQueue::new(waker));
+        let stats = Arc::new(ReactorStats::default());
+        let now = Instant::now();
+        let entropy = setup.entropy_seed.map(SplitMix64::new);
+        Ok(Reactor {
+            poll,
+            fabric,
+            queue,
+            stats,
+            wire: wire_nics,
+            nic_up: vec![true; setup.nics.len()],
+            budget: SpinBudget::new(setup.spin),
+            listeners,
+            listener_ids: HashMap::new(),
+            lanes: Slab::new(),
+            comms: Slab::new(),
+            dirty: Vec::new(),
+            again: Vec::new(),
+            accepting: Vec::new(),
+            next_deadline: None,
+            shutdown: false,
+            router: Router::new(router_cfg),
+            routes,
+            routes_dirty: false,
+            peers: Vec::new(),
+            recv_by_id: HashMap::new(),
+            gate: gate::Gate::new(gate::PER_LISTENER, gate::TOTAL),
+            turned_away: gate::LogLimit::new(gate::LOG_INTERVAL),
+            watcher: None,
+            next_tick: now,
+            injected_down: vec![false; setup.nics.len()],
+            graveyard: Vec::new(),
+            failed_at: HashMap::new(),
+            detection_latency: HashMap::new(),
+            fair: FairShare::new(),
+            metrics: MetricsState {
+                nic: vec![[0; 4]; setup.nics.len()],
+                probe_failures: vec![0; setup.nics.len()],
+                last_sample: now,
+                idle: Duration::ZERO,
+                replayed: Delta::default(),
+                duplicates: Delta::default(),
+                rejected: Delta::default(),
+                refused: Delta::default(),
+                protocol_errors: Delta::default(),
+                lane_failures: Delta::default(),
+            },
+            entropy,
+            setup,
+        })
+    }
+
+    /// Watches the kernel's carrier changes of local NICs, when it can.
+    fn watch_links(&mut self) -> io::Result<()> {
+        let watcher = match LinkWatcher::open() {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(
+                    "railover: cannot watch link events ({e}); relying on lane timeouts"
+                );
+                return Ok(());
+            }
+        };
+        let fd = watcher.raw_fd();
+        self.poll.registry().register(
+            &mut mio::unix::SourceFd(&fd),
+            NETLINK,
+            Interest::READABLE,
+        )?;
+        self.watcher = Some(watcher);
+        Ok(())
+    }
+
     fn run(&mut self) {
         let mut events = Events::with_capacity(1024);
+        let mut ready = Vec::with_capacity(1024);
         while !self.shutdown {
             let now = Instant::now();
-            let cmds = self.queue.take();
-            if !cmds.is_empty() {
-                self.budget.progress(now);
-            }
-            for c in cmds {
-                self.command(c, now);
-            }
+            self.before_poll(now);
             if self.shutdown {
                 break;
             }
-            for k in std::mem::take(&mut self.again) {
-                self.service_lane(k, now);
-            }
-            self.drive_router(now);
-            self.flush_dirty(now);
-
             let busy =
                 !self.again.is_empty() || !self.accepting.is_empty() || self.requests_in_flight();
-            let deadline = [
-                self.next_deadline,
-                Some(self.next_tick),
-                self.router.poll_timeout(),
-            ]
-            .into_iter()
-            .flatten()
-            .min();
-            let mut timeout = self.budget.timeout(now, busy, deadline);
+            let mut timeout = self.budget.timeout(now, busy, self.next_wakeup());
             if !self.again.is_empty() || !self.accepting.is_empty() {
                 timeout = Some(Duration::ZERO);
             }
@@ -745,43 +755,83 @@ impl<F: Fabric> Reactor<F> {
                 // core, as NCCL's proxy loop does.
                 std::thread::yield_now();
             }
-            for ev in events.iter() {
-                match ev.token() {
-                    WAKER => {}
-                    NETLINK => self.link_events(now),
-                    Token(t) if t & LISTENER_BIT != 0 => self.accepting.push(t & !LISTENER_BIT),
-                    Token(k) => self.service_lane(k, now),
-                }
-            }
-            // After the lanes: a Hello that arrived meanwhile is read before a flood's
-            // next batch of connections can push its lane out of the handshake caps.
-            let mut accepting = std::mem::take(&mut self.accepting);
-            accepting.sort_unstable();
-            accepting.dedup();
-            for key in accepting {
-                self.accept_all(key, now);
-            }
-            if self.next_deadline.is_some_and(|d| d <= now) {
-                self.expire(now);
-            }
-            if now >= self.next_tick {
-                self.tick(now);
-                if let Some((n, secs, latest)) = self.turned_away.flush(now) {
-                    tracing::warn!("railover: turned away {n} more incoming connections in the last {secs} s (latest: {latest})");
-                }
-            }
-            if now.saturating_duration_since(self.metrics.last_sample) >= METRICS_INTERVAL {
-                self.sample_metrics(now);
-            }
-            if self.router.poll_timeout().is_some_and(|d| d <= now) {
-                self.router.handle_timeout(now);
-            }
-            self.drive_router(now);
-            self.flush_dirty(now);
+            ready.clear();
+            ready.extend(events.iter().map(|ev| ev.token()));
+            self.after_poll(&ready, now);
         }
         self.close_everything();
         // Anyone still waiting on a close: the comm is gone with the reactor.
         self.queue.stop();
+    }
+
+    /// The first half of a turn: queued commands, lanes left over from the last turn,
+    /// the router's decisions, and output.
+    fn before_poll(&mut self, now: Instant) {
+        let cmds = self.queue.take();
+        if !cmds.is_empty() {
+            self.budget.progress(now);
+        }
+        for c in cmds {
+            self.command(c, now);
+        }
+        if self.shutdown {
+            return;
+        }
+        for k in std::mem::take(&mut self.again) {
+            self.service_lane(k, now);
+        }
+        self.drive_router(now);
+        self.flush_dirty(now);
+    }
+
+    /// The second half: what readiness reported, then every timer that is due.
+    fn after_poll(&mut self, ready: &[Token], now: Instant) {
+        for &token in ready {
+            match token {
+                WAKER => {}
+                NETLINK => self.link_events(now),
+                Token(t) if t & LISTENER_BIT != 0 => self.accepting.push(t & !LISTENER_BIT),
+                Token(k) => self.service_lane(k, now),
+            }
+        }
+        // After the lanes: a Hello that arrived meanwhile is read before a flood's
+        // next batch of connections can push its lane out of the handshake caps.
+        let mut accepting = std::mem::take(&mut self.accepting);
+        accepting.sort_unstable();
+        accepting.dedup();
+        for key in accepting {
+            self.accept_all(key, now);
+        }
+        if self.next_deadline.is_some_and(|d| d <= now) {
+            self.expire(now);
+        }
+        if now >= self.next_tick {
+            self.tick(now);
+            if let Some((n, secs, latest)) = self.turned_away.flush(now) {
+                tracing::warn!("railover: turned away {n} more incoming connections in the last {secs} s (latest: {latest})");
+            }
+        }
+        if now.saturating_duration_since(self.metrics.last_sample) >= METRICS_INTERVAL {
+            self.sample_metrics(now);
+        }
+        if self.router.poll_timeout().is_some_and(|d| d <= now) {
+            self.router.handle_timeout(now);
+        }
+        self.drive_router(now);
+        self.flush_dirty(now);
+    }
+
+    /// The earliest time a timer of the reactor (lane deadlines, the periodic tick, the
+    /// router's) is due.
+    fn next_wakeup(&self) -> Option<Instant> {
+        [
+            self.next_deadline,
+            Some(self.next_tick),
+            self.router.poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     fn requests_in_flight(&self) -> bool {
@@ -839,7 +889,7 @@ impl<F: Fabric> Reactor<F> {
                 token,
                 pending,
             } => {
-                let random = match fresh_random() {
+                let random = match fresh_random(&mut self.entropy) {
                     Ok(r) => r,
                     Err(e) => {
                         *pending.result.lock() = Some(Err(e.into()));
@@ -1264,7 +1314,7 @@ impl<F: Fabric> Reactor<F> {
         body: &[u8],
         now: Instant,
     ) -> Result<(), ConnError> {
-        let random = fresh_random()?;
+        let random = fresh_random(&mut self.entropy)?;
         let token = listener
             .and_then(|id| self.listener_ids.get(&id))
             .and_then(|&key| self.listeners[key].shared.as_ref())
@@ -1635,11 +1685,16 @@ impl<F: Fabric> Reactor<F> {
     }
 }
 
-/// Fresh randomness for one handshake.
-fn fresh_random() -> Result<auth::Random, ConnError> {
+/// Fresh randomness for one handshake: the OS's, or the simulation's seeded stream.
+fn fresh_random(seeded: &mut Option<SplitMix64>) -> Result<auth::Random, ConnError> {
     let mut r = [0u8; 64];
-    getrandom::getrandom(&mut r)
-        .map_err(|e| ConnError::Io(format!("no randomness for a handshake: {e}")))?;
+    match seeded {
+        Some(rng) => r
+            .chunks_mut(8)
+            .for_each(|c| c.copy_from_slice(&rng.next_u64().to_le_bytes())),
+        None => getrandom::getrandom(&mut r)
+            .map_err(|e| ConnError::Io(format!("no randomness for a handshake: {e}")))?,
+    }
     Ok(r)
 }
 

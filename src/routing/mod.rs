@@ -34,7 +34,7 @@
 #![deny(missing_docs, missing_debug_implementations)]
 
 mod config;
-mod rng;
+pub(crate) mod rng;
 mod router;
 mod snapshot;
 #[cfg(test)]

@@ -2,16 +2,16 @@
 //! dependency. Not for anything secret.
 
 #[derive(Debug, Clone)]
-pub(super) struct SplitMix64 {
+pub(crate) struct SplitMix64 {
     state: u64,
 }
 
 impl SplitMix64 {
-    pub(super) fn new(seed: u64) -> Self {
+    pub(crate) fn new(seed: u64) -> Self {
         SplitMix64 { state: seed }
     }
 
-    pub(super) fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -20,7 +20,7 @@ impl SplitMix64 {
     }
 
     /// A number in `0..n`; `n` must be non-zero.
-    pub(super) fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         debug_assert!(n > 0);
         // Multiply-high: unbiased enough for tie-breaks among a handful of candidates.
         ((u128::from(self.next_u64()) * n as u128) >> 64) as usize

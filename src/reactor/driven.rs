@@ -1,0 +1,72 @@
+//! The reactor driven by its caller instead of its own thread and `epoll`, for the
+//! deterministic simulation: the caller passes virtual time, and every lane and listener
+//! counts as ready each step (readiness is only a hint to the reactor, so this is the
+//! same logic, merely polled more often).
+
+#![allow(dead_code)] // until the simulation tier drives it
+
+use std::io;
+use std::sync::Arc;
+use std::time::Instant;
+
+use mio::Token;
+
+use super::{CommandQueue, Reactor, Setup, LISTENER_BIT};
+use crate::conn::wire::NicAddr;
+use crate::transport::Fabric;
+
+/// A reactor stepped by hand.
+pub(crate) struct Driven<F: Fabric>(Reactor<F>);
+
+impl<F: Fabric> Driven<F> {
+    pub(crate) fn new(setup: Setup, fabric: F) -> io::Result<Driven<F>> {
+        Reactor::new(setup, fabric).map(Driven)
+    }
+
+    /// Where NCCL's side pushes its commands.
+    pub(crate) fn queue(&self) -> &Arc<CommandQueue> {
+        &self.0.queue
+    }
+
+    /// This node's NICs as its peers see them.
+    pub(crate) fn wire(&self) -> &[NicAddr] {
+        &self.0.wire
+    }
+
+    /// One turn at `now`: commands, every lane and listener, every timer that is due.
+    pub(crate) fn step(&mut self, now: Instant) {
+        let r = &mut self.0;
+        r.before_poll(now);
+        if r.shutdown {
+            return;
+        }
+        let ready: Vec<Token> = r
+            .lanes
+            .iter()
+            .map(|(k, _)| Token(k))
+            .chain(r.listeners.iter().map(|(k, _)| Token(k | LISTENER_BIT)))
+            .collect();
+        r.after_poll(&ready, now);
+    }
+
+    /// The earliest time a timer is due; the simulation's clock may jump there.
+    pub(crate) fn next_wakeup(&self) -> Option<Instant> {
+        self.0.next_wakeup()
+    }
+
+    /// Local NIC `nic`'s carrier changed, as netlink would report it.
+    pub(crate) fn carrier(&mut self, nic: usize, up: bool, now: Instant) {
+        self.0.carrier(nic, up, now);
+    }
+
+    /// Whether any comm has a request outstanding.
+    pub(crate) fn busy(&self) -> bool {
+        self.0.requests_in_flight()
+    }
+
+    /// Closes everything, as the reactor thread does when it exits.
+    pub(crate) fn finish(mut self) {
+        self.0.close_everything();
+        self.0.queue.stop();
+    }
+}
