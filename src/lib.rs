@@ -24,6 +24,7 @@
 pub mod config;
 pub mod conn;
 pub mod ffi;
+pub mod handoff;
 pub mod plugin;
 pub mod reactor;
 pub mod routing;
