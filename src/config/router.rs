@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::topology::PathType;
 use crate::topology::RailRule;
 
-/// Policy settings of a [`Router`](crate::routing::Router).
+/// Policy settings of the router (`routing::Router`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouterConfig {
     /// Which rails a backup pair may connect. Default [`RailRule::Same`].

@@ -1,7 +1,7 @@
 //! State shared by NCCL's threads and the reactor: requests, comms and listeners, pending
 //! connects and listens, and the command queue between them.
 //!
-//! Both sides use it and neither owns it: [`crate::plugin`] (NCCL's threads) creates these
+//! Both sides use it and neither owns it: `plugin` (NCCL's threads) creates these
 //! objects and queues commands; the reactor takes the commands and writes outcomes back.
 //! It sits below `reactor`, so the reactor never reaches up into `plugin` or `ffi`.
 

@@ -2,8 +2,8 @@
 //!
 //! It lives under `transport`, not `ffi`, because the fabrics are its users: the frame
 //! reader and writer copy through it today, and a verbs fabric will register it. `ffi`
-//! only makes one, through the `unsafe` [`UserBuf::new`] whose contract NCCL's
-//! `isend`/`irecv` rules fulfil; the raw pointer is touched only in [`sys`].
+//! only makes one, through the `unsafe` `UserBuf::new` whose contract NCCL's
+//! `isend`/`irecv` rules fulfil; the raw pointer is touched only in `sys`.
 
 mod sys;
 
