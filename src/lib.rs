@@ -1,29 +1,34 @@
 //! railover: an NCCL network plugin that carries NCCL's inter-node traffic over TCP (and,
 //! later, RDMA verbs) and moves it to healthy NIC pairs when a link fails.
 //!
-//! The layers, top-down (DESIGN.md §3):
+//! The layers, top-down (DESIGN.md §3). A module imports only the modules after it in
+//! this list; `tests/layers.rs` checks it.
 //! * [`ffi`] — the exported `ncclNetPlugin_v8` … `_v12` tables, the exact `repr(C)` types,
 //!   the panic barrier and the one place errors become `ncclResult_t`.
 //! * [`plugin`] — the version-independent facade: contexts, devices, listen/connect/accept,
-//!   memory handles and requests whose atomic state `test` reads.
+//!   memory handles and requests.
 //! * [`reactor`] — the one proxy-progress thread: it owns every socket and drives the
 //!   connection machines; NCCL's threads only queue commands to it.
-//! * [`conn`] — sans-IO per-comm send/receive machines and the wire format.
-//! * [`routing`] — sans-IO route bookkeeping; the reactor publishes snapshots lock-free.
+//! * [`handoff`] — what `plugin` and `reactor` share: requests whose atomic state `test`
+//!   reads, comms, pending connects and listens, the command queue.
 //! * [`transport`] — the `Fabric` seam the reactor drives lanes through (listen, connect,
-//!   move frames, progress, pacing, fence), implemented for TCP.
-//! * [`topology`] — pure data about NICs, GPUs, PCI paths and rails.
-//! * [`config`] — `RAILOVER_*` environment variables parsed into typed values.
+//!   move frames, progress, pacing, fence), implemented for TCP, and the user memory
+//!   fabrics read and write.
+//! * [`conn`] — sans-IO per-comm send/receive machines and the wire format.
 //! * [`telemetry`] — logging into NCCL's logger, Prometheus metrics.
+//! * [`routing`] — sans-IO route bookkeeping; the reactor publishes snapshots lock-free.
+//! * [`config`] — `RAILOVER_*` environment variables parsed into typed values.
+//! * [`topology`] — pure data about NICs, GPUs, PCI paths and rails.
 //!
 //! The `railover` command lives in `cli/`, and the test machinery (namespace testbed,
 //! fixture sysfs trees, a Rust driver of the C ABI) in `testkit/`, so neither is part of
 //! the library NCCL loads.
-#![deny(unsafe_code)]
+#![deny(unsafe_code, unsafe_op_in_unsafe_fn)]
 
 pub mod config;
 pub mod conn;
 pub mod ffi;
+pub mod handoff;
 pub mod plugin;
 pub mod reactor;
 pub mod routing;

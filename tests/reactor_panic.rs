@@ -6,7 +6,7 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use railover::ffi::logger::{self, Severity};
+use railover::telemetry::log::{self, Severity};
 use railover_testkit::driver::{Code, Ctx, Listener, RecvComm, Request, SendComm};
 
 /// ncclInternalError.
@@ -61,7 +61,7 @@ fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static
 }
 
 fn warns_naming(text: &str) -> Vec<String> {
-    logger::captured()
+    log::captured()
         .into_iter()
         .filter(|(sev, line)| *sev == Severity::Warn && line.contains(text))
         .map(|(_, line)| line)
@@ -73,7 +73,7 @@ fn a_reactor_panic_fails_every_caller_and_never_hangs() {
     std::env::set_var("RAILOVER_IFNAME", "lo");
     std::env::set_var("RAILOVER_METRICS_ADDR", "127.0.0.1");
     std::env::set_var("RAILOVER_METRICS_PORT", "0");
-    logger::capture();
+    log::capture();
     let ctx = Ctx::init().unwrap();
     let (handle, l) = ctx.listen(0).unwrap();
     let (s1, r1) = pair(&ctx, &handle, &l);

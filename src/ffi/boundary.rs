@@ -1,12 +1,11 @@
 //! The panic barrier around every exported function: a panic becomes
 //! `ncclInternalError` and one WARN line, never an unwind into NCCL.
 
-use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use super::error;
 use super::types::{NcclResult, NCCL_INTERNAL_ERROR, NCCL_SUCCESS};
-use crate::plugin::Error;
+use crate::handoff::{panic_message, Error};
 
 /// Runs `body` for the entry point `name`, mapping its outcome to `ncclResult_t`.
 pub fn guard(name: &'static str, body: impl FnOnce() -> Result<(), Error>) -> NcclResult {
@@ -19,15 +18,6 @@ pub fn guard(name: &'static str, body: impl FnOnce() -> Result<(), Error>) -> Nc
             NCCL_INTERNAL_ERROR
         }
     }
-}
-
-/// The text of a panic payload (`panic!` makes a `&str` or a `String`).
-pub fn panic_message(payload: &(dyn Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
 }
 
 #[cfg(test)]

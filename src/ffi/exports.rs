@@ -8,12 +8,12 @@ use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
 use super::boundary::guard;
-use super::buffer::UserBuf;
 use super::handle::{
     self, handle_mut, read_at, write, write_opt, COMMS, CONTEXTS, LISTENS, MRS, REQUESTS,
 };
 use super::types::*;
 use crate::plugin::{self, Error, NetHints, NicInfo, Status};
+use crate::transport::memory::UserBuf;
 
 type Ptr = *mut c_void;
 

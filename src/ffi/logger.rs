@@ -1,44 +1,19 @@
 //! NCCL's logger, stored once from `init`, and the one place it is called.
+//! `telemetry::log` decides what to log and reaches it through [`emit`].
 
 use std::ffi::{c_int, CString};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-use parking_lot::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::types::{
     NcclDebugLogger, NCCL_ALL, NCCL_LOG_INFO, NCCL_LOG_TRACE, NCCL_LOG_WARN, NCCL_NET,
 };
-
-/// How a line should appear in NCCL's log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Severity {
-    Warn,
-    Info,
-    Trace,
-}
+use crate::telemetry::log::{set_nccl_sink, Severity};
 
 static LOGGER: AtomicUsize = AtomicUsize::new(0);
 
-/// Test seam: while capturing, lines meant for NCCL's logger are kept here instead.
-/// Rust tests cannot define the C-variadic function NCCL's logger is.
-static CAPTURING: AtomicBool = AtomicBool::new(false);
-static CAPTURED: Mutex<Vec<(Severity, String)>> = Mutex::new(Vec::new());
-
-/// Test only: from now on, keep every line meant for NCCL's logger for [`captured`].
-#[doc(hidden)]
-pub fn capture() {
-    CAPTURED.lock().clear();
-    CAPTURING.store(true, Ordering::Release);
-}
-
-/// Test only: the lines kept since [`capture`], in order.
-#[doc(hidden)]
-pub fn captured() -> Vec<(Severity, String)> {
-    CAPTURED.lock().clone()
-}
-
 /// Remembers NCCL's logger (it is the same function for every `init`).
 pub fn set(f: NcclDebugLogger) {
+    set_nccl_sink(emit);
     if let Some(f) = f {
         LOGGER.store(f as usize, Ordering::Release);
     }
@@ -47,10 +22,6 @@ pub fn set(f: NcclDebugLogger) {
 /// Sends one line to NCCL's logger with a fixed `"%s"` format. Returns `false` when NCCL
 /// gave no logger.
 pub fn emit(sev: Severity, file: &str, line: u32, msg: &str) -> bool {
-    if CAPTURING.load(Ordering::Acquire) {
-        CAPTURED.lock().push((sev, msg.to_string()));
-        return true;
-    }
     let raw = LOGGER.load(Ordering::Acquire);
     if raw == 0 {
         return false;

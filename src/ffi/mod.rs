@@ -16,7 +16,6 @@
 #![allow(unsafe_code)]
 
 pub mod boundary;
-pub mod buffer;
 pub mod error;
 pub mod exports;
 pub mod handle;

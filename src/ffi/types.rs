@@ -17,12 +17,11 @@ pub const NCCL_INVALID_USAGE: NcclResult = 5;
 pub const NCCL_REMOTE_ERROR: NcclResult = 6;
 
 /// `regMr` pointer types.
-pub const NCCL_PTR_HOST: c_int = 0x1;
-pub const NCCL_PTR_CUDA: c_int = 0x2;
+pub use crate::handoff::comm::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
 pub const NCCL_PTR_DMABUF: c_int = 0x4;
 
 pub const NCCL_NET_HANDLE_MAXSIZE: usize = 128;
-pub const NCCL_NET_MAX_REQUESTS: usize = 32;
+pub use crate::handoff::comm::NCCL_NET_MAX_REQUESTS;
 pub const NCCL_NET_DEVICE_HOST: c_int = 0;
 pub const NCCL_NET_ID_UNDEF: i16 = -1;
 /// Value NCCL may pre-store in `*request` before `irecv`.

@@ -4,11 +4,8 @@
 //! NCCL's threads only do three things here: validate, queue a command for the reactor,
 //! and read request state. They never touch a socket.
 
-pub mod comm;
-pub mod error;
 pub mod net_handle;
 pub mod nics;
-pub mod request;
 
 use std::ffi::{CStr, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,16 +15,18 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::config::Config;
-pub use crate::ffi::buffer::UserBuf;
-use crate::reactor::{Command, LocalNic, ReactorHandle, ReactorStats, Setup};
+pub use crate::handoff::{
+    CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Side,
+    Status,
+};
+use crate::handoff::{Command, Done};
+use crate::reactor::{LocalNic, ReactorHandle, ReactorStats, Setup};
 use crate::telemetry::exporter::ExporterConfig;
 use crate::telemetry::metrics::Telemetry;
 use crate::topology::{Fabric, Topology};
+pub use crate::transport::memory::UserBuf;
 use crate::transport::tcp::{self, TcpFabric, TcpNic};
-pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, PendingListen, Side};
-pub use error::Error;
 pub use net_handle::NetHandle;
-pub use request::{Request, Status};
 
 /// The plugin's name in NCCL (`NCCL_NET=railover`).
 pub const NAME: &CStr = c"railover";
@@ -462,7 +461,7 @@ pub fn reg_mr(
     len: usize,
     ptr_type: i32,
 ) -> Result<Arc<MemoryRegion>, Error> {
-    use crate::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
+    use crate::handoff::comm::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
     // Registration is local: a comm whose peer already failed may still register; one
     // whose reactor is gone may not.
     comm.queue.check()?;
@@ -578,7 +577,7 @@ pub fn close_comm(comm: &Arc<CommShared>) -> Result<(), Error> {
     }
     // Wait for our own reactor (never for the peer): once this returns, nothing in the
     // plugin touches the comm's buffers, and NCCL may free them.
-    let done = Arc::new(crate::reactor::Done::default());
+    let done = Arc::new(Done::default());
     comm.queue.push(Command::CloseComm {
         comm: comm.clone(),
         done: done.signaller(),

@@ -28,12 +28,12 @@ mod gate;
 
 pub use gate::{PER_LISTENER as HANDSHAKES_PER_LISTENER, TOTAL as HANDSHAKES_TOTAL};
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -46,15 +46,17 @@ use crate::conn::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
 use crate::conn::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
 };
-use crate::plugin::comm::{CommShared, ListenShared, PendingConnect, PendingListen, Side};
-use crate::plugin::request::Request;
-use crate::plugin::{Error, UserBuf};
+use crate::handoff::{
+    panic_message, CommShared, Command, CommandQueue, Error, ListenShared, PendingConnect, Request,
+    Side,
+};
 use crate::routing::rng::SplitMix64;
 use crate::routing::{self, FailReason, Move, Pair, RoutePublisher, Router, RouterConfig};
 use crate::telemetry::metrics::{Delta, Telemetry};
 use crate::topology::PathType;
 use crate::transport::fair::FairShare;
 use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
+use crate::transport::memory::UserBuf;
 use crate::transport::netlink::LinkWatcher;
 use crate::transport::Fabric;
 use budget::SpinBudget;
@@ -105,230 +107,6 @@ pub const REACTOR_THREAD: &str = "rlvr-reactor";
 const WAKER: Token = Token(usize::MAX);
 const NETLINK: Token = Token(usize::MAX - 1);
 const LISTENER_BIT: usize = 1 << (usize::BITS - 2);
-
-/// Work for the reactor.
-#[derive(Debug)]
-pub enum Command {
-    /// Opens NCCL's listener on local NIC `nic`; the address peers connect to, or why
-    /// there is none, goes to `reply`.
-    Listen {
-        nic: usize,
-        shared: Arc<ListenShared>,
-        reply: Arc<PendingListen>,
-    },
-    CloseListen {
-        shared: Arc<ListenShared>,
-    },
-    /// Connects from local NIC `nic` to NCCL's listener at `to`.
-    Connect {
-        nic: usize,
-        to: SocketAddr,
-        /// The handle's token: the key of this handshake, never sent.
-        token: [u8; 16],
-        pending: Arc<PendingConnect>,
-    },
-    Send {
-        comm: Arc<CommShared>,
-        req: Arc<Request>,
-        buf: UserBuf,
-    },
-    Recv {
-        comm: Arc<CommShared>,
-        req: Arc<Request>,
-        buf: UserBuf,
-    },
-    /// Closes a comm; `done` is signalled once the reactor holds no reference to any of
-    /// the comm's buffers, so NCCL may free them as soon as `closeSend`/`closeRecv` return.
-    CloseComm {
-        comm: Arc<CommShared>,
-        done: Signal,
-    },
-    /// Fault injection: treat local NIC `nic` as cut (`up = false`) or restored.
-    InjectLink {
-        nic: usize,
-        up: bool,
-    },
-    Shutdown,
-    /// Test only: panics on the reactor thread with this message, to prove that a reactor
-    /// panic fails every caller instead of hanging. Pushed only by
-    /// [`crate::plugin::inject_reactor_panic`], which no NCCL entry point calls.
-    #[doc(hidden)]
-    Panic(String),
-}
-
-/// A one-shot signal from the reactor to a waiting NCCL thread.
-#[derive(Debug, Default)]
-pub struct Done {
-    flag: Mutex<bool>,
-    cv: parking_lot::Condvar,
-}
-
-impl Done {
-    pub fn signal(&self) {
-        *self.flag.lock() = true;
-        self.cv.notify_all();
-    }
-
-    /// The reactor's end of this signal.
-    pub fn signaller(self: &Arc<Self>) -> Signal {
-        Signal(self.clone())
-    }
-
-    /// Waits up to `limit`; `true` if signalled.
-    pub fn wait(&self, limit: Duration) -> bool {
-        let mut f = self.flag.lock();
-        let end = Instant::now() + limit;
-        while !*f {
-            if self.cv.wait_until(&mut f, end).timed_out() {
-                return *f;
-            }
-        }
-        true
-    }
-}
-
-/// The reactor's end of a [`Done`]: it signals when used or dropped, so a waiter is
-/// released even when a reactor panic drops the command unrun.
-#[derive(Debug)]
-pub struct Signal(Arc<Done>);
-
-impl Signal {
-    /// Signals now; dropping it does the same.
-    pub fn signal(self) {}
-}
-
-impl Drop for Signal {
-    fn drop(&mut self) {
-        self.0.signal();
-    }
-}
-
-/// The producers' side of the reactor.
-#[derive(Debug)]
-pub struct CommandQueue {
-    q: Mutex<VecDeque<Command>>,
-    /// Commands queued and not yet taken; read without the lock by the parking check.
-    len: AtomicUsize,
-    parked: AtomicBool,
-    /// The reactor has exited: nothing will process commands any more. Set under `q`'s
-    /// lock, so a command is either taken by the reactor or refused by `push`.
-    stopped: AtomicBool,
-    /// Taken (and its eventfd closed) when the reactor exits: comms NCCL never closed keep
-    /// this queue alive past `finalize`, and must not keep a file descriptor with it.
-    waker: Mutex<Option<Waker>>,
-    /// Set once, before `stopped`, when the reactor thread panicked: the panic's message.
-    panic: OnceLock<String>,
-}
-
-impl CommandQueue {
-    fn new(waker: Waker) -> CommandQueue {
-        CommandQueue {
-            q: Mutex::new(VecDeque::new()),
-            len: AtomicUsize::new(0),
-            parked: AtomicBool::new(false),
-            stopped: AtomicBool::new(false),
-            waker: Mutex::new(Some(waker)),
-            panic: OnceLock::new(),
-        }
-    }
-
-    /// Queues a command; wakes the reactor only if it is parked. After the reactor has
-    /// exited the command is refused instead: its request fails, its close completes.
-    pub fn push(&self, c: Command) {
-        {
-            let mut q = self.q.lock();
-            if self.stopped.load(Ordering::Acquire) {
-                drop(q);
-                refuse(c, self.stop_reason());
-                return;
-            }
-            q.push_back(c);
-        }
-        // Dekker-style hand-off with the reactor's `park`: both sides write their flag
-        // with SeqCst before reading the other's, so at least one sees the other.
-        self.len.fetch_add(1, Ordering::SeqCst);
-        if self.parked.swap(false, Ordering::SeqCst) {
-            if let Some(w) = self.waker.lock().as_ref() {
-                let _ = w.wake();
-            }
-        }
-    }
-
-    /// A queue no reactor serves, for unit tests of the objects that hold one.
-    #[cfg(test)]
-    pub(crate) fn for_tests(waker: Waker) -> CommandQueue {
-        CommandQueue::new(waker)
-    }
-
-    /// The reactor thread has exited.
-    pub fn is_stopped(&self) -> bool {
-        self.stopped.load(Ordering::Acquire)
-    }
-
-    /// The error every call gets once the reactor thread has panicked.
-    pub fn panicked(&self) -> Option<Error> {
-        self.panic.get().map(|_| {
-            Error::Internal(
-                "the railover reactor thread panicked (see the WARN that gives its message); \
-                 nothing more can be sent or received until the plugin is finalised"
-                    .into(),
-            )
-        })
-    }
-
-    /// `Err` once the reactor thread has panicked.
-    pub fn check(&self) -> Result<(), Error> {
-        self.panicked().map_or(Ok(()), Err)
-    }
-
-    fn stop_reason(&self) -> Error {
-        self.panicked()
-            .unwrap_or_else(|| Error::InvalidUsage("the plugin was finalised".into()))
-    }
-
-    fn take(&self) -> VecDeque<Command> {
-        let cmds = std::mem::take(&mut *self.q.lock());
-        self.len.fetch_sub(cmds.len(), Ordering::SeqCst);
-        cmds
-    }
-
-    /// The reactor is exiting: refuse what is queued and what comes later, and close the
-    /// waker's eventfd.
-    fn stop(&self) {
-        let left = {
-            let mut q = self.q.lock();
-            self.stopped.store(true, Ordering::Release);
-            std::mem::take(&mut *q)
-        };
-        self.len.fetch_sub(left.len(), Ordering::SeqCst);
-        let reason = self.stop_reason();
-        left.into_iter().for_each(|c| refuse(c, reason.clone()));
-        self.waker.lock().take();
-    }
-
-    /// The reactor thread panicked and its state is gone: record why, say it once, and
-    /// refuse everything from now on.
-    fn poison(&self, message: String) {
-        if self.panic.set(message.clone()).is_ok() {
-            tracing::warn!(
-                "railover: the reactor thread panicked: {message}; every request in flight \
-                 and every later call fails with ncclInternalError until the plugin is finalised"
-            );
-        }
-        self.stop();
-    }
-}
-
-/// A command no reactor will run: nobody is left waiting on it.
-fn refuse(c: Command, reason: Error) {
-    match c {
-        Command::Send { req, .. } | Command::Recv { req, .. } => req.fail(reason),
-        Command::CloseComm { done, .. } => done.signal(),
-        Command::Connect { pending, .. } => *pending.result.lock() = Some(Err(reason)),
-        Command::Listen { reply, .. } => reply.finish(Err(reason)),
-        _ => {}
-    }
-}
 
 /// Counters the reactor keeps for telemetry and tests.
 #[derive(Debug, Default)]
@@ -419,7 +197,7 @@ fn run_guarded<F: Fabric>(mut reactor: Reactor<F>) {
     let Err(panic) = catch_unwind(AssertUnwindSafe(|| reactor.run())) else {
         return;
     };
-    let message = crate::ffi::boundary::panic_message(&*panic);
+    let message = panic_message(&*panic);
     // Dropping touches no user memory; a panic in some Drop must not stop the poisoning.
     let _ = catch_unwind(AssertUnwindSafe(move || drop(reactor)));
     queue.poison(message);
@@ -1703,97 +1481,6 @@ mod tests {
     use super::*;
 
     fn assert_send_sync<T: Send + Sync>() {}
-
-    #[test]
-    fn a_stopped_queue_refuses_commands_and_closes_its_waker() {
-        let poll = Poll::new().unwrap();
-        let q = Arc::new(CommandQueue::new(
-            Waker::new(poll.registry(), WAKER).unwrap(),
-        ));
-        let comm = Arc::new(CommShared::new(Side::Send, 0, q.clone(), 0));
-        let queued = Arc::new(Done::default());
-        q.push(Command::CloseComm {
-            comm: comm.clone(),
-            done: queued.signaller(),
-        });
-        q.stop();
-        assert!(queued.wait(Duration::ZERO), "released by the stop");
-        assert!(q.waker.lock().is_none(), "the eventfd is closed");
-        let later = Arc::new(Done::default());
-        q.parked.store(true, Ordering::SeqCst);
-        q.push(Command::CloseComm {
-            comm,
-            done: later.signaller(),
-        });
-        assert!(later.wait(Duration::ZERO), "refused at once");
-        // A `listen` waiting for its address is answered too, never left to time out.
-        let reply = Arc::new(PendingListen::default());
-        q.push(Command::Listen {
-            nic: 0,
-            shared: Arc::new(ListenShared {
-                id: 1,
-                token: [0; 16],
-                ready: Mutex::new(VecDeque::new()),
-                queue: q.clone(),
-            }),
-            reply: reply.clone(),
-        });
-        assert!(matches!(
-            reply.wait(Duration::ZERO),
-            Some(Err(Error::InvalidUsage(_)))
-        ));
-        assert_eq!(q.len.load(Ordering::SeqCst), 0);
-        assert!(q.take().is_empty());
-    }
-
-    #[test]
-    fn a_poisoned_queue_fails_what_is_queued_and_what_comes_later_as_internal() {
-        let poll = Poll::new().unwrap();
-        let q = Arc::new(CommandQueue::new(
-            Waker::new(poll.registry(), WAKER).unwrap(),
-        ));
-        let comm = Arc::new(CommShared::new(Side::Send, 0, q.clone(), 0));
-        let pending = Arc::new(PendingConnect::default());
-        let queued = Arc::new(Request::new(comm.clone()));
-        let close = Arc::new(Done::default());
-        let empty = || UserBuf::of_slice(Vec::leak(Vec::new()));
-        q.push(Command::Send {
-            comm: comm.clone(),
-            req: queued.clone(),
-            buf: empty(),
-        });
-        assert_eq!(q.check(), Ok(()));
-        q.poison("on purpose".into());
-        fn internal<T>(r: Result<T, Error>) -> bool {
-            matches!(r, Err(Error::Internal(_)))
-        }
-        assert!(internal(queued.status()), "{:?}", queued.status());
-        assert!(internal(q.check()));
-        q.push(Command::CloseComm {
-            comm: comm.clone(),
-            done: close.signaller(),
-        });
-        assert!(close.wait(Duration::ZERO), "a close is released at once");
-        q.push(Command::Connect {
-            nic: 0,
-            to: "127.0.0.1:9".parse().unwrap(),
-            token: [0; 16],
-            pending: pending.clone(),
-        });
-        assert!(internal(pending.result.lock().take().unwrap()));
-    }
-
-    #[test]
-    fn a_dropped_signal_releases_its_waiter() {
-        let done = Arc::new(Done::default());
-        let s = done.signaller();
-        assert!(!done.wait(Duration::ZERO));
-        drop(s);
-        assert!(
-            done.wait(Duration::ZERO),
-            "a command lost in a panic still signals"
-        );
-    }
 
     #[test]
     fn shared_state_is_thread_safe() {

@@ -33,7 +33,6 @@
 //! out every move it polls (in order), or report the lane as failed, which selects again.
 #![deny(missing_docs, missing_debug_implementations)]
 
-mod config;
 pub(crate) mod rng;
 mod router;
 mod snapshot;
@@ -45,7 +44,8 @@ use std::time::Duration;
 
 use crate::topology::PathType;
 
-pub use config::{RailRule, RouterConfig};
+pub use crate::config::RouterConfig;
+pub use crate::topology::RailRule;
 pub use router::Router;
 pub use snapshot::{
     CommRoutes, LaneRoute, LaneStatus, LocalNicRoutes, RemoteNicRoutes, RoutePublisher, Routes,

@@ -3,9 +3,9 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::config::RouterConfig;
 use super::rng::SplitMix64;
 use super::snapshot::{CommRoutes, LaneRoute, LaneStatus, LocalNicRoutes, RemoteNicRoutes, Routes};
+use crate::config::RouterConfig;
 use crate::topology::pair_eligibility;
 
 use super::{

@@ -1,10 +1,15 @@
 //! `tracing` events, delivered to NCCL's logger when NCCL gave one at `init`, else to
 //! stderr. WARN goes to NCCL's WARN (kept as NCCL's "last error"); INFO goes to INFO with
 //! the `NCCL_NET` subsystem, so `NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=NET` shows it.
+//!
+//! NCCL's logger is a C function, so `ffi` owns the call to it and hands this module a
+//! plain function to reach it ([`set_nccl_sink`]): telemetry imports nothing above it.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Once, OnceLock};
+
+use parking_lot::Mutex;
 
 use tracing::field::{Field, Visit};
 use tracing::metadata::LevelFilter;
@@ -14,7 +19,51 @@ use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::Layer;
 
 use crate::config::LogLevel;
-use crate::ffi::logger::{self, Severity};
+
+/// How a line should appear in NCCL's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    Warn,
+    Info,
+    Trace,
+}
+
+/// Sends one line to NCCL's logger; `false` when NCCL gave none.
+pub type NcclSink = fn(Severity, &str, u32, &str) -> bool;
+
+static SINK: OnceLock<NcclSink> = OnceLock::new();
+
+/// Test seam: while capturing, lines meant for NCCL's logger are kept here instead.
+/// Rust tests cannot define the C-variadic function NCCL's logger is.
+static CAPTURING: AtomicBool = AtomicBool::new(false);
+static CAPTURED: Mutex<Vec<(Severity, String)>> = Mutex::new(Vec::new());
+
+/// Called by `ffi` at `init`: the way to NCCL's logger (the same for every `init`).
+pub fn set_nccl_sink(sink: NcclSink) {
+    let _ = SINK.set(sink);
+}
+
+/// Test only: from now on, keep every line meant for NCCL's logger for [`captured`].
+#[doc(hidden)]
+pub fn capture() {
+    CAPTURED.lock().clear();
+    CAPTURING.store(true, Ordering::Release);
+}
+
+/// Test only: the lines kept since [`capture`], in order.
+#[doc(hidden)]
+pub fn captured() -> Vec<(Severity, String)> {
+    CAPTURED.lock().clone()
+}
+
+/// One line for NCCL's logger; `false` when there is none to take it.
+fn to_nccl(sev: Severity, file: &str, line: u32, msg: &str) -> bool {
+    if CAPTURING.load(Ordering::Acquire) {
+        CAPTURED.lock().push((sev, msg.to_string()));
+        return true;
+    }
+    SINK.get().is_some_and(|sink| sink(sev, file, line, msg))
+}
 
 /// The stderr level (`RAILOVER_LOG`), as `LogLevel as u8`. Warn until the configuration is
 /// read, so a bad value of any variable is still reported.
@@ -110,7 +159,7 @@ impl<S: Subscriber> Layer<S> for Bridge {
         };
         let file = meta.file().unwrap_or("railover");
         let line = meta.line().unwrap_or(0);
-        if logger::emit(severity, file, line, &msg.0) {
+        if to_nccl(severity, file, line, &msg.0) {
             return;
         }
         let wanted = match level {

@@ -10,8 +10,8 @@
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
 
+use super::memory::LentBuf;
 use crate::conn::wire::{Header, Kind, WireError, HEADER_LEN};
-use crate::ffi::buffer::LentBuf;
 
 /// Bytes moved per call before yielding to other lanes.
 const BUDGET: usize = 8 << 20;
@@ -437,8 +437,8 @@ mod tests {
     }
 
     /// A copy of `v` that outlives every view of it (leaked).
-    fn heap_buf(v: &[u8]) -> crate::ffi::buffer::UserBuf {
-        crate::ffi::buffer::UserBuf::of_slice(Vec::leak(v.to_vec()))
+    fn heap_buf(v: &[u8]) -> crate::transport::memory::UserBuf {
+        crate::transport::memory::UserBuf::of_slice(Vec::leak(v.to_vec()))
     }
 
     #[test]

@@ -12,6 +12,7 @@
 
 pub mod fair;
 pub mod frames;
+pub mod memory;
 pub mod netlink;
 pub mod tcp;
 

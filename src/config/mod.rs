@@ -3,14 +3,20 @@
 //! Everything downstream takes a [`Config`] and never re-reads or re-checks the
 //! environment. A bad value is an error that names the variable, the value and what is
 //! accepted, so the WARN NCCL prints is enough to fix it.
+//!
+//! `config` sits just above `topology`, the only module it imports; the router's knobs
+//! ([`RouterConfig`]) live here for that reason, and `routing` takes them from here.
+
+pub mod router;
 
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::routing::{RailRule, RouterConfig};
 use crate::topology::rails::RailMap;
-use crate::topology::PathType;
+use crate::topology::{PathType, RailRule};
+
+pub use router::RouterConfig;
 
 /// A rejected environment value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,12 +1,14 @@
 //! Memory NCCL lends the plugin for the life of a request.
 //!
 //! [`UserBuf`] is the request's one handle on that memory: move-only, made only by the
-//! `unsafe` [`UserBuf::new`] in `ffi`, and kept with the request by the reactor. The frame
-//! reader and writer copy into and out of it through [`LentBuf`] views of it. Neither
-//! type is `Clone`.
+//! `unsafe` [`UserBuf::new`] (called from `ffi`), and kept with the request by the
+//! reactor. The frame reader and writer copy into and out of it through [`LentBuf`]
+//! views of it. Neither type is `Clone`.
 //!
 //! Reading and writing through a [`LentBuf`] is safe code that relies on the contract of
-//! [`UserBuf::new`]; the reactor keeps its side of it (see there).
+//! [`UserBuf::new`]; the reactor keeps its side of it (see there). Every `unsafe` block
+//! on user memory is here.
+#![allow(unsafe_code)]
 
 use std::ffi::c_void;
 

@@ -10,9 +10,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use super::queue::CommandQueue;
 use super::Error;
-use crate::ffi::types::NCCL_NET_MAX_REQUESTS;
-use crate::reactor::CommandQueue;
+
+/// Requests a comm may have in flight (`NCCL_NET_MAX_REQUESTS`, which `ffi` reports).
+pub const NCCL_NET_MAX_REQUESTS: usize = 32;
+/// `regMr` pointer types (`NCCL_PTR_HOST`, `NCCL_PTR_CUDA`, which `ffi` reports).
+pub const NCCL_PTR_HOST: i32 = 0x1;
+pub const NCCL_PTR_CUDA: i32 = 0x2;
 
 /// Which half of a connection a comm is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

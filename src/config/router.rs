@@ -1,12 +1,12 @@
-//! The router's knobs, already parsed into types (the `config` module maps `RAILOVER_*`
-//! variables onto them).
+//! The router's knobs, already parsed into types ([`super`] maps `RAILOVER_*` variables
+//! onto them). They live here, below `routing`, so that parsing needs nothing above it.
 
 use std::time::Duration;
 
 use crate::topology::PathType;
-pub use crate::topology::RailRule;
+use crate::topology::RailRule;
 
-/// Policy settings of a [`Router`](super::Router).
+/// Policy settings of the router (`routing::Router`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouterConfig {
     /// Which rails a backup pair may connect. Default [`RailRule::Same`].
@@ -68,7 +68,7 @@ impl Default for RouterConfig {
 impl RouterConfig {
     /// The same settings with values that would stall or spin the router replaced by the
     /// nearest safe ones (see each field).
-    pub(super) fn normalized(mut self) -> Self {
+    pub(crate) fn normalized(mut self) -> Self {
         self.failback_interval = self.failback_interval.max(Duration::from_millis(1));
         self.failback_probes_k = self.failback_probes_k.max(1);
         self.holddown_max = self.holddown_max.max(self.holddown_base);
