@@ -87,13 +87,10 @@ pub fn events(p: &Proc) -> Vec<Event> {
     p.lines().iter().filter_map(|l| Event::parse(l)).collect()
 }
 
-/// Starts, or who ends in `setup-failed`.
-fn started(l: &str) -> bool {
+/// The receiver listens, or its setup failed.
+fn listening_or_failed(l: &str) -> bool {
     is(l, |e| {
-        matches!(
-            e,
-            Event::Listening { .. } | Event::Connected { .. } | Event::SetupFailed { .. }
-        )
+        matches!(e, Event::Listening { .. } | Event::SetupFailed { .. })
     })
 }
 
@@ -103,7 +100,7 @@ impl Flow {
     pub fn start(tb: &Testbed, opts: FlowOpts) -> Flow {
         let t = Duration::from_secs(30);
         let recv = spawn(tb, Side::B, "recv", &opts);
-        let listening = recv.wait_line(t, started);
+        let listening = recv.wait_line(t, listening_or_failed);
         assert!(
             listening
                 .as_deref()
