@@ -545,10 +545,10 @@ fn start(
 const NLMSG_HDR: usize = 16;
 const IFINFO: usize = 16;
 
-/// The rtnetlink parser (`netlink-packet-route` under our carrier rule). Arbitrary
-/// datagrams: names hold no NUL, and the events of a truncated datagram are a prefix of
-/// the whole one's. Generated well-formed datagrams (several messages, attributes the
-/// crate takes with any payload around the name) give exactly one event per link message.
+/// The rtnetlink parser (`netlink-packet-core`/`-route` views under our carrier rule).
+/// Arbitrary datagrams: names hold no NUL, and the events of a truncated datagram are a
+/// prefix of the whole one's. Generated well-formed datagrams (several messages, other
+/// attributes around the name) give exactly one event per link message.
 pub fn netlink_parse(data: &[u8]) {
     let mut inp = Input::new(data);
     let cut = inp.u16() as usize;
@@ -581,7 +581,7 @@ pub fn netlink_parse(data: &[u8]) {
                 push_attr(&mut attrs, libc::IFLA_IFNAME, &payload);
             }
             if i < others {
-                // A hardware address or a kind the crate does not know: any payload.
+                // A hardware address or a kind nobody knows: any payload.
                 let akind = match inp.u8() % 2 {
                     0 => libc::IFLA_ADDRESS,
                     _ => 0x3000 | (inp.u16() & 0xff),
