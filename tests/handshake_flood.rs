@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use railover::reactor::HANDSHAKES_TOTAL;
-use railover_testkit::driver::{Ctx, Listener, Request};
+use railover_testkit::driver::{connect_pair, Ctx, Listener, Request};
 
 const FLOOD: usize = 3000;
 
@@ -50,18 +50,9 @@ fn wait(req: &mut Request, end: Instant) -> usize {
 /// message.
 fn legit_pair(ctx: &Ctx, listener: &Listener, handle: &[u8; 128], seed: u8) {
     let mut handle = *handle;
-    let end = Instant::now() + Duration::from_secs(10);
-    let (mut s, mut r) = (None, None);
-    while s.is_none() || r.is_none() {
-        assert!(Instant::now() < end, "connect/accept did not finish");
-        if s.is_none() {
-            s = ctx.connect(0, &mut handle).expect("connect failed");
-        }
-        if r.is_none() {
-            r = listener.accept().expect("accept failed");
-        }
-    }
-    let (s, r) = (s.unwrap(), r.unwrap());
+    let limit = Duration::from_secs(10);
+    let end = Instant::now() + limit;
+    let (s, r) = connect_pair(ctx, 0, &mut handle, listener, limit).expect("connect_pair");
     let len = 1 << 20;
     let mut sb = s.register(len).unwrap();
     let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ seed).collect();

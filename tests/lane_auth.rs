@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use railover::conn::auth;
 use railover::conn::wire::{Header, Hello, Kind, Proof, Purpose, HEADER_LEN};
 use railover::plugin::NetHandle;
-use railover_testkit::driver::{self, Ctx, RecvComm, Request, SendComm};
+use railover_testkit::driver::{self, connect_pair, Ctx, RecvComm, Request, SendComm};
 
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(30)
@@ -136,18 +136,8 @@ fn strangers_with_the_handle_or_a_recording_cannot_take_a_comm() {
         ..real
     }
     .encode();
-    let (mut s, mut r) = (None, None);
-    let end = deadline();
-    while s.is_none() || r.is_none() {
-        assert!(Instant::now() < end, "connect/accept did not finish");
-        if s.is_none() {
-            s = ctx.connect(0, &mut via_tap).expect("connect");
-        }
-        if r.is_none() {
-            r = listener.accept().expect("accept");
-        }
-    }
-    let (s, r) = (s.unwrap(), r.unwrap());
+    let (s, r) = connect_pair(&ctx, 0, &mut via_tap, &listener, Duration::from_secs(30))
+        .expect("connect_pair");
     traffic(&s, &r, 1, 3);
 
     let up = t.up.lock().unwrap().clone();

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use railover_testkit::driver::{Code, Ctx};
+use railover_testkit::driver::{connect_pair, Code, Ctx};
 
 fn thread_names() -> Vec<String> {
     std::fs::read_dir("/proc/self/task")
@@ -67,18 +67,7 @@ fn rss_kib() -> u64 {
 fn cycle_leaving_everything_open() {
     let ctx = Ctx::init().unwrap();
     let (mut h, l) = ctx.listen(0).unwrap();
-    let end = Instant::now() + Duration::from_secs(30);
-    let (mut s, mut r) = (None, None);
-    while s.is_none() || r.is_none() {
-        assert!(Instant::now() < end, "connect/accept took over 30 s");
-        if s.is_none() {
-            s = ctx.connect(0, &mut h).unwrap();
-        }
-        if r.is_none() {
-            r = l.accept().unwrap();
-        }
-    }
-    let (s, r) = (s.unwrap(), r.unwrap());
+    let (s, r) = connect_pair(&ctx, 0, &mut h, &l, Duration::from_secs(30)).unwrap();
     let mut rbuf = r.register(64).unwrap();
     let sbufs = [s.register(64).unwrap(), s.register(64).unwrap()];
     let recv = r.irecv(&mut rbuf, 64).unwrap().expect("a request slot");
@@ -192,18 +181,7 @@ fn process_lifecycle() {
 
     // 3. Out of request slots: *request = NULL ("call again"), not an error.
     let (mut h, l) = b.listen(0).unwrap();
-    let end = Instant::now() + Duration::from_secs(30);
-    let (mut s, mut r) = (None, None);
-    while s.is_none() || r.is_none() {
-        assert!(Instant::now() < end);
-        if s.is_none() {
-            s = b.connect(0, &mut h).unwrap();
-        }
-        if r.is_none() {
-            r = l.accept().unwrap();
-        }
-    }
-    let (s, r) = (s.unwrap(), r.unwrap());
+    let (s, r) = connect_pair(&b, 0, &mut h, &l, Duration::from_secs(30)).unwrap();
     let bufs: Vec<_> = (0..33).map(|_| s.register(4).unwrap()).collect();
     let mut reqs = Vec::new();
     for buf in &bufs[..32] {

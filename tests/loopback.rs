@@ -18,18 +18,9 @@ fn deadline() -> Instant {
 
 fn pair(ctx: &Ctx) -> (SendComm, RecvComm, driver::Listener) {
     let (mut handle, listener) = ctx.listen(0).expect("listen");
-    let (mut s, mut r) = (None, None);
-    let end = deadline();
-    while s.is_none() || r.is_none() {
-        assert!(Instant::now() < end, "connect/accept did not finish");
-        if s.is_none() {
-            s = ctx.connect(0, &mut handle).expect("connect");
-        }
-        if r.is_none() {
-            r = listener.accept().expect("accept");
-        }
-    }
-    (s.unwrap(), r.unwrap(), listener)
+    let (s, r) = driver::connect_pair(ctx, 0, &mut handle, &listener, Duration::from_secs(30))
+        .expect("connect_pair");
+    (s, r, listener)
 }
 
 fn wait(req: &mut Request) -> Result<usize, driver::Code> {

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use railover::telemetry::log::{self, Severity};
-use railover_testkit::driver::{Code, Ctx, Listener, RecvComm, Request, SendComm};
+use railover_testkit::driver::{connect_pair, Code, Ctx, Listener, RecvComm, Request, SendComm};
 
 /// ncclInternalError.
 const INTERNAL: Code = Code(3);
@@ -24,18 +24,7 @@ fn reactor_threads() -> usize {
 /// Connects one pair of comms through `l`, for at most 30 s.
 fn pair(ctx: &Ctx, handle: &[u8; 128], l: &Listener) -> (SendComm, RecvComm) {
     let mut h = *handle;
-    let end = Instant::now() + Duration::from_secs(30);
-    let (mut s, mut r) = (None, None);
-    while s.is_none() || r.is_none() {
-        assert!(Instant::now() < end, "connect/accept took over 30 s");
-        if s.is_none() {
-            s = ctx.connect(0, &mut h).unwrap();
-        }
-        if r.is_none() {
-            r = l.accept().unwrap();
-        }
-    }
-    (s.unwrap(), r.unwrap())
+    connect_pair(ctx, 0, &mut h, l, Duration::from_secs(30)).expect("connect_pair")
 }
 
 /// Tests `req` until it finishes, for at most 10 s.

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use railover::reactor::REACTOR_THREAD;
-use railover_testkit::driver::{Buffer, Ctx, RecvComm, SendComm};
+use railover_testkit::driver::{connect_pair, Buffer, Ctx, RecvComm, SendComm};
 use railover_testkit::testbed::{Side, Testbed};
 use serde::Serialize;
 
@@ -843,21 +843,7 @@ fn memory_cost(ctx: &Ctx) -> Result<Memory, String> {
     let e = |e: railover_testkit::driver::Code| e.to_string();
     let pair = || -> Result<(SendComm, RecvComm), String> {
         let (mut h, l) = ctx.listen(0).map_err(e)?;
-        let end = Instant::now() + peer::PATIENCE;
-        let (mut s, mut r) = (None, None);
-        while s.is_none() || r.is_none() {
-            if s.is_none() {
-                s = ctx.connect(0, &mut h).map_err(e)?;
-            }
-            if r.is_none() {
-                r = l.accept().map_err(e)?;
-            }
-            if Instant::now() > end {
-                return Err("self-connect timed out".into());
-            }
-            std::thread::yield_now();
-        }
-        Ok((s.expect("loop exit"), r.expect("loop exit")))
+        connect_pair(ctx, 0, &mut h, &l, peer::PATIENCE).map_err(|e| format!("self-connect: {e}"))
     };
     let warm = pair()?;
     let before = rss_kib(me);

@@ -5,8 +5,8 @@
 //! * `NCCL_TOPO_FILE` (`--topo-file` overrides): a topology XML to take distances from, as
 //!   NCCL would; link states then still come from sysfs, matched by NIC name;
 //! * `RAILOVER_RAILS`, `RAILOVER_RAIL_RULE` (`same`|`any`, default `same`),
-//!   `RAILOVER_DISTANCE_LIMIT` (`PIX`|`PXB`|`PHB`|`SYS`, default `PHB`); the rule and the
-//!   limit go through [`Config`] as in the plugin, so every `RAILOVER_*` value is checked.
+//!   `RAILOVER_DISTANCE_LIMIT` (`PIX`|`PXB`|`PHB`|`SYS`, default `PHB`); all three go
+//!   through [`Config`] as in the plugin, so every `RAILOVER_*` value is checked once.
 //!
 //! Exit codes: 0 healthy; 1 when a NIC has no possible backup (or there is no NIC); 2 on a
 //! bad argument, a bad setting or an unreadable topology.
@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use railover::config::Config;
 use railover::topology::report::{DoctorReport, DoctorSettings};
-use railover::topology::Topology;
+use railover::topology::{RailSource, Topology};
 
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(
@@ -97,8 +97,11 @@ fn report(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> Result<Box<Docto
         }
         None => live,
     };
-    topo.apply_rail_env(env("RAILOVER_RAILS").as_deref())
-        .map_err(|e| e.to_string())?;
+    // `Config` parsed `RAILOVER_RAILS` already (and checked it); a blank value is `None`.
+    if let Some(map) = &config.rails {
+        topo.apply_rails(map, RailSource::Env)
+            .map_err(|e| e.to_string())?;
+    }
     Ok(Box::new(DoctorReport::build(&topo, settings)))
 }
 
@@ -162,5 +165,23 @@ mod tests {
         assert_eq!(report.settings.distance_limit, PathType::Sys);
         assert_eq!(report.settings.rail_rule, RailRule::Any);
         assert!(report.healthy);
+    }
+
+    #[test]
+    fn the_rail_map_is_the_one_config_parsed() {
+        let dir = tempfile::tempdir().unwrap();
+        machines::dual_socket(dir.path()).unwrap();
+        let report = |rails: &str| run_with(dir.path(), &[("RAILOVER_RAILS", rails)]);
+        let r = report("mlx5_0:1,mlx5_1:0").unwrap();
+        assert_eq!(r.rail_source, RailSource::Env);
+        let rails: Vec<_> = r.nics.iter().map(|n| (n.name.as_str(), n.rail)).collect();
+        assert_eq!(rails, [("mlx5_0", Some(1)), ("mlx5_1", Some(0))]);
+        // Blank is unset, as in the plugin.
+        assert_eq!(report(" ").unwrap().rail_source, RailSource::Automatic);
+        let e = report("mlx5_0").unwrap_err();
+        assert!(
+            e.contains("RAILOVER_RAILS") && e.contains("NIC:RAIL"),
+            "{e}"
+        );
     }
 }

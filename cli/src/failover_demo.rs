@@ -12,6 +12,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use railover_testkit::fault_line::{self, Event, Link};
 use railover_testkit::testbed::proc::Proc;
 use railover_testkit::testbed::{unix_ms, Side, Testbed};
 
@@ -57,7 +58,13 @@ impl Bed {
         match self {
             Bed::Namespaces(tb) if up => tb.link_up(Side::A, 0),
             Bed::Namespaces(tb) => tb.link_down(Side::A, 0),
-            Bed::Loopback => send.send(if up { "link-up 0" } else { "link-down 0" }),
+            Bed::Loopback => send.send(
+                &fault_line::Command::Link {
+                    link: if up { Link::Up } else { Link::Down },
+                    dev: 0,
+                }
+                .to_line(),
+            ),
         }
     }
 
@@ -69,12 +76,10 @@ impl Bed {
                 .lines()
                 .iter()
                 .rev()
-                .find_map(|l| {
-                    field(l, "tx")
-                        .filter(|_| l.starts_with("nicbytes"))
-                        .map(str::to_owned)
+                .find_map(|l| match Event::parse(l)? {
+                    Event::NicBytes { tx, .. } => Some(tx),
+                    _ => None,
                 })
-                .map(|v| v.split(',').map(|x| x.parse().unwrap_or(0)).collect())
                 .unwrap_or_else(|| vec![0; RAILS]),
         }
     }
@@ -84,9 +89,9 @@ const RAILS: usize = 4;
 const RATE_MBIT: u64 = 200;
 const SAMPLE: Duration = Duration::from_millis(500);
 
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+/// Whether `line` is an event that `pred` accepts.
+fn is(line: &str, pred: impl Fn(&Event) -> bool) -> bool {
+    Event::parse(line).is_some_and(|e| pred(&e))
 }
 
 fn spawn(bed: &Bed, side: Side, role: &str, seconds: f64) -> std::io::Result<Proc> {
@@ -149,19 +154,25 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
     let (recv, mut send) = match (|| -> Result<(Proc, Proc), String> {
         let recv = spawn(&bed, Side::B, "recv", seconds).map_err(|e| e.to_string())?;
         recv.wait_line(t, |l| {
-            l.starts_with("listening") || l.starts_with("setup-failed")
+            is(l, |e| {
+                matches!(e, Event::Listening { .. } | Event::SetupFailed { .. })
+            })
         })
-        .filter(|l| l.starts_with("listening"))
+        .filter(|l| is(l, |e| matches!(e, Event::Listening { .. })))
         .ok_or_else(|| format!("the receiver did not start:\n{}", recv.stderr_tail(10)))?;
         let mut send = spawn(&bed, Side::A, "send", seconds).map_err(|e| e.to_string())?;
-        for h in recv.lines().iter().filter(|l| l.starts_with("handle ")) {
-            send.send(h);
+        for l in recv.lines() {
+            if let Some(Event::Handle(h)) = Event::parse(&l) {
+                send.send(&fault_line::Command::Handle(h).to_line());
+            }
         }
-        send.send("go");
+        send.send(&fault_line::Command::Go.to_line());
         send.wait_line(t, |l| {
-            l.starts_with("connected") || l.starts_with("setup-failed")
+            is(l, |e| {
+                matches!(e, Event::Connected { .. } | Event::SetupFailed { .. })
+            })
         })
-        .filter(|l| l.starts_with("connected"))
+        .filter(|l| is(l, |e| matches!(e, Event::Connected { .. })))
         .ok_or_else(|| format!("the sender did not connect:\n{}", send.stderr_tail(10)))?;
         Ok((recv, send))
     })() {
@@ -276,14 +287,14 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
     let mut recv = recv;
     let _ = send.wait_exit(Duration::from_secs(30));
     let _ = recv.wait_exit(Duration::from_secs(30));
-    let summary = |p: &Proc| {
-        p.lines()
-            .into_iter()
-            .rev()
-            .find(|l| l.starts_with("summary"))
-            .unwrap_or_default()
-    };
-    let rs = summary(&recv);
+    let rs = recv
+        .lines()
+        .iter()
+        .rev()
+        .find_map(|l| match Event::parse(l)? {
+            Event::Summary(s) => Some(s),
+            _ => None,
+        });
     let log = send.stderr_tail(400);
     let first = |what: &str, base: Option<u128>| {
         log.lines()
@@ -329,13 +340,14 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
     println!("  comms moved (failovers)          {failovers}");
     println!("  link up -> first comm moved back {}", ms(failback_ms));
     println!("  comms moved back (fail-backs)    {failbacks}");
-    println!(
-        "  messages verified by node B      {} ({} bytes), corrupted/lost/duplicated: {}",
-        field(&rs, "msgs").unwrap_or("?"),
-        field(&rs, "bytes").unwrap_or("?"),
-        field(&rs, "bad").unwrap_or("?")
-    );
-    let ok = field(&rs, "bad") == Some("0") && failovers > 0 && failbacks > 0;
+    match &rs {
+        Some(s) => println!(
+            "  messages verified by node B      {} ({} bytes), corrupted/lost/duplicated: {}",
+            s.msgs, s.bytes, s.bad
+        ),
+        None => println!("  messages verified by node B      ? (node B printed no summary)"),
+    }
+    let ok = rs.is_some_and(|s| s.bad == 0) && failovers > 0 && failbacks > 0;
     if !ok {
         eprintln!(
             "railover demo: expected moves and clean data; sender log:\n{}",

@@ -4,9 +4,10 @@
 //! drives the plugin through the exported `ncclNetPlugin_v12` table as NCCL's proxy does:
 //! several comms per device, a fixed number of requests in flight on each, messages whose
 //! every byte is derived from (comm, sequence number) so the receiver detects loss,
-//! duplication, reordering and corruption. It reports on stdout, one line per event, and
-//! stops by itself. `tcp-send` / `tcp-recv` move plain TCP bytes instead, so the testbed
-//! can be checked without the plugin. The full protocol is in `docs/fault-tier.md`.
+//! duplication, reordering and corruption. It reports on stdout, one JSON line per event
+//! ([`railover_testkit::fault_line`]), and stops by itself. `tcp-send` / `tcp-recv` move
+//! plain TCP bytes instead, so the testbed can be checked without the plugin. The full
+//! protocol is in `docs/fault-tier.md`.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Read, Write};
@@ -14,6 +15,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
+use railover_testkit::fault_line::{Command, Event, Handle, Link, Op, Summary, HANDLE_LEN};
 
 const MAGIC: u32 = 0x5246_5031;
 const HDR: usize = 32;
@@ -143,37 +145,19 @@ pub fn run(a: &Args) -> i32 {
 }
 
 /// Wall-clock milliseconds: comparable between the two endpoints and the test.
-fn unix_ms() -> u128 {
+fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis())
-        .unwrap_or(0)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn say(line: &str) {
+fn say(e: &Event) {
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+    let _ = writeln!(out, "{}", e.to_line()).and_then(|_| out.flush());
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<[u8; 128]> {
-    if s.len() != 256 {
-        return None;
-    }
-    let mut out = [0u8; 128];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(out)
-}
-
-/// `key=value` words of a line.
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+fn setup_failed(error: String) {
+    say(&Event::SetupFailed { error });
 }
 
 // ---- message content ------------------------------------------------------------
@@ -257,54 +241,59 @@ struct Tally {
     bad: u32,
     req_errors: u64,
     codes: BTreeMap<i32, u64>,
-    first_error: Option<u128>,
-    last_error: Option<u128>,
+    first_error: Option<u64>,
+    last_error: Option<u64>,
 }
 
 impl Tally {
-    fn error(&mut self, comm: usize, op: &str, seq: u64, code: Code) {
+    fn error(&mut self, comm: usize, op: Op, seq: u64, code: Code) {
         let t = unix_ms();
         self.req_errors += 1;
         *self.codes.entry(code.0).or_default() += 1;
         self.first_error.get_or_insert(t);
         self.last_error = Some(t);
-        say(&format!(
-            "error t={t} comm={comm} op={op} seq={seq} code={}",
-            code.0
-        ));
+        say(&Event::Error {
+            t,
+            comm,
+            op,
+            seq: Some(seq),
+            code: code.0,
+            detail: None,
+        });
     }
 
     fn bad(&mut self, comm: usize, kind: &str, detail: &str) {
         self.bad += 1;
         if self.bad <= MAX_BAD_LINES {
-            say(&format!(
-                "bad t={} comm={comm} kind={kind} {detail}",
-                unix_ms()
-            ));
+            say(&Event::Bad {
+                t: unix_ms(),
+                comm,
+                kind: kind.into(),
+                detail: detail.into(),
+            });
         }
     }
 
     fn summary(&self, role: &str, comms: usize, ended: usize, failed: usize, stalled: usize) {
-        let codes: Vec<String> = self.codes.iter().map(|(c, n)| format!("{c}:{n}")).collect();
         // The router's probe tally, from the route snapshot the plugin publishes.
         let probes_failed = railover::plugin::runtime()
             .map_or(0, |rt| rt.reactor.routes.load().stats.probes_failed);
-        say(&format!(
-            "summary role={role} comms={comms} msgs={} bytes={} ended={ended} failed={failed} \
-             stalled={stalled} bad={} req_errors={} codes={} first_error={} last_error={} \
-             probes_failed={probes_failed}",
-            self.msgs,
-            self.bytes,
-            self.bad,
-            self.req_errors,
-            if codes.is_empty() {
-                "-".into()
-            } else {
-                codes.join(",")
-            },
-            self.first_error.unwrap_or(0),
-            self.last_error.unwrap_or(0),
-        ));
+        let n = |x: usize| x as u64;
+        say(&Event::Summary(Summary {
+            role: role.into(),
+            comms: n(comms),
+            msgs: self.msgs,
+            bytes: self.bytes,
+            ended: n(ended),
+            failed: n(failed),
+            stalled: n(stalled),
+            bad: u64::from(self.bad),
+            req_errors: self.req_errors,
+            codes: self.codes.iter().map(|(&c, &k)| (c, k)).collect(),
+            first_error: self.first_error,
+            last_error: self.last_error,
+            probes_failed,
+        }));
     }
 
     fn exit_code(&self, stalled: usize) -> i32 {
@@ -346,13 +335,11 @@ impl Ticker {
 
     fn flush(&mut self, per_comm: &mut [u64]) {
         self.last = Instant::now();
-        let b: Vec<String> = per_comm.iter().map(u64::to_string).collect();
-        say(&format!(
-            "tick t={} el={} bytes={}",
-            unix_ms(),
-            self.start.elapsed().as_millis(),
-            b.join(",")
-        ));
+        say(&Event::Tick {
+            t: unix_ms(),
+            el: self.start.elapsed().as_millis() as u64,
+            bytes: per_comm.to_vec(),
+        });
         per_comm.fill(0);
     }
 }
@@ -371,14 +358,14 @@ fn lane_counts() -> Option<Vec<u32>> {
     Some(v)
 }
 
-/// Prints `nicbytes t=T tx=B0,B1,...`: bytes each local NIC has sent so far, as the
+/// Prints a [`Event::NicBytes`]: bytes each local NIC has sent so far, as the
 /// plugin's own metrics count them (the only per-NIC view when NICs share an interface).
 fn say_nic_bytes() {
     let Ok(rt) = railover::plugin::runtime() else {
         return;
     };
     let text = rt.telemetry.render();
-    let tx: Vec<String> = rt
+    let tx: Vec<u64> = rt
         .nics
         .iter()
         .map(|n| {
@@ -390,17 +377,18 @@ fn say_nic_bytes() {
                 .find_map(|l| l.strip_prefix(&series))
                 .and_then(|v| v.trim().parse::<f64>().ok())
                 .map_or(0, |v| v as u64)
-                .to_string()
         })
         .collect();
-    say(&format!("nicbytes t={} tx={}", unix_ms(), tx.join(",")));
+    say(&Event::NicBytes { t: unix_ms(), tx });
 }
 
-/// Prints `lanes t=T counts=L0,L1,...` (sender: it owns the routes).
+/// Prints a [`Event::Lanes`] (sender: it owns the routes).
 fn say_lanes() {
-    if let Some(v) = lane_counts() {
-        let c: Vec<String> = v.iter().map(u32::to_string).collect();
-        say(&format!("lanes t={} counts={}", unix_ms(), c.join(",")));
+    if let Some(counts) = lane_counts() {
+        say(&Event::Lanes {
+            t: unix_ms(),
+            counts,
+        });
     }
 }
 
@@ -447,7 +435,7 @@ fn describe_devices(ctx: &Ctx) -> Result<i32, Code> {
                 .unwrap_or_else(|_| "?".into())
         })
         .collect();
-    say(&format!("devices n={n} names={}", names.join(",")));
+    say(&Event::Devices { n, names });
     Ok(n)
 }
 
@@ -482,10 +470,10 @@ fn receiver(o: &Opts) -> i32 {
             let (h, l) = ctx
                 .listen(dev)
                 .map_err(|e| format!("listen dev {dev}: {e}"))?;
-            say(&format!("handle comm={i} dev={dev} hex={}", hex(&h)));
+            say(&Event::Handle(Handle::new(i, dev, &h)));
             listeners.push(l);
         }
-        say(&format!("listening comms={m}"));
+        say(&Event::Listening { comms: m });
         let end = Instant::now() + Duration::from_secs(30);
         let mut comms: Vec<Option<RecvComm>> = (0..m).map(|_| None).collect();
         while comms.iter().any(Option::is_none) {
@@ -504,7 +492,7 @@ fn receiver(o: &Opts) -> i32 {
     let (ctx, comms) = match setup() {
         Ok(x) => x,
         Err(e) => {
-            say(&format!("setup-failed {e}"));
+            setup_failed(e);
             return 4;
         }
     };
@@ -522,12 +510,15 @@ fn receiver(o: &Opts) -> i32 {
                 state: State::Running,
             }),
             Err(e) => {
-                say(&format!("setup-failed regMr: {e}"));
+                setup_failed(format!("regMr: {e}"));
                 return 4;
             }
         }
     }
-    say(&format!("connected comms={} t={}", lanes.len(), unix_ms()));
+    say(&Event::Connected {
+        comms: lanes.len(),
+        t: unix_ms(),
+    });
 
     let mut tally = Tally::default();
     let mut per_comm = vec![0u64; lanes.len()];
@@ -566,7 +557,11 @@ fn receiver(o: &Opts) -> i32 {
                             }
                             Verdict::End => {
                                 lane.state = State::Ended;
-                                say(&format!("end t={} comm={i} msgs={s}", unix_ms()));
+                                say(&Event::End {
+                                    t: unix_ms(),
+                                    comm: i,
+                                    msgs: s,
+                                });
                             }
                             Verdict::Bad(kind, detail) => tally.bad(i, kind, &detail),
                         }
@@ -578,7 +573,7 @@ fn receiver(o: &Opts) -> i32 {
                         slot.req = None;
                         progress = true;
                         if lane.state != State::Ended {
-                            tally.error(i, "test", s, c);
+                            tally.error(i, Op::Test, s, c);
                             lane.state = State::Failed;
                         }
                     }
@@ -596,7 +591,7 @@ fn receiver(o: &Opts) -> i32 {
                     }
                     Ok(None) => break,
                     Err(c) => {
-                        tally.error(i, "irecv", seq, c);
+                        tally.error(i, Op::Irecv, seq, c);
                         lane.state = State::Failed;
                     }
                 }
@@ -653,29 +648,27 @@ struct SendLane {
     state: State,
 }
 
-fn read_handles() -> Result<Vec<(usize, i32, [u8; 128])>, String> {
+/// The handles on stdin up to `go`, as (comm, dev, bytes) in comm order.
+fn read_handles() -> Result<Vec<(usize, i32, [u8; HANDLE_LEN])>, String> {
     let mut out = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(|e| format!("stdin: {e}"))?;
-        let line = line.trim();
-        if line == "go" {
-            out.sort_by_key(|h: &(usize, i32, [u8; 128])| h.0);
-            if out.iter().enumerate().any(|(i, h)| h.0 != i) {
-                return Err("handle comm numbers are not 0..n".into());
+        match Command::parse(line.trim())? {
+            Command::Go => {
+                out.sort_by_key(|h: &(usize, i32, [u8; HANDLE_LEN])| h.0);
+                if out.iter().enumerate().any(|(i, h)| h.0 != i) {
+                    return Err("handle comm numbers are not 0..n".into());
+                }
+                return Ok(out);
             }
-            return Ok(out);
+            Command::Handle(h) => {
+                let bytes = h
+                    .bytes()
+                    .ok_or_else(|| format!("handle of comm {} is not 256 hex digits", h.comm))?;
+                out.push((h.comm, h.dev, bytes));
+            }
+            c => return Err(format!("{c:?} before `go`")),
         }
-        if !line.starts_with("handle ") {
-            continue;
-        }
-        let parsed = (|| {
-            Some((
-                field(line, "comm")?.parse().ok()?,
-                field(line, "dev")?.parse().ok()?,
-                unhex(field(line, "hex")?)?,
-            ))
-        })();
-        out.push(parsed.ok_or_else(|| format!("bad handle line {line:?}"))?);
     }
     Err("stdin closed before `go`".into())
 }
@@ -708,7 +701,7 @@ fn sender(o: &Opts) -> i32 {
     let (ctx, comms) = match setup() {
         Ok(x) => x,
         Err(e) => {
-            say(&format!("setup-failed {e}"));
+            setup_failed(e);
             return 4;
         }
     };
@@ -719,7 +712,7 @@ fn sender(o: &Opts) -> i32 {
             match comm.register(o.size) {
                 Ok(buf) => slots.push(Slot { buf, req: None }),
                 Err(e) => {
-                    say(&format!("setup-failed regMr comm {i}: {e}"));
+                    setup_failed(format!("regMr comm {i}: {e}"));
                     return 4;
                 }
             }
@@ -732,29 +725,33 @@ fn sender(o: &Opts) -> i32 {
             state: State::Running,
         });
     }
-    say(&format!("connected comms={} t={}", lanes.len(), unix_ms()));
-    // From here on stdin carries fault injections (`link-down N`, `link-up N`) and, at the
-    // end, `close` (or EOF).
+    say(&Event::Connected {
+        comms: lanes.len(),
+        t: unix_ms(),
+    });
+    // From here on stdin carries fault injections and, at the end, `close` (or EOF).
     let (closed_tx, closed_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines() {
             let Ok(l) = line else { break };
-            let w: Vec<&str> = l.split_whitespace().collect();
-            match w.as_slice() {
-                ["close"] => break,
-                [cmd @ ("link-down" | "link-up"), dev] => {
-                    let up = *cmd == "link-up";
-                    match dev
-                        .parse::<usize>()
-                        .map_err(|e| e.to_string())
-                        .and_then(|d| {
-                            railover::plugin::inject_link(d, up).map_err(|e| e.to_string())
-                        }) {
-                        Ok(()) => say(&format!("injected {cmd} dev={dev} t={}", unix_ms())),
-                        Err(e) => say(&format!("inject-failed {cmd} {dev}: {e}")),
+            match Command::parse(l.trim()) {
+                Ok(Command::Close) => break,
+                Ok(Command::Link { link, dev }) => {
+                    match railover::plugin::inject_link(dev, link == Link::Up) {
+                        Ok(()) => say(&Event::Injected {
+                            link,
+                            dev,
+                            t: unix_ms(),
+                        }),
+                        Err(e) => say(&Event::InjectFailed {
+                            link,
+                            dev,
+                            error: e.to_string(),
+                        }),
                     }
                 }
-                _ => {}
+                // Late handles or `go`, and lines that are not commands: nothing to do.
+                Ok(_) | Err(_) => {}
             }
         }
         let _ = closed_tx.send(());
@@ -800,7 +797,7 @@ fn sender(o: &Opts) -> i32 {
                     }
                     Ok(None) => break,
                     Err(c) => {
-                        tally.error(i, "isend", seq, c);
+                        tally.error(i, Op::Isend, seq, c);
                         lane.state = State::Failed;
                     }
                 }
@@ -836,7 +833,7 @@ fn sender(o: &Opts) -> i32 {
                     Err(c) => {
                         slot.req = None;
                         progress = true;
-                        tally.error(i, "test", s, c);
+                        tally.error(i, Op::Test, s, c);
                         lane.state = State::Failed;
                     }
                 }
@@ -891,23 +888,25 @@ fn tcp_recv(o: &Opts) -> i32 {
     let l = match TcpListener::bind(addr) {
         Ok(l) => l,
         Err(e) => {
-            say(&format!("setup-failed bind {addr}: {e}"));
+            setup_failed(format!("bind {addr}: {e}"));
             return 4;
         }
     };
-    say(&format!(
-        "listening addr={}",
-        l.local_addr().map_or(addr, |a| a)
-    ));
+    say(&Event::TcpListening {
+        addr: l.local_addr().map_or(addr, |a| a),
+    });
     let (mut s, _) = match l.accept() {
         Ok(x) => x,
         Err(e) => {
-            say(&format!("setup-failed accept: {e}"));
+            setup_failed(format!("accept: {e}"));
             return 4;
         }
     };
     let _ = s.set_read_timeout(Some(o.tick / 2));
-    say(&format!("connected comms=1 t={}", unix_ms()));
+    say(&Event::Connected {
+        comms: 1,
+        t: unix_ms(),
+    });
     let end = Instant::now() + Duration::from_secs_f64(o.seconds);
     let mut ticker = Ticker::new(o.tick);
     let mut per = [0u64];
@@ -926,14 +925,25 @@ fn tcp_recv(o: &Opts) -> i32 {
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) => {}
             Err(e) => {
-                say(&format!("error t={} comm=0 op=read code=-1 {e}", unix_ms()));
+                say(&Event::Error {
+                    t: unix_ms(),
+                    comm: 0,
+                    op: Op::Read,
+                    seq: None,
+                    code: -1,
+                    detail: Some(e.to_string()),
+                });
                 break;
             }
         }
         ticker.maybe(&mut per);
     }
     ticker.flush(&mut per);
-    say(&format!("summary role=tcp-recv bytes={total}"));
+    say(&Event::Summary(Summary {
+        role: "tcp-recv".into(),
+        bytes: total,
+        ..Summary::default()
+    }));
     0
 }
 
@@ -945,12 +955,15 @@ fn tcp_send(o: &Opts) -> i32 {
     let mut s = match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
         Ok(s) => s,
         Err(e) => {
-            say(&format!("setup-failed connect {addr}: {e}"));
+            setup_failed(format!("connect {addr}: {e}"));
             return 4;
         }
     };
     let _ = s.set_write_timeout(Some(Duration::from_millis(50)));
-    say(&format!("connected comms=1 t={}", unix_ms()));
+    say(&Event::Connected {
+        comms: 1,
+        t: unix_ms(),
+    });
     let end = Instant::now() + Duration::from_secs_f64(o.seconds);
     let buf = vec![0x5au8; 64 << 10];
     let mut total = 0u64;
@@ -963,15 +976,23 @@ fn tcp_send(o: &Opts) -> i32 {
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) => {}
             Err(e) => {
-                say(&format!(
-                    "error t={} comm=0 op=write code=-1 {e}",
-                    unix_ms()
-                ));
+                say(&Event::Error {
+                    t: unix_ms(),
+                    comm: 0,
+                    op: Op::Write,
+                    seq: None,
+                    code: -1,
+                    detail: Some(e.to_string()),
+                });
                 break;
             }
         }
     }
-    say(&format!("summary role=tcp-send bytes={total}"));
+    say(&Event::Summary(Summary {
+        role: "tcp-send".into(),
+        bytes: total,
+        ..Summary::default()
+    }));
     0
 }
 
@@ -1008,12 +1029,7 @@ mod tests {
     }
 
     #[test]
-    fn handles_and_options_parse() {
-        let h: Vec<u8> = (0..128u8).collect();
-        assert_eq!(unhex(&hex(&h)).unwrap().to_vec(), h);
-        assert!(unhex("00").is_none());
-        assert_eq!(field("handle comm=3 dev=1 hex=ab", "dev"), Some("1"));
-
+    fn options_parse() {
         let o = Opts::from(&parse(&["recv"]).unwrap());
         assert_eq!((o.per_dev, o.size, o.depth), (1, 512 << 10, 8));
         assert_eq!(

@@ -14,9 +14,10 @@ mod testbed;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use railover_testkit::fault_line::Event;
 use testbed::flow::{
-    assert_delivered_exactly_once, assert_no_corruption, check_lane_balance, lane_placement, Flow,
-    FlowOpts, Report,
+    assert_delivered_exactly_once, assert_no_corruption, check_lane_balance, is, is_tick,
+    lane_placement, Flow, FlowOpts, Report,
 };
 use testbed::proc::Proc;
 use testbed::{unix_ms, Side, Testbed, DEFAULT_RATE_MBIT};
@@ -160,8 +161,11 @@ impl TcpStream {
             .arg((seconds + 2.0).to_string());
         let recv = Proc::spawn(c, "tcp-recv").unwrap();
         assert!(
-            recv.wait_line(Duration::from_secs(10), |l| l.starts_with("listening"))
-                .is_some(),
+            recv.wait_line(Duration::from_secs(10), |l| is(l, |e| matches!(
+                e,
+                Event::TcpListening { .. }
+            )))
+            .is_some(),
             "tcp-recv: {}",
             recv.stderr_tail(5)
         );
@@ -171,8 +175,11 @@ impl TcpStream {
         let send = Proc::spawn(c, "tcp-send").unwrap();
         for p in [&recv, &send] {
             assert!(
-                p.wait_line(Duration::from_secs(10), |l| l.starts_with("connected"))
-                    .is_some(),
+                p.wait_line(Duration::from_secs(10), |l| is(l, |e| matches!(
+                    e,
+                    Event::Connected { .. }
+                )))
+                .is_some(),
                 "{} did not connect: {}",
                 p.name,
                 p.stderr_tail(5)
@@ -231,12 +238,12 @@ fault_test! {
         let tb = bed(2);
         let s0 = TcpStream::start(&tb, 0, 7.0);
         let s1 = TcpStream::start(&tb, 1, 7.0);
-        assert!(s0.recv.wait_count(Duration::from_secs(10), 10, |l| l.starts_with("tick ")));
+        assert!(s0.recv.wait_count(Duration::from_secs(10), 10, is_tick));
         let down = unix_ms();
         tb.link_down(Side::A, 0);
         assert!(!tb.link_is_up(Side::A, 0) && !tb.link_is_up(Side::B, 0));
         // Hold the fault for 2 s, watching ticks arrive (bounded by the wait).
-        assert!(s0.recv.wait_count(Duration::from_secs(10), 30, |l| l.starts_with("tick ")));
+        assert!(s0.recv.wait_count(Duration::from_secs(10), 30, is_tick));
         let up = unix_ms();
         tb.link_up(Side::A, 0);
         tb.wait_carrier(Duration::from_secs(5)).unwrap();
@@ -326,12 +333,12 @@ fn killed_peer(kill_receiver: bool) {
     assert_no_corruption(&recv, &send);
     assert!(survivor.exit.is_some(), "hung\n{}", survivor.brief());
     assert_eq!(
-        survivor.num("failed") as usize,
+        survivor.summary.failed as usize,
         comms,
         "{}",
         survivor.brief()
     );
-    assert_eq!(survivor.num("stalled"), 0, "{}", survivor.brief());
+    assert_eq!(survivor.summary.stalled, 0, "{}", survivor.brief());
     assert_error_codes(survivor, t0, timeout_ms() + 2000);
 }
 
@@ -789,8 +796,8 @@ fault_test! {
         assert_no_corruption(&recv, &send);
         for r in [&recv, &send] {
             assert!(r.exit.is_some(), "{} hung", r.role);
-            assert_eq!(r.num("failed") as usize, comms, "every comm fails\n{}", r.brief());
-            assert_eq!(r.num("stalled"), 0, "a request never completed\n{}", r.brief());
+            assert_eq!(r.summary.failed as usize, comms, "every comm fails\n{}", r.brief());
+            assert_eq!(r.summary.stalled, 0, "a request never completed\n{}", r.brief());
             assert_error_codes(r, t_last, timeout_ms() + 2000);
         }
     }
@@ -894,8 +901,8 @@ fault_test! {
         let (recv, send) = flow.finish();
         let (brecv, bsend) = busy.finish();
         assert_delivered_exactly_once(&recv, &send, 1);
-        assert_delivered_exactly_once(&brecv, &bsend, bsend.num("comms") as usize);
-        let missed = send.num("probes_failed");
+        assert_delivered_exactly_once(&brecv, &bsend, bsend.summary.comms as usize);
+        let missed = send.summary.probes_failed;
         // First delivery after the cut. The moved comm then competes with the other job's
         // full queues (TCP between processes, no shared pacing), so its rate is not judged.
         let first = recv.ticks.iter().find(|t| t.t > t0 && t.bytes[0] > 0).map(|t| t.t - t0);
@@ -1002,11 +1009,11 @@ fault_test! {
         let (recv, send) = flow.finish();
         println!(
             "endurance: {} messages, receiver probes failed {}, sender probes failed {}",
-            recv.num("msgs"),
-            recv.num("probes_failed"),
-            send.num("probes_failed")
+            recv.summary.msgs,
+            recv.summary.probes_failed,
+            send.summary.probes_failed
         );
-        if recv.num("req_errors") + send.num("req_errors") > 0 || recv.exit != Some(0) {
+        if recv.summary.req_errors + send.summary.req_errors > 0 || recv.exit != Some(0) {
             // A long run is worth its whole story when it fails.
             println!("--- receiver log ---\n{}\n--- sender log ---\n{}", recv.stderr, send.stderr);
         }

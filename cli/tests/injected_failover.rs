@@ -5,11 +5,16 @@
 use std::process::Command;
 use std::time::Duration;
 
+use railover_testkit::fault_line::{Command as Cmd, Event, Link, Summary};
 use railover_testkit::testbed::proc::Proc;
 
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+/// Whether `line` is an event that `pred` accepts.
+fn is(line: &str, pred: impl Fn(&Event) -> bool) -> bool {
+    Event::parse(line).is_some_and(|e| pred(&e))
+}
+
+fn is_nic_bytes(line: &str) -> bool {
+    is(line, |e| matches!(e, Event::NicBytes { .. }))
 }
 
 fn peer(role: &str) -> Proc {
@@ -35,25 +40,37 @@ fn an_injected_cut_moves_traffic_and_lifting_it_brings_it_back() {
     let t = Duration::from_secs(30);
     let recv = peer("recv");
     assert!(
-        recv.wait_line(t, |l| l.starts_with("listening")).is_some(),
+        recv.wait_line(t, |l| is(l, |e| matches!(e, Event::Listening { .. })))
+            .is_some(),
         "{}",
         recv.stderr_tail(10)
     );
     let mut send = peer("send");
-    for h in recv.lines().iter().filter(|l| l.starts_with("handle ")) {
-        send.send(h);
+    for l in recv.lines() {
+        if let Some(Event::Handle(h)) = Event::parse(&l) {
+            send.send(&Cmd::Handle(h).to_line());
+        }
     }
-    send.send("go");
+    send.send(&Cmd::Go.to_line());
     assert!(
-        send.wait_line(t, |l| l.starts_with("connected")).is_some(),
+        send.wait_line(t, |l| is(l, |e| matches!(e, Event::Connected { .. })))
+            .is_some(),
         "{}",
         send.stderr_tail(10)
     );
     // Let traffic run on every NIC, then cut NIC 0 of the sender.
-    assert!(send.wait_count(t, 10, |l| l.starts_with("nicbytes")));
-    send.send("link-down 0");
+    assert!(send.wait_count(t, 10, is_nic_bytes));
+    let cut = |link| Cmd::Link { link, dev: 0 }.to_line();
+    send.send(&cut(Link::Down));
     assert!(send
-        .wait_line(t, |l| l.starts_with("injected link-down"))
+        .wait_line(t, |l| is(l, |e| matches!(
+            e,
+            Event::Injected {
+                link: Link::Down,
+                dev: 0,
+                ..
+            }
+        )))
         .is_some());
     let moved = |p: &Proc, what: &str| {
         p.stderr_tail(400)
@@ -72,20 +89,19 @@ fn an_injected_cut_moves_traffic_and_lifting_it_brings_it_back() {
     }
     // While cut, NIC 0 carries nothing new: sample its counter twice, 500 ms apart.
     let nic0 = |p: &Proc| -> u64 {
-        let l = p
-            .lines()
-            .into_iter()
+        p.lines()
+            .iter()
             .rev()
-            .find(|l| l.starts_with("nicbytes"))
-            .unwrap_or_default();
-        field(&l, "tx")
-            .and_then(|v| v.split(',').next()?.parse().ok())
+            .find_map(|l| match Event::parse(l)? {
+                Event::NicBytes { tx, .. } => tx.first().copied(),
+                _ => None,
+            })
             .unwrap_or(0)
     };
     let a = nic0(&send);
-    assert!(send.wait_count(t, 5, |l| l.starts_with("nicbytes")));
+    assert!(send.wait_count(t, 5, is_nic_bytes));
     assert_eq!(nic0(&send), a, "the cut NIC still sends");
-    send.send("link-up 0");
+    send.send(&cut(Link::Up));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while moved(&send, " failback comm=") < 2 {
         assert!(
@@ -102,22 +118,25 @@ fn an_injected_cut_moves_traffic_and_lifting_it_brings_it_back() {
     send.close_stdin();
     let mut send = send;
     assert!(send.wait_exit(t).is_some(), "sender did not stop");
-    let summary = recv
+    let summary: Summary = recv
         .lines()
-        .into_iter()
+        .iter()
         .rev()
-        .find(|l| l.starts_with("summary"))
-        .unwrap_or_default();
-    assert_eq!(field(&summary, "bad"), Some("0"), "{summary}");
+        .find_map(|l| match Event::parse(l)? {
+            Event::Summary(s) => Some(s),
+            _ => None,
+        })
+        .expect("the receiver printed its summary");
+    assert_eq!(summary.bad, 0, "{summary:?}");
     assert_eq!(
-        field(&summary, "req_errors"),
-        Some("0"),
-        "{summary}\n{}",
+        summary.req_errors,
+        0,
+        "{summary:?}\n{}",
         recv.stderr_tail(20)
     );
     assert_eq!(
-        field(&summary, "ended"),
-        field(&summary, "comms"),
-        "every comm delivered its end: {summary}"
+        summary.ended, summary.comms,
+        "every comm delivered its end: {summary:?}"
     );
+    assert!(summary.comms > 0, "{summary:?}");
 }

@@ -545,9 +545,10 @@ fn start(
 const NLMSG_HDR: usize = 16;
 const IFINFO: usize = 16;
 
-/// The rtnetlink parser. Arbitrary datagrams: names hold no NUL, and the events of a
-/// truncated datagram are a prefix of the whole one's. Generated well-formed datagrams
-/// (several messages, other attributes around the name) give exactly their links.
+/// The rtnetlink parser (`netlink-packet-core`/`-route` views under our carrier rule).
+/// Arbitrary datagrams: names hold no NUL, and the events of a truncated datagram are a
+/// prefix of the whole one's. Generated well-formed datagrams (several messages, other
+/// attributes around the name) give exactly one event per link message.
 pub fn netlink_parse(data: &[u8]) {
     let mut inp = Input::new(data);
     let cut = inp.u16() as usize;
@@ -568,19 +569,26 @@ pub fn netlink_parse(data: &[u8]) {
     for _ in 0..inp.u8() % 8 {
         let kind = [libc::RTM_NEWLINK, libc::RTM_DELLINK, libc::RTM_NEWADDR][inp.u8() as usize % 3];
         let flags = inp.u32();
-        let mut attrs = Vec::new();
-        for _ in 0..inp.u8() % 4 {
-            let akind = inp.u16();
-            let payload = inp.chunk();
-            push_attr(&mut attrs, akind, payload);
-            if akind == libc::IFLA_IFNAME {
-                expected_event(&mut expected, kind, flags, payload);
-            }
-        }
-        let name: Vec<u8> = inp.chunk().iter().map(|&b| b.max(1)).collect();
+        // Printable ASCII, as interface names are.
+        let name: Vec<u8> = inp.chunk().iter().map(|&b| b'!' + b % 94).collect();
         let mut payload = name.clone();
         payload.push(0);
-        push_attr(&mut attrs, libc::IFLA_IFNAME, &payload);
+        let mut attrs = Vec::new();
+        let others = inp.u8() % 4;
+        let name_at = inp.u8() % (others + 1);
+        for i in 0..=others {
+            if i == name_at {
+                push_attr(&mut attrs, libc::IFLA_IFNAME, &payload);
+            }
+            if i < others {
+                // A hardware address or a kind nobody knows: any payload.
+                let akind = match inp.u8() % 2 {
+                    0 => libc::IFLA_ADDRESS,
+                    _ => 0x3000 | (inp.u16() & 0xff),
+                };
+                push_attr(&mut attrs, akind, inp.chunk());
+            }
+        }
         expected_event(&mut expected, kind, flags, &payload);
 
         let mut ifi = [0u8; IFINFO];

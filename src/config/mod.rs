@@ -129,7 +129,7 @@ pub struct Config {
     /// default; see `transport::fair`).
     pub fair_share: bool,
     /// `RAILOVER_LOOPBACK_NICS`: when not 0, this many NICs on loopback addresses
-    /// (127.100.<i>.1) instead of the interfaces: a multi-NIC node without root, for the
+    /// (`127.100.<i>.1`) instead of the interfaces: a multi-NIC node without root, for the
     /// demo and tests.
     pub loopback_nics: usize,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,

@@ -8,6 +8,7 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use railover::ffi::exports::ncclNetPlugin_v12;
 use railover::ffi::types::{CommConfig, NetV12, PropertiesV12, NCCL_PTR_HOST, NCCL_SUCCESS};
@@ -168,6 +169,58 @@ impl Listener {
         // SAFETY: valid out-pointers.
         check(unsafe { (table().accept)(self.raw, &mut raw, &mut dev_comm) })?;
         Ok((!raw.is_null()).then_some(RecvComm(Comm { raw })))
+    }
+}
+
+/// Why [`connect_pair`] gave up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairError {
+    Connect(Code),
+    Accept(Code),
+    /// Neither call failed, but the pair was not complete within this limit.
+    TimedOut(Duration),
+}
+
+impl std::fmt::Display for PairError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PairError::Connect(c) => write!(f, "connect: {c}"),
+            PairError::Accept(c) => write!(f, "accept: {c}"),
+            PairError::TimedOut(d) => write!(f, "connect/accept did not finish within {d:?}"),
+        }
+    }
+}
+
+impl std::error::Error for PairError {}
+
+/// Connects to `listener` (whose handle is `handle`) from this same process: connect and
+/// accept called in turn, as NCCL's proxy does, until both have given a comm, for at most
+/// `limit`. The first error of either call ends it.
+pub fn connect_pair(
+    ctx: &Ctx,
+    dev: i32,
+    handle: &mut [u8; 128],
+    listener: &Listener,
+    limit: Duration,
+) -> Result<(SendComm, RecvComm), PairError> {
+    let end = Instant::now() + limit;
+    let (mut s, mut r) = (None, None);
+    loop {
+        if s.is_none() {
+            s = ctx.connect(dev, handle).map_err(PairError::Connect)?;
+        }
+        if r.is_none() {
+            r = listener.accept().map_err(PairError::Accept)?;
+        }
+        match (s, r) {
+            (Some(s), Some(r)) => return Ok((s, r)),
+            pending => (s, r) = pending,
+        }
+        if Instant::now() > end {
+            return Err(PairError::TimedOut(limit));
+        }
+        // Two cores may be shared with both reactors: let them run.
+        std::thread::yield_now();
     }
 }
 

@@ -3,6 +3,8 @@
 //!
 //! * [`driver`] — a safe Rust client of the exported `ncclNetPlugin_v12` table, driving it
 //!   as NCCL's proxy does.
+//! * [`fault_line`] — the JSON lines `railover fault-peer` prints and reads, as types
+//!   both the peer and the tests that judge it use.
 //! * [`fixture`] — synthetic sysfs trees, laid out like `/sys`, for topology and doctor
 //!   tests. The plugin's own topology unit tests compile the same file in (they cannot
 //!   link this crate: it links a second copy of the plugin's exported tables).
@@ -13,5 +15,6 @@
 // Calls through the plugin's C function table, as NCCL does; each block says why.
 #[allow(unsafe_code)]
 pub mod driver;
+pub mod fault_line;
 pub mod fixture;
 pub mod testbed;

@@ -1,9 +1,9 @@
 //! A `fault-peer` receiver in node B and sender in node A streaming checksummed messages
 //! through the plugin on every rail, and what their output lines say.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
+use railover_testkit::fault_line::{Command, Event, Summary};
 use railover_testkit::testbed::proc::Proc;
 use railover_testkit::testbed::{Side, Testbed};
 
@@ -77,9 +77,21 @@ fn spawn(tb: &Testbed, side: Side, role: &str, o: &FlowOpts) -> Proc {
     Proc::spawn(c, role).expect("spawn fault-peer")
 }
 
-fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+/// Whether `line` is an event that `pred` accepts.
+pub fn is(line: &str, pred: impl Fn(&Event) -> bool) -> bool {
+    Event::parse(line).is_some_and(|e| pred(&e))
+}
+
+/// The events among `p`'s lines.
+pub fn events(p: &Proc) -> Vec<Event> {
+    p.lines().iter().filter_map(|l| Event::parse(l)).collect()
+}
+
+/// The receiver listens, or its setup failed.
+fn listening_or_failed(l: &str) -> bool {
+    is(l, |e| {
+        matches!(e, Event::Listening { .. } | Event::SetupFailed { .. })
+    })
 }
 
 impl Flow {
@@ -88,44 +100,47 @@ impl Flow {
     pub fn start(tb: &Testbed, opts: FlowOpts) -> Flow {
         let t = Duration::from_secs(30);
         let recv = spawn(tb, Side::B, "recv", &opts);
-        let listening = recv.wait_line(t, |l| {
-            l.starts_with("listening") || l.starts_with("setup-failed")
-        });
+        let listening = recv.wait_line(t, listening_or_failed);
         assert!(
             listening
                 .as_deref()
-                .is_some_and(|l| l.starts_with("listening")),
+                .is_some_and(|l| is(l, |e| matches!(e, Event::Listening { .. }))),
             "receiver did not listen: {listening:?}\n{}",
             recv.stderr_tail(20)
         );
-        let lines = recv.lines();
-        let devs = lines
-            .iter()
-            .find(|l| l.starts_with("devices"))
-            .cloned()
-            .unwrap_or_default();
+        let events = events(&recv);
+        let names = events.iter().find_map(|e| match e {
+            Event::Devices { names, .. } => Some(names.clone()),
+            _ => None,
+        });
         let want: Vec<String> = (0..tb.rails()).map(Testbed::ifname).collect();
         assert_eq!(
-            field(&devs, "names"),
-            Some(want.join(",").as_str()),
+            names,
+            Some(want),
             "the plugin's devices are not the testbed's rails"
         );
-        let handles: Vec<&String> = lines.iter().filter(|l| l.starts_with("handle ")).collect();
-        let dev_of = handles
-            .iter()
-            .map(|l| field(l, "dev").and_then(|d| d.parse().ok()).expect("dev"))
+        let handles: Vec<_> = events
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Handle(h) => Some(h),
+                _ => None,
+            })
             .collect();
+        let dev_of = handles.iter().map(|h| h.dev as usize).collect();
         let mut send = spawn(tb, Side::A, "send", &opts);
-        for h in &handles {
-            send.send(h);
+        for h in handles {
+            send.send(&Command::Handle(h).to_line());
         }
-        send.send("go");
+        send.send(&Command::Go.to_line());
         for p in [&recv, &send] {
             let c = p.wait_line(t, |l| {
-                l.starts_with("connected") || l.starts_with("setup-failed")
+                is(l, |e| {
+                    matches!(e, Event::Connected { .. } | Event::SetupFailed { .. })
+                })
             });
             assert!(
-                c.as_deref().is_some_and(|l| l.starts_with("connected")),
+                c.as_deref()
+                    .is_some_and(|l| is(l, |e| matches!(e, Event::Connected { .. }))),
                 "{} did not connect: {c:?}\n{}",
                 p.name,
                 p.stderr_tail(20)
@@ -147,9 +162,7 @@ impl Flow {
 
     /// Waits until the receiver has printed `n` ticks (warm-up), bounded.
     pub fn wait_ticks(&self, n: usize) {
-        let ok = self
-            .recv
-            .wait_count(Duration::from_secs(30), n, |l| l.starts_with("tick "));
+        let ok = self.recv.wait_count(Duration::from_secs(30), n, is_tick);
         assert!(
             ok,
             "receiver stopped ticking\n{}",
@@ -159,12 +172,7 @@ impl Flow {
 
     /// Waits for `k` more receiver ticks (about k × 100 ms of running traffic).
     pub fn wait_more_ticks(&self, k: usize) {
-        let have = self
-            .recv
-            .lines()
-            .iter()
-            .filter(|l| l.starts_with("tick "))
-            .count();
+        let have = self.recv.lines().iter().filter(|l| is_tick(l)).count();
         self.wait_ticks(have + k);
     }
 
@@ -174,7 +182,7 @@ impl Flow {
         let bound = Duration::from_secs_f64(self.opts.seconds + 3.0 * self.opts.grace + 10.0);
         let rs = self.recv.wait_exit(bound);
         // The receiver is done with its comms: the sender may close.
-        self.send.send("close");
+        self.send.send(&Command::Close.to_line());
         self.send.close_stdin();
         let ss = self.send.wait_exit(bound);
         (
@@ -182,6 +190,11 @@ impl Flow {
             Report::parse(&self.send, ss.map(|s| s.code().unwrap_or(-1))),
         )
     }
+}
+
+/// Whether `line` is a tick.
+pub fn is_tick(line: &str) -> bool {
+    is(line, |e| matches!(e, Event::Tick { .. }))
 }
 
 /// One tick: wall-clock ms and bytes per comm since the previous tick.
@@ -207,8 +220,10 @@ pub struct Report {
     pub exit: Option<i32>,
     pub ticks: Vec<Tick>,
     pub errors: Vec<ReqError>,
-    pub bad: Vec<String>,
-    pub summary: BTreeMap<String, String>,
+    /// Damaged-data events, as printed.
+    pub bad: Vec<Event>,
+    /// All zero when the endpoint printed none.
+    pub summary: Summary,
     pub stderr_tail: String,
     /// Everything the endpoint wrote to stderr (the plugin's log).
     pub stderr: String,
@@ -225,50 +240,23 @@ impl Report {
             stderr: p.stderr_tail(usize::MAX),
             ..Report::default()
         };
-        for l in p.lines() {
-            let num = |k: &str| {
-                field(&l, k)
-                    .and_then(|v| v.parse::<u128>().ok())
-                    .unwrap_or(0)
-            };
-            if l.starts_with("tick ") {
-                let bytes = field(&l, "bytes")
-                    .unwrap_or("")
-                    .split(',')
-                    .filter_map(|b| b.parse().ok())
-                    .collect();
-                r.ticks.push(Tick { t: num("t"), bytes });
-            } else if l.starts_with("error ") {
-                r.errors.push(ReqError {
-                    t: num("t"),
-                    comm: num("comm") as usize,
-                    code: field(&l, "code").and_then(|c| c.parse().ok()).unwrap_or(0),
-                });
-            } else if l.starts_with("lanes ") {
-                let counts = field(&l, "counts")
-                    .unwrap_or("")
-                    .split(',')
-                    .filter_map(|b| b.parse().ok())
-                    .collect();
-                r.lanes.push((num("t"), counts));
-            } else if l.starts_with("bad ") {
-                r.bad.push(l.clone());
-            } else if let Some(rest) = l.strip_prefix("summary ") {
-                r.summary = rest
-                    .split_whitespace()
-                    .filter_map(|w| w.split_once('='))
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect();
+        for e in events(p) {
+            match e {
+                Event::Tick { t, bytes, .. } => r.ticks.push(Tick { t: t.into(), bytes }),
+                Event::Error { t, comm, code, .. } => r.errors.push(ReqError {
+                    t: t.into(),
+                    comm,
+                    code,
+                }),
+                Event::Lanes { t, counts } => r
+                    .lanes
+                    .push((t.into(), counts.into_iter().map(|c| c as usize).collect())),
+                Event::Bad { .. } => r.bad.push(e),
+                Event::Summary(s) => r.summary = s,
+                _ => {}
             }
         }
         r
-    }
-
-    pub fn num(&self, key: &str) -> u64 {
-        self.summary
-            .get(key)
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
     }
 
     /// Bytes/s the given comms moved in ticks stamped within (from, to].
@@ -340,9 +328,9 @@ pub fn assert_delivered_exactly_once(recv: &Report, send: &Report, comms: usize)
             r.role,
             r.brief()
         );
-        assert_eq!(r.num("req_errors"), 0, "request errors\n{}", r.brief());
+        assert_eq!(r.summary.req_errors, 0, "request errors\n{}", r.brief());
         assert_eq!(
-            r.num("ended") as usize,
+            r.summary.ended as usize,
             comms,
             "not every comm finished\n{}",
             r.brief()
@@ -350,8 +338,7 @@ pub fn assert_delivered_exactly_once(recv: &Report, send: &Report, comms: usize)
         assert_eq!(r.exit, Some(0), "{}", r.brief());
     }
     assert_eq!(
-        recv.num("msgs"),
-        send.num("msgs"),
+        recv.summary.msgs, send.summary.msgs,
         "receiver verified a different number of messages than the sender completed"
     );
 }

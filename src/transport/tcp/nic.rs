@@ -120,7 +120,7 @@ pub fn describe(iface: &Interface, sysfs: &Path) -> TcpNic {
     }
 }
 
-/// `n` NICs on loopback, `lo.<i>` at 127.100.<i>.1: every 127/8 address is local, so this
+/// `n` NICs on loopback, `lo.<i>` at `127.100.<i>.1`: every 127/8 address is local, so this
 /// gives a multi-NIC node without root (the demo's loopback variant and tests). Processes
 /// of one host share these addresses; their listeners take distinct ports.
 pub fn loopback_nics(n: usize) -> Vec<TcpNic> {

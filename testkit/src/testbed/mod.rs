@@ -5,7 +5,7 @@
 //! Everything lives in namespaces this value created (names unique per process and
 //! testbed) and is removed on drop, panics included; namespaces left by an earlier run
 //! whose process is gone are removed when the next testbed starts. Addresses are
-//! 10.77.<rail>.1 (A) and 10.77.<rail>.2 (B), present only inside those namespaces.
+//! `10.77.<rail>.1` (A) and `10.77.<rail>.2` (B), present only inside those namespaces.
 
 pub mod proc;
 
