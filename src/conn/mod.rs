@@ -8,6 +8,8 @@
 
 pub mod auth;
 pub mod health;
+pub mod lane;
+pub mod path;
 pub mod recv;
 pub mod send;
 pub mod wire;

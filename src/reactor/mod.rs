@@ -40,9 +40,11 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 use slab::Slab;
 
-use crate::conn::auth::{self, AuthError, CommId, Initiator, Responder, Secret, Session};
-use crate::conn::health::{Progress, MAX_PROBE_DEADLINE};
-use crate::conn::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
+use crate::conn::auth::{self, AuthError, CommId, Initiator, Secret, Session};
+use crate::conn::health::MAX_PROBE_DEADLINE;
+use crate::conn::lane::{io_error, Cause, LaneMachine, LINGER};
+use crate::conn::path::{PathMachine, Timeouts};
+use crate::conn::wire::{Header, Kind, NicAddr, Purpose, Welcome};
 use crate::conn::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
 };
@@ -96,8 +98,6 @@ const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
 /// Connections one listener accepts per reactor turn: between batches the reactor reads
 /// the Hellos that arrived, so a flood cannot evict a real handshake before it is seen.
 const ACCEPT_BATCH: usize = 32;
-/// How long a closed comm's lane may keep flushing its last acks.
-const LINGER: Duration = Duration::from_secs(2);
 
 /// The reactor thread's name (Linux keeps 15 characters: this fits whole in `ps`/`top`).
 pub const REACTOR_THREAD: &str = "rlvr-reactor";
@@ -445,30 +445,12 @@ struct Comm {
     machine: Machine,
     /// The session secret its first handshake agreed; migrations and probes prove it.
     session: Session,
-    /// The attempt number of the newest replacement lane: the sender counts its
-    /// attempts, the receiver keeps the one in use and refuses older ones.
-    epoch: u64,
     /// Send side: the comm is registered with the router.
     route: Option<Route>,
     /// Send side: the replacement lane being set up.
     migrating: Option<usize>,
-    /// A failure was detected at this time and traffic has not resumed yet.
-    detected: Option<(Instant, FailReason)>,
-    /// Receive side: the lane was lost and no replacement has arrived.
-    stranded: Option<Stranded>,
-}
-
-/// A receive comm waiting for the sender's replacement lane.
-#[derive(Debug, Clone)]
-struct Stranded {
-    /// When the comm fails if no replacement has come.
-    deadline: Instant,
-    /// The path failed (rather than the peer closing the lane): the sender may still be
-    /// re-probing candidates, so while one of our NICs is up the deadline also waits
-    /// out the sender's give-up window.
-    path: bool,
-    /// What the comm's requests fail with.
-    error: ConnError,
+    /// Attempts, detection and the receiver's wait for a replacement.
+    path: PathMachine,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -499,31 +481,30 @@ enum Role {
     Closing,
 }
 
-/// A lane's handshake in progress; `None` once it has authenticated.
-#[derive(Debug)]
-enum Auth {
-    Connector(Initiator),
-    Listener(Responder),
-}
-
 #[derive(Debug)]
 struct Lane<F: Fabric> {
     sock: F::Lane,
     reader: FrameReader,
     writer: FrameWriter,
     role: Role,
-    auth: Option<Auth>,
+    /// Its handshake, deadline and liveness.
+    m: LaneMachine,
     /// Its place in the handshake caps (accepted lanes not yet authenticated).
     ticket: Option<u64>,
-    deadline: Option<Instant>,
     /// Local NIC index, when the lane's local address is one of ours.
     nic: Option<usize>,
-    last_rx: Instant,
-    last_tx: Instant,
-    /// Bytes waiting (queued or unacknowledged) at the last tick, and the lane's
-    /// progress history.
-    waiting: u64,
-    progress: Progress,
+}
+
+impl<F: Fabric> Lane<F> {
+    /// Moves the machine's control frames onto the writer; `true` if there were any.
+    fn sync(&mut self) -> bool {
+        let mut any = false;
+        while let Some(f) = self.m.poll_transmit() {
+            self.writer.push_ctrl(&f);
+            any = true;
+        }
+        any
+    }
 }
 
 struct Listener<F: Fabric> {
@@ -574,10 +555,6 @@ struct Reactor<F: Fabric> {
     /// never served, as a dead cable would leave them, until the NIC is restored.
     injected_down: Vec<bool>,
     graveyard: Vec<F::Lane>,
-    /// Per comm: when it first left its original pair (for the fail-back's "away" time).
-    failed_at: HashMap<usize, Instant>,
-    /// Per comm: how long the failure went unnoticed (silence before a timeout).
-    detection_latency: HashMap<usize, Duration>,
     /// Pacing caps that share each NIC evenly between its backlogged lanes.
     fair: FairShare,
     /// Seeded handshake randomness (simulation only); `None`: the OS's.
@@ -674,8 +651,6 @@ impl<F: Fabric> Reactor<F> {
             next_tick: now,
             injected_down: vec![false; setup.nics.len()],
             graveyard: Vec::new(),
-            failed_at: HashMap::new(),
-            detection_latency: HashMap::new(),
             fair: FairShare::new(),
             metrics: MetricsState {
                 nic: vec![[0; 4]; setup.nics.len()],
@@ -918,8 +893,7 @@ impl<F: Fabric> Reactor<F> {
                     Ok(k) => {
                         let lane = &mut self.lanes[k];
                         lane.nic = Some(nic);
-                        lane.auth = Some(Auth::Connector(auth));
-                        lane.writer.push_ctrl(&hello);
+                        lane.m.connecting(auth, hello);
                         self.dirty.push(k);
                     }
                     Err(e) => *pending.result.lock() = Some(Err(e.into())),
@@ -969,7 +943,7 @@ impl<F: Fabric> Reactor<F> {
         now: Instant,
         limit: Duration,
     ) -> io::Result<usize> {
-        let progress = Progress::new(self.setup.completion_timeout, self.tick_interval());
+        self.arm(now + limit);
         let entry = self.lanes.vacant_entry();
         let key = entry.key();
         self.poll.registry().register(
@@ -977,21 +951,14 @@ impl<F: Fabric> Reactor<F> {
             Token(key),
             Interest::READABLE | Interest::WRITABLE,
         )?;
-        let deadline = now + limit;
-        self.next_deadline = Some(self.next_deadline.map_or(deadline, |d| d.min(deadline)));
         entry.insert(Lane {
             sock,
             reader: FrameReader::default(),
             writer: FrameWriter::default(),
             role,
-            auth: None,
+            m: LaneMachine::new(self.setup.completion_timeout, now, limit),
             ticket: None,
-            deadline: Some(deadline),
             nic: None,
-            last_rx: now,
-            last_tx: now,
-            waiting: 0,
-            progress,
         });
         Ok(key)
     }
@@ -1066,7 +1033,7 @@ impl<F: Fabric> Reactor<F> {
                             let (ticket, evict) = self.gate.admit(k, key);
                             let lane = &mut self.lanes[k];
                             lane.nic = nic;
-                            lane.auth = Some(Auth::Listener(Responder::default()));
+                            lane.m.listening();
                             lane.ticket = Some(ticket);
                             for (t, old) in evict {
                                 self.evict(t, old, now);
@@ -1111,13 +1078,16 @@ impl<F: Fabric> Reactor<F> {
             let before = lane.reader.total_read();
             let got = self.fabric.read(&mut lane.sock, &mut lane.reader);
             if lane.reader.total_read() != before {
-                lane.last_rx = now;
+                lane.m.handle_rx(now);
             }
             match got {
                 Ok(Some(item)) => {
                     if let Err(e) = self.inbound(k, item, now) {
-                        self.fail_lane(k, failover::Cause::error(e), now);
+                        self.fail_lane(k, Cause::error(e), now);
                         return;
+                    }
+                    if let Some(lane) = self.lanes.get_mut(k) {
+                        lane.sync();
                     }
                 }
                 Ok(None) => {
@@ -1128,10 +1098,10 @@ impl<F: Fabric> Reactor<F> {
                 }
                 Err(e) => {
                     let e = match e {
-                        ReadError::Io(e) => failover::io_error(&e),
+                        ReadError::Io(e) => io_error(&e),
                         ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
                     };
-                    self.fail_lane(k, failover::Cause::error(e), now);
+                    self.fail_lane(k, Cause::error(e), now);
                     return;
                 }
             }
@@ -1166,7 +1136,7 @@ impl<F: Fabric> Reactor<F> {
                     Inbound::Frame(h, body) if h.kind == Kind::Welcome => {
                         let peer = Welcome::decode(&body)
                             .map_err(|e| ConnError::Protocol(e.to_string()))?;
-                        let session = self.finish_auth(k)?.ok_or_else(|| {
+                        let session = self.lanes[k].m.handle_welcome()?.ok_or_else(|| {
                             ConnError::Protocol("the handshake agreed no session".into())
                         })?;
                         let shared = self.new_comm(Side::Send, k, nic, session);
@@ -1194,7 +1164,7 @@ impl<F: Fabric> Reactor<F> {
                     let lane = &mut self.lanes[k];
                     lane.writer.push_ctrl(&welcome);
                     lane.role = Role::Closing;
-                    lane.deadline = Some(now + LINGER);
+                    lane.m.linger(now);
                     Ok(())
                 }
                 Inbound::Eof => Err(ConnError::PeerClosed),
@@ -1204,11 +1174,11 @@ impl<F: Fabric> Reactor<F> {
                 let (pair, started) = (*pair, *started);
                 match item {
                     Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
-                        self.finish_auth(k)?;
+                        self.lanes[k].m.handle_welcome()?;
                         self.probe_answered(pair, started, now);
                         let lane = &mut self.lanes[k];
                         lane.role = Role::Closing;
-                        lane.deadline = Some(now + LINGER);
+                        lane.m.linger(now);
                         Ok(())
                     }
                     Inbound::Eof => Err(ConnError::PeerClosed),
@@ -1219,7 +1189,7 @@ impl<F: Fabric> Reactor<F> {
                 let (c, mv) = (*comm, *mv);
                 match item {
                     Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
-                        self.finish_auth(k)?;
+                        self.lanes[k].m.handle_welcome()?;
                         self.finish_migration(c, k, mv, h.seq, now)
                     }
                     Inbound::Frame(h, _) if h.kind == Kind::Refuse => Err(ConnError::Protocol(
@@ -1265,8 +1235,7 @@ impl<F: Fabric> Reactor<F> {
             }
             (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Ack => {
                 m.handle_ack(h.seq)?;
-                // Acknowledged progress on the new lane: the failover is complete.
-                comm.detected = None;
+                comm.path.handle_resumed();
                 Ok(())
             }
             (Machine::Recv(m), Inbound::Data { seq, len }) => {
@@ -1328,19 +1297,13 @@ impl<F: Fabric> Reactor<F> {
                 .map(|c| Secret::Session(c.session.clone())),
         };
         let lane = &mut self.lanes[k];
-        let Some(Auth::Listener(r)) = lane.auth.as_mut() else {
-            return Err(ConnError::Protocol(
-                "Hello on a lane that is not listening".into(),
-            ));
-        };
-        match r.handle_hello(body, secret, &random) {
-            Ok(challenge) => {
-                lane.writer.push_ctrl(&challenge);
+        match lane.m.handle_hello(body, secret, &random, now)? {
+            None => {
                 if let Some(t) = lane.ticket {
                     self.gate.vouch(t);
                 }
             }
-            Err(e) => self.refuse(k, &e, now),
+            Some(e) => self.refused(k, &e, now),
         }
         Ok(())
     }
@@ -1349,20 +1312,16 @@ impl<F: Fabric> Reactor<F> {
     /// become a comm, a probe's answer, or a comm's replacement lane.
     fn proof(&mut self, k: usize, body: &[u8], now: Instant) -> Result<(), ConnError> {
         let lane = &mut self.lanes[k];
-        let (Some(Auth::Listener(r)), Role::Handshake { listener }) =
-            (lane.auth.as_mut(), &lane.role)
-        else {
+        let Role::Handshake { listener } = lane.role else {
             return Err(ConnError::Protocol("unexpected Proof".into()));
         };
-        let listener = *listener;
-        let accepted = match r.handle_proof(body) {
+        let accepted = match lane.m.handle_proof(body, now)? {
             Ok(a) => a,
             Err(e) => {
-                self.refuse(k, &e, now);
+                self.refused(k, &e, now);
                 return Ok(());
             }
         };
-        lane.auth = None;
         self.leave_gate(k);
         match accepted.purpose {
             Purpose::Data => {
@@ -1394,7 +1353,7 @@ impl<F: Fabric> Reactor<F> {
                 lane.role = Role::ProbeSink;
                 // Later than the pre-authentication deadline it replaces, so the
                 // reactor's next deadline still comes first.
-                lane.deadline = Some(now + MAX_PROBE_DEADLINE + LINGER);
+                lane.m.expect_by(now + MAX_PROBE_DEADLINE + LINGER);
             }
             Purpose::Migrate => match self.recv_by_id.get(&accepted.comm).copied() {
                 Some(c) => self.attach_replacement(c, k, accepted.epoch, now),
@@ -1404,40 +1363,22 @@ impl<F: Fabric> Reactor<F> {
         Ok(())
     }
 
-    /// The connector's side of a Challenge: check the listener holds the key, prove ours.
-    /// A probe's payload follows its Proof: the listener reads it only once authenticated,
-    /// so the probe's own deadline, not the short pre-authentication one, judges it.
+    /// The connector's side of a Challenge: check the listener holds the key, prove ours;
+    /// a probe sends its payload after the Proof.
     fn challenge(&mut self, k: usize, body: &[u8]) -> Result<(), ConnError> {
         let lane = &mut self.lanes[k];
-        let Some(Auth::Connector(a)) = lane.auth.as_mut() else {
-            return Err(ConnError::Protocol("unexpected Challenge".into()));
-        };
-        let proof = a.handle_challenge(body).map_err(|e| {
-            ConnError::Protocol(format!("the listener failed to authenticate: {e}"))
-        })?;
-        lane.writer.push_ctrl(&proof);
-        if matches!(lane.role, Role::Probe { .. }) {
-            let n = self.setup.probe_bytes;
-            lane.writer
-                .push_ctrl(&Header::new(Kind::Data, 0, n as u64).encode());
-            lane.writer.push_ctrl(&vec![0u8; n]);
-        }
-        Ok(())
-    }
-
-    /// A Welcome reached a connecting lane: its handshake must be complete. Returns the
-    /// session a `Data` handshake agreed.
-    fn finish_auth(&mut self, k: usize) -> Result<Option<Session>, ConnError> {
-        match self.lanes[k].auth.take() {
-            Some(Auth::Connector(a)) => a.finish().map_err(|e| ConnError::Protocol(e.to_string())),
-            _ => Err(ConnError::Protocol(
-                "Welcome on a lane that did not authenticate".into(),
-            )),
-        }
+        let probe = matches!(lane.role, Role::Probe { .. }).then_some(self.setup.probe_bytes);
+        lane.m.handle_challenge(body, probe)
     }
 
     /// Refuses a connection that failed to authenticate, and counts it.
     fn refuse(&mut self, k: usize, why: &AuthError, now: Instant) {
+        self.lanes[k].m.refuse(now);
+        self.refused(k, why, now);
+    }
+
+    /// Counts a connection its machine refused; it lingers until the Refuse is out.
+    fn refused(&mut self, k: usize, why: &AuthError, now: Instant) {
         self.stats
             .rejected_connections
             .fetch_add(1, Ordering::Relaxed);
@@ -1445,13 +1386,7 @@ impl<F: Fabric> Reactor<F> {
             .refused_handshakes
             .fetch_add(1, Ordering::Relaxed);
         self.leave_gate(k);
-        let lane = &mut self.lanes[k];
-        lane.auth = None;
-        let mut h = Header::new(Kind::Refuse, 0, 0);
-        h.aux = wire::REFUSE_AUTH;
-        lane.writer.push_ctrl(&h.encode());
-        lane.role = Role::Closing;
-        lane.deadline = Some(now + LINGER);
+        self.lanes[k].role = Role::Closing;
         self.turned_away(&format!("refused its handshake: {why}"), now);
     }
 
@@ -1462,6 +1397,11 @@ impl<F: Fabric> Reactor<F> {
         nic: usize,
         session: Session,
     ) -> Arc<CommShared> {
+        let timeouts = Timeouts {
+            completion: self.setup.completion_timeout,
+            probe: self.setup.probe_timeout,
+            giveup: self.setup.router.giveup,
+        };
         let entry = self.comms.vacant_entry();
         let key = entry.key();
         let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic));
@@ -1474,15 +1414,13 @@ impl<F: Fabric> Reactor<F> {
             lane: Some(lane),
             machine,
             session,
-            epoch: 0,
             route: None,
             migrating: None,
-            detected: None,
-            stranded: None,
+            path: PathMachine::new(side == Side::Send, timeouts),
         });
         let l = &mut self.lanes[lane];
         l.role = Role::Comm(key);
-        l.deadline = None;
+        l.m.carry();
         l.reader.enlarge();
         shared
     }
@@ -1558,6 +1496,7 @@ impl<F: Fabric> Reactor<F> {
             let Some(lane) = self.lanes.get_mut(k) else {
                 continue;
             };
+            lane.sync();
             if lane.writer.is_empty() {
                 if matches!(lane.role, Role::Closing) {
                     self.drop_lane(k);
@@ -1567,7 +1506,7 @@ impl<F: Fabric> Reactor<F> {
             let before = lane.writer.total_written();
             let res = self.fabric.write(&mut lane.sock, &mut lane.writer);
             if lane.writer.total_written() != before {
-                lane.last_tx = now;
+                lane.m.handle_tx(now);
             }
             match res {
                 Ok(()) => {
@@ -1577,7 +1516,7 @@ impl<F: Fabric> Reactor<F> {
                         self.drop_lane(k);
                     }
                 }
-                Err(e) => self.fail_lane(k, failover::Cause::error(failover::io_error(&e)), now),
+                Err(e) => self.fail_lane(k, Cause::error(io_error(&e)), now),
             }
         }
         self.dirty = dirty;
@@ -1628,29 +1567,39 @@ impl<F: Fabric> Reactor<F> {
             } else {
                 // Let the last acks and CTS reach the peer, but do not wait for it.
                 lane.role = Role::Closing;
-                lane.deadline = Some(now + LINGER);
-                self.next_deadline = Some(
-                    self.next_deadline
-                        .map_or(now + LINGER, |d| d.min(now + LINGER)),
-                );
+                lane.m.linger(now);
+                self.arm(now + LINGER);
                 self.dirty.push(k);
             }
         }
     }
 
-    /// Fails handshakes, probes and migrations that took too long, and drops lingering lanes.
+    /// Runs the lanes' timers that are due: handshakes, probes and migrations that took
+    /// too long, lingering lanes, silence and keepalives.
     fn expire(&mut self, now: Instant) {
-        let overdue: Vec<usize> = self
+        let mut failed = Vec::new();
+        for (k, lane) in self.lanes.iter_mut() {
+            if lane.m.poll_timeout().is_some_and(|d| d <= now) {
+                lane.m.handle_timeout(now);
+                if lane.sync() {
+                    self.dirty.push(k);
+                }
+                failed.extend(lane.m.poll_failure().map(|c| (k, c)));
+            }
+        }
+        for (k, cause) in failed {
+            self.lane_condemned(k, cause, now);
+        }
+        self.next_deadline = self
             .lanes
             .iter()
-            .filter(|(_, l)| l.deadline.is_some_and(|d| d <= now))
-            .map(|(k, _)| k)
-            .collect();
-        for k in overdue {
-            let e = ConnError::Io("handshake, probe or close timed out".into());
-            self.fail_lane(k, failover::Cause::new(e, FailReason::Timeout), now);
-        }
-        self.next_deadline = self.lanes.iter().filter_map(|(_, l)| l.deadline).min();
+            .filter_map(|(_, l)| l.m.poll_timeout())
+            .min();
+    }
+
+    /// A lane timer may be due at `at`.
+    fn arm(&mut self, at: Instant) {
+        self.next_deadline = Some(self.next_deadline.map_or(at, |d| d.min(at)));
     }
 
     fn close_everything(&mut self) {
