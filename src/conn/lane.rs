@@ -14,8 +14,8 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use super::auth::{Accepted, AuthError, CommId, Initiator, Random, Responder, Secret, Session};
-use super::health::{self, Progress, Verdict};
-use super::wire::{self, Header, Kind, Purpose};
+use super::health::{self, Progress, Verdict, MAX_PROBE_DEADLINE};
+use super::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
 use super::ConnError;
 use crate::routing::FailReason;
 
@@ -82,6 +82,48 @@ enum Auth {
     Listener(Responder),
 }
 
+/// Where a lane is in its life, as far as its frames go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Accepted, waiting for a Hello and then a Proof.
+    Listening,
+    /// Ours, waiting for the listener's Welcome to a handshake for this purpose.
+    Connecting(Purpose),
+    /// Answering a probe: its payload crosses before the Welcome.
+    ProbeSink,
+    /// Carrying a comm.
+    Carrying,
+    /// Flushing its last bytes; whatever arrives is ignored.
+    Closing,
+}
+
+/// What an inbound frame or payload asks of the reactor.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Nothing: the machine handled it (a keepalive, a Challenge, a closing lane's rest).
+    Handled,
+    /// Listener: a Hello; look up the secret it names and call
+    /// [`LaneMachine::handle_hello`].
+    Hello,
+    /// Listener: a Proof; call [`LaneMachine::handle_proof`].
+    Proof,
+    /// Connector: the listener welcomed the lane and the handshake is complete. `session`:
+    /// the one a `Data` handshake agreed; `nics`: the listener's (`Data` only);
+    /// `delivered`: what a migration's receiver has.
+    Welcomed {
+        purpose: Purpose,
+        session: Option<Session>,
+        nics: Vec<NicAddr>,
+        delivered: u64,
+    },
+    /// Drop this payload unread (a probe's, or one reaching a closing lane).
+    Discard,
+    /// A probe's payload crossed: send the Welcome; the lane then closes.
+    ProbeCrossed,
+    /// For the comm's machine.
+    Comm,
+}
+
 /// What one delivery sample found, for the NIC's fair shares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sample {
@@ -95,6 +137,7 @@ pub struct Sample {
 #[derive(Debug)]
 pub struct LaneMachine {
     timeout: Duration,
+    phase: Phase,
     auth: Option<Auth>,
     /// When an unfinished handshake, probe or linger fails.
     deadline: Option<Instant>,
@@ -115,6 +158,7 @@ impl LaneMachine {
     pub fn new(timeout: Duration, now: Instant, limit: Duration) -> LaneMachine {
         LaneMachine {
             timeout,
+            phase: Phase::Listening,
             auth: None,
             deadline: Some(now + limit),
             carrying: false,
@@ -129,12 +173,14 @@ impl LaneMachine {
 
     /// Our end of a connection: sends `hello`, then proves `auth`'s key.
     pub fn connecting(&mut self, auth: Initiator, hello: Vec<u8>) {
+        self.phase = Phase::Connecting(auth.purpose());
         self.auth = Some(Auth::Connector(auth));
         self.out.push_back(hello);
     }
 
     /// An accepted connection, waiting for its Hello.
     pub fn listening(&mut self) {
+        self.phase = Phase::Listening;
         self.auth = Some(Auth::Listener(Responder::default()));
     }
 
@@ -151,6 +197,82 @@ impl LaneMachine {
     /// How long nothing has arrived.
     pub fn silent(&self, now: Instant) -> Duration {
         now.saturating_duration_since(self.last_rx)
+    }
+
+    /// A frame arrived (handshake frames with their `body`). `probe_bytes`: a probe's
+    /// payload size. `Err`: the peer broke the protocol; the lane must fail.
+    pub fn handle_frame(
+        &mut self,
+        h: &Header,
+        body: &[u8],
+        probe_bytes: usize,
+    ) -> Result<Step, ConnError> {
+        let unexpected = |what: &str| Err(ConnError::Protocol(what.into()));
+        match (h.kind, self.phase) {
+            (Kind::Keepalive, _) => Ok(Step::Handled),
+            (Kind::Challenge, phase) => {
+                let probe = phase == Phase::Connecting(Purpose::Probe);
+                self.handle_challenge(body, probe.then_some(probe_bytes))?;
+                Ok(Step::Handled)
+            }
+            (Kind::Proof, Phase::Listening) => Ok(Step::Proof),
+            (Kind::Proof, _) => unexpected("unexpected Proof"),
+            (Kind::Hello, Phase::Listening) => Ok(Step::Hello),
+            (Kind::Welcome, Phase::Connecting(purpose)) => {
+                let nics = match purpose {
+                    Purpose::Data => {
+                        Welcome::decode(body)
+                            .map_err(|e| ConnError::Protocol(e.to_string()))?
+                            .nics
+                    }
+                    _ => Vec::new(),
+                };
+                let session = self.handle_welcome()?;
+                Ok(Step::Welcomed {
+                    purpose,
+                    session,
+                    nics,
+                    delivered: h.seq,
+                })
+            }
+            (Kind::Refuse, Phase::Connecting(Purpose::Data)) => {
+                unexpected("the listener refused the handshake (wrong comm token?)")
+            }
+            (Kind::Refuse, Phase::Connecting(Purpose::Migrate)) => {
+                unexpected("the peer refused the replacement lane")
+            }
+            (_, Phase::Carrying) => Ok(Step::Comm),
+            (_, Phase::Closing) => Ok(Step::Handled),
+            _ => unexpected(self.expected()),
+        }
+    }
+
+    /// What a lane in its phase waits for, for the error when something else comes.
+    fn expected(&self) -> &'static str {
+        match self.phase {
+            Phase::Listening => "expected Hello",
+            Phase::Connecting(Purpose::Data) => "expected Welcome",
+            Phase::Connecting(Purpose::Probe) => "expected Welcome to a probe",
+            Phase::Connecting(Purpose::Migrate) => "expected Welcome to a migration",
+            Phase::ProbeSink => "expected a probe payload",
+            Phase::Carrying | Phase::Closing => "nothing in particular",
+        }
+    }
+
+    /// A payload's header (`done` false: place it) or its end (`done` true) arrived.
+    pub fn handle_payload(&mut self, done: bool, now: Instant) -> Result<Step, ConnError> {
+        match (self.phase, done) {
+            (Phase::Carrying, _) => Ok(Step::Comm),
+            (Phase::Closing, false) | (Phase::ProbeSink, false) => Ok(Step::Discard),
+            (Phase::Closing, true) => Ok(Step::Handled),
+            (Phase::ProbeSink, true) => {
+                self.linger(now);
+                Ok(Step::ProbeCrossed)
+            }
+            (Phase::Listening | Phase::Connecting(_), _) => {
+                Err(ConnError::Protocol(self.expected().into()))
+            }
+        }
     }
 
     /// Listener: a Hello. `secret` gives the key its purpose calls for. `Err` means the
@@ -190,8 +312,19 @@ impl LaneMachine {
         };
         let accepted = r.handle_proof(body);
         match &accepted {
-            Ok(_) => self.auth = None,
+            // Answered once the probe's payload, sent after the Proof, has crossed the
+            // path: a pair that connects but cannot move data is not healthy. The
+            // prober's own deadline decides; this one only bounds a prober that stops,
+            // and is later than the pre-authentication one it replaces.
+            Ok(a) if a.purpose == Purpose::Probe => {
+                self.phase = Phase::ProbeSink;
+                self.expect_by(now + MAX_PROBE_DEADLINE + LINGER);
+            }
+            Ok(_) => {}
             Err(_) => self.refuse(now),
+        }
+        if accepted.is_ok() {
+            self.auth = None;
         }
         Ok(accepted)
     }
@@ -199,7 +332,7 @@ impl LaneMachine {
     /// Connector: the listener's Challenge; the Proof follows, then a probe's
     /// `probe_bytes` of payload. The listener reads that payload only once authenticated,
     /// so the probe's own deadline, not the short pre-authentication one, judges it.
-    pub fn handle_challenge(
+    fn handle_challenge(
         &mut self,
         body: &[u8],
         probe_bytes: Option<usize>,
@@ -221,7 +354,7 @@ impl LaneMachine {
 
     /// Connector: a Welcome arrived, so the handshake must be complete. Returns the
     /// session a `Data` handshake agreed.
-    pub fn handle_welcome(&mut self) -> Result<Option<Session>, ConnError> {
+    fn handle_welcome(&mut self) -> Result<Option<Session>, ConnError> {
         match self.auth.take() {
             Some(Auth::Connector(a)) => a.finish().map_err(|e| ConnError::Protocol(e.to_string())),
             _ => Err(ConnError::Protocol(
@@ -247,11 +380,13 @@ impl LaneMachine {
 
     /// Done: it may flush its last bytes for [`LINGER`].
     pub fn linger(&mut self, now: Instant) {
+        self.phase = Phase::Closing;
         self.expect_by(now + LINGER);
     }
 
     /// It now carries a comm: no deadline, but silence and brown-outs are judged.
     pub fn carry(&mut self) {
+        self.phase = Phase::Carrying;
         self.deadline = None;
         self.carrying = true;
     }
@@ -504,10 +639,45 @@ mod tests {
         assert!(refused.is_some());
         assert_eq!(kinds(&mut m), [Kind::Refuse]);
         assert_eq!(m.poll_timeout(), Some(t0 + LINGER));
-        // Nothing more is accepted on it.
+        // Nothing more is accepted on it, but what still arrives is drained.
         assert!(m.handle_proof(b"", t0).is_err());
-        assert!(m.handle_challenge(b"", None).is_err());
-        assert!(m.handle_welcome().is_err());
+        let frame = |kind| Header::new(kind, 0, 0);
+        assert!(m.handle_frame(&frame(Kind::Challenge), b"", 0).is_err());
+        assert!(m.handle_frame(&frame(Kind::Proof), b"", 0).is_err());
+        assert_eq!(m.handle_frame(&frame(Kind::Ack), b"", 0), Ok(Step::Handled));
+        assert_eq!(m.handle_payload(false, t0), Ok(Step::Discard));
+    }
+
+    #[test]
+    fn each_phase_takes_only_its_frames() {
+        let t0 = Instant::now();
+        let frame = |kind| Header::new(kind, 0, 0);
+        let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        m.listening();
+        assert_eq!(
+            m.handle_frame(&frame(Kind::Keepalive), b"", 0),
+            Ok(Step::Handled)
+        );
+        assert_eq!(m.handle_frame(&frame(Kind::Hello), b"", 0), Ok(Step::Hello));
+        assert!(m.handle_frame(&frame(Kind::Data), b"", 0).is_err());
+        assert!(m.handle_payload(true, t0).is_err());
+        // A connector welcomed before it was challenged has not authenticated.
+        let (auth, hello) = Initiator::connect(&[1; 16], Vec::new(), &[2; 64]);
+        let mut c = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        c.connecting(auth, hello);
+        assert_eq!(kinds(&mut c), [Kind::Hello]);
+        let welcome = Welcome { nics: Vec::new() }.encode(0);
+        let h = Header::decode(&welcome).unwrap();
+        assert!(c.handle_frame(&h, &welcome[wire::HEADER_LEN..], 0).is_err());
+        let refuse = frame(Kind::Refuse);
+        let mut c = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        let (auth, hello) = Initiator::connect(&[1; 16], Vec::new(), &[2; 64]);
+        c.connecting(auth, hello);
+        assert!(c.handle_frame(&refuse, b"", 0).is_err());
+        // A carrying lane hands everything but keepalives to its comm.
+        c.carry();
+        assert_eq!(c.handle_frame(&frame(Kind::Ack), b"", 0), Ok(Step::Comm));
+        assert_eq!(c.handle_payload(true, t0), Ok(Step::Comm));
     }
 
     #[test]

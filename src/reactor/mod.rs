@@ -41,8 +41,7 @@ use parking_lot::Mutex;
 use slab::Slab;
 
 use crate::conn::auth::{self, AuthError, CommId, Initiator, Secret, Session};
-use crate::conn::health::MAX_PROBE_DEADLINE;
-use crate::conn::lane::{io_error, Cause, LaneMachine, LINGER};
+use crate::conn::lane::{io_error, Cause, LaneMachine, Step, LINGER};
 use crate::conn::path::{PathMachine, Timeouts};
 use crate::conn::wire::{Header, Kind, NicAddr, Purpose, Welcome};
 use crate::conn::{
@@ -1109,114 +1108,62 @@ impl<F: Fabric> Reactor<F> {
         self.dirty.push(k);
     }
 
+    /// One item from lane `k`: its machine says what it means, the reactor acts on it.
     fn inbound(&mut self, k: usize, item: Inbound, now: Instant) -> Result<(), ConnError> {
-        if let Inbound::Frame(h, body) = &item {
-            match h.kind {
-                Kind::Keepalive => return Ok(()),
-                Kind::Challenge => return self.challenge(k, body),
-                Kind::Proof => return self.proof(k, body, now),
-                _ => {}
-            }
-        }
         let lane = &mut self.lanes[k];
-        match &lane.role {
-            Role::Handshake { listener } => {
-                let listener = *listener;
-                match item {
-                    Inbound::Frame(h, body) if h.kind == Kind::Hello => {
-                        self.hello(k, listener, &body, now)
-                    }
-                    Inbound::Eof => Err(ConnError::PeerClosed),
-                    _ => Err(ConnError::Protocol("expected Hello".into())),
-                }
-            }
-            Role::Connecting { pending, nic, to } => {
-                let (pending, nic, to) = (pending.clone(), *nic, *to);
-                match item {
-                    Inbound::Frame(h, body) if h.kind == Kind::Welcome => {
-                        let peer = Welcome::decode(&body)
-                            .map_err(|e| ConnError::Protocol(e.to_string()))?;
-                        let session = self.lanes[k].m.handle_welcome()?.ok_or_else(|| {
-                            ConnError::Protocol("the handshake agreed no session".into())
-                        })?;
-                        let shared = self.new_comm(Side::Send, k, nic, session);
-                        self.register_route(shared.key, nic, to, peer.nics, now);
-                        *pending.result.lock() = Some(Ok(shared));
-                        Ok(())
-                    }
-                    Inbound::Frame(h, _) if h.kind == Kind::Refuse => Err(ConnError::Protocol(
-                        "the listener refused the handshake (wrong comm token?)".into(),
-                    )),
-                    Inbound::Eof => Err(ConnError::PeerClosed),
-                    _ => Err(ConnError::Protocol("expected Welcome".into())),
-                }
-            }
-            Role::ProbeSink => match item {
-                Inbound::Data { .. } => {
-                    lane.reader.place(None);
-                    Ok(())
-                }
-                Inbound::PayloadDone { .. } => {
-                    let welcome = Welcome {
-                        nics: self.wire.clone(),
-                    }
-                    .encode(0);
-                    let lane = &mut self.lanes[k];
-                    lane.writer.push_ctrl(&welcome);
-                    lane.role = Role::Closing;
-                    lane.m.linger(now);
-                    Ok(())
-                }
-                Inbound::Eof => Err(ConnError::PeerClosed),
-                _ => Err(ConnError::Protocol("expected a probe payload".into())),
-            },
-            Role::Probe { pair, started } => {
-                let (pair, started) = (*pair, *started);
-                match item {
-                    Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
-                        self.lanes[k].m.handle_welcome()?;
-                        self.probe_answered(pair, started, now);
-                        let lane = &mut self.lanes[k];
-                        lane.role = Role::Closing;
-                        lane.m.linger(now);
-                        Ok(())
-                    }
-                    Inbound::Eof => Err(ConnError::PeerClosed),
-                    _ => Err(ConnError::Protocol("expected Welcome to a probe".into())),
-                }
-            }
-            Role::Migrating { comm, mv } => {
-                let (c, mv) = (*comm, *mv);
-                match item {
-                    Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
-                        self.lanes[k].m.handle_welcome()?;
-                        self.finish_migration(c, k, mv, h.seq, now)
-                    }
-                    Inbound::Frame(h, _) if h.kind == Kind::Refuse => Err(ConnError::Protocol(
-                        "the peer refused the replacement lane".into(),
-                    )),
-                    Inbound::Eof => Err(ConnError::PeerClosed),
-                    _ => Err(ConnError::Protocol(
-                        "expected Welcome to a migration".into(),
-                    )),
-                }
-            }
-            Role::Closing => {
-                // Drain and ignore whatever the peer still sends.
-                if let Inbound::Data { .. } = item {
-                    lane.reader.place(None);
-                }
-                if matches!(item, Inbound::Eof) {
-                    return Err(ConnError::PeerClosed);
-                }
+        let (step, body) = match &item {
+            Inbound::Frame(h, body) => (
+                lane.m.handle_frame(h, body, self.setup.probe_bytes)?,
+                &body[..],
+            ),
+            Inbound::Data { .. } => (lane.m.handle_payload(false, now)?, &[][..]),
+            Inbound::PayloadDone { .. } => (lane.m.handle_payload(true, now)?, &[][..]),
+            Inbound::Eof => return Err(ConnError::PeerClosed),
+        };
+        match (step, &lane.role) {
+            (Step::Handled, _) => Ok(()),
+            (Step::Discard, _) => {
+                lane.reader.place(None);
                 Ok(())
             }
-            Role::Comm(c) => {
-                let c = *c;
+            (Step::Hello, &Role::Handshake { listener }) => self.hello(k, listener, body, now),
+            (Step::Proof, _) => self.proof(k, body, now),
+            (Step::ProbeCrossed, _) => {
+                lane.writer.push_ctrl(
+                    &Welcome {
+                        nics: self.wire.clone(),
+                    }
+                    .encode(0),
+                );
+                lane.role = Role::Closing;
+                Ok(())
+            }
+            (Step::Welcomed { nics, session, .. }, Role::Connecting { pending, nic, to }) => {
+                let (pending, nic, to) = (pending.clone(), *nic, *to);
+                let session = session
+                    .ok_or_else(|| ConnError::Protocol("the handshake agreed no session".into()))?;
+                let shared = self.new_comm(Side::Send, k, nic, session);
+                self.register_route(shared.key, nic, to, nics, now);
+                *pending.result.lock() = Some(Ok(shared));
+                Ok(())
+            }
+            (Step::Welcomed { .. }, &Role::Probe { pair, started }) => {
+                lane.role = Role::Closing;
+                lane.m.linger(now);
+                self.probe_answered(pair, started, now);
+                Ok(())
+            }
+            (Step::Welcomed { delivered, .. }, &Role::Migrating { comm, mv }) => {
+                self.finish_migration(comm, k, mv, delivered, now)
+            }
+            (Step::Comm, &Role::Comm(c)) => {
                 self.comm_inbound(c, k, item)?;
                 self.pump(c);
                 Ok(())
             }
+            (step, role) => Err(ConnError::Protocol(format!(
+                "{step:?} on a lane in {role:?}"
+            ))),
         }
     }
 
@@ -1345,30 +1292,14 @@ impl<F: Fabric> Reactor<F> {
                 );
                 shared.ready.lock().push_back(comm);
             }
-            // Answer once the probe's payload, sent after the Proof, has crossed the
-            // path: a pair that connects but cannot move data is not healthy. The
-            // prober's own deadline decides; this one only bounds a prober that stops.
-            Purpose::Probe => {
-                let lane = &mut self.lanes[k];
-                lane.role = Role::ProbeSink;
-                // Later than the pre-authentication deadline it replaces, so the
-                // reactor's next deadline still comes first.
-                lane.m.expect_by(now + MAX_PROBE_DEADLINE + LINGER);
-            }
+            // Its payload crosses before the Welcome (see `LaneMachine::handle_proof`).
+            Purpose::Probe => self.lanes[k].role = Role::ProbeSink,
             Purpose::Migrate => match self.recv_by_id.get(&accepted.comm).copied() {
                 Some(c) => self.attach_replacement(c, k, accepted.epoch, now),
                 None => self.refuse(k, &AuthError::NotHere(Purpose::Migrate), now),
             },
         }
         Ok(())
-    }
-
-    /// The connector's side of a Challenge: check the listener holds the key, prove ours;
-    /// a probe sends its payload after the Proof.
-    fn challenge(&mut self, k: usize, body: &[u8]) -> Result<(), ConnError> {
-        let lane = &mut self.lanes[k];
-        let probe = matches!(lane.role, Role::Probe { .. }).then_some(self.setup.probe_bytes);
-        lane.m.handle_challenge(body, probe)
     }
 
     /// Refuses a connection that failed to authenticate, and counts it.
