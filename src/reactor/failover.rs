@@ -11,9 +11,7 @@ use super::*;
 use crate::conn::health;
 use crate::conn::lane::sample_interval;
 use crate::conn::path::{Loss, Moved};
-use crate::routing::{
-    CommId, CommSpec, Event, LaneId, LocalNic as RouteLocal, NicId, PeerId, RemoteNic,
-};
+use crate::routing::{CommId, CommSpec, Event, LaneId, NicId, PeerId};
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair, NicSample};
 use crate::transport::fair::LaneSample;
 
@@ -43,41 +41,18 @@ impl<F: Fabric> Reactor<F> {
             );
             return;
         };
-        let spec = CommSpec {
-            peer: PeerId(peer as u32),
-            local_nics: self
-                .setup
-                .nics
-                .iter()
-                .enumerate()
-                .map(|(i, n)| RouteLocal {
-                    id: NicId(i as u32),
-                    rail: n.rail,
-                    distance: self
-                        .setup
-                        .distance
-                        .get(nic)
-                        .and_then(|d| d.get(i))
-                        .copied()
-                        .flatten(),
-                })
-                .collect(),
-            remote_nics: remote
-                .iter()
-                .enumerate()
-                .map(|(j, r)| RemoteNic {
-                    id: NicId(j as u32),
-                    rail: r.rail,
-                })
-                .collect(),
-            lanes: vec![(NicId(nic as u32), NicId(remote_idx as u32))],
-        };
+        let rails: Vec<_> = self.setup.nics.iter().map(|n| n.rail).collect();
+        let remotes: Vec<_> = remote.iter().map(|r| r.rail).collect();
+        let distance = self.setup.distance.get(nic).map_or(&[][..], |d| &d[..]);
+        let (local, remote) = (NicId(nic as u32), NicId(remote_idx as u32));
+        let peer = PeerId(peer as u32);
+        let spec = CommSpec::one_lane(peer, &rails, distance, &remotes, (local, remote));
         match self.router.add_comm(CommId(c), spec, now) {
             Ok(()) => {
                 let current = Pair {
-                    local: NicId(nic as u32),
-                    peer: PeerId(peer as u32),
-                    remote: NicId(remote_idx as u32),
+                    local,
+                    peer,
+                    remote,
                 };
                 self.comms[c].route = Some(Route { current });
                 self.routes_dirty = true;

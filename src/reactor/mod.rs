@@ -576,6 +576,23 @@ struct MetricsState {
     lane_failures: Delta,
 }
 
+impl MetricsState {
+    fn new(nics: usize, now: Instant) -> MetricsState {
+        MetricsState {
+            nic: vec![[0; 4]; nics],
+            probe_failures: vec![0; nics],
+            last_sample: now,
+            idle: Duration::ZERO,
+            replayed: Delta::default(),
+            duplicates: Delta::default(),
+            rejected: Delta::default(),
+            refused: Delta::default(),
+            protocol_errors: Delta::default(),
+            lane_failures: Delta::default(),
+        }
+    }
+}
+
 /// How often counters reach the metrics registry.
 const METRICS_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -651,18 +668,7 @@ impl<F: Fabric> Reactor<F> {
             injected_down: vec![false; setup.nics.len()],
             graveyard: Vec::new(),
             fair: FairShare::new(),
-            metrics: MetricsState {
-                nic: vec![[0; 4]; setup.nics.len()],
-                probe_failures: vec![0; setup.nics.len()],
-                last_sample: now,
-                idle: Duration::ZERO,
-                replayed: Delta::default(),
-                duplicates: Delta::default(),
-                rejected: Delta::default(),
-                refused: Delta::default(),
-                protocol_errors: Delta::default(),
-                lane_failures: Delta::default(),
-            },
+            metrics: MetricsState::new(setup.nics.len(), now),
             entropy,
             setup,
         })
@@ -817,107 +823,20 @@ impl<F: Fabric> Reactor<F> {
 
     fn command(&mut self, c: Command, now: Instant) {
         match c {
-            Command::Listen { nic, shared, reply } => {
-                let (mut listener, addr) = match self.fabric.listen(nic) {
-                    Ok(l) => l,
-                    Err(e) => {
-                        reply.finish(Err(e.into()));
-                        return;
-                    }
-                };
-                let entry = self.listeners.vacant_entry();
-                let key = entry.key();
-                if let Err(e) = self.poll.registry().register(
-                    &mut listener,
-                    Token(key | LISTENER_BIT),
-                    Interest::READABLE,
-                ) {
-                    tracing::warn!("railover: cannot watch a listener: {e}");
-                    reply.finish(Err(e.into()));
-                    return;
-                }
-                self.listener_ids.insert(shared.id, key);
-                entry.insert(Listener {
-                    sock: Some(listener),
-                    shared: Some(shared),
-                    nic,
-                });
-                reply.finish(Ok(addr));
-            }
-            Command::CloseListen { shared } => {
-                if let Some(key) = self.listener_ids.remove(&shared.id) {
-                    let mut l = self.listeners.remove(key);
-                    if let Some(sock) = l.sock.as_mut() {
-                        let _ = self.poll.registry().deregister(sock);
-                    }
-                }
-                // Accepted comms NCCL never took die with their listener.
-                let orphans: Vec<_> = shared.ready.lock().drain(..).collect();
-                for comm in orphans {
-                    self.close_comm(&comm, now);
-                }
-            }
+            Command::Listen { nic, shared, reply } => reply.finish(self.listen(nic, shared)),
+            Command::CloseListen { shared } => self.close_listen(&shared, now),
             Command::Connect {
                 nic,
                 to,
                 token,
                 pending,
             } => {
-                let random = match fresh_random(&mut self.entropy) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        *pending.result.lock() = Some(Err(e.into()));
-                        return;
-                    }
-                };
-                let stream = match self.fabric.connect(nic, to) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::warn!("railover: connect to {to} failed: {e}");
-                        *pending.result.lock() = Some(Err(e.into()));
-                        return;
-                    }
-                };
-                let (auth, hello) = Initiator::connect(&token, self.wire.clone(), &random);
-                match self.add_lane(
-                    stream,
-                    Role::Connecting {
-                        pending: pending.clone(),
-                        nic,
-                        to,
-                    },
-                    now,
-                    HANDSHAKE_TIMEOUT,
-                ) {
-                    Ok(k) => {
-                        let lane = &mut self.lanes[k];
-                        lane.nic = Some(nic);
-                        lane.m.connecting(auth, hello);
-                        self.dirty.push(k);
-                    }
-                    Err(e) => *pending.result.lock() = Some(Err(e.into())),
+                if let Err(e) = self.connect(nic, to, &token, &pending, now) {
+                    *pending.result.lock() = Some(Err(e));
                 }
             }
-            Command::Send { comm, req, buf } => {
-                let Some(c) = self.comm_of(&comm) else {
-                    req.fail(Error::InvalidArgument("send on a closed comm".into()));
-                    return;
-                };
-                if let Machine::Send(m) = &mut self.comms[c].machine {
-                    m.post(buf.len() as u64, Pending { buf, req });
-                }
-                self.pump(c);
-            }
-            Command::Recv { comm, req, buf } => {
-                let Some(c) = self.comm_of(&comm) else {
-                    req.fail(Error::InvalidArgument("receive on a closed comm".into()));
-                    return;
-                };
-                if let Machine::Recv(m) = &mut self.comms[c].machine {
-                    m.post(buf.len() as u64, Pending { buf, req });
-                }
-                self.pump(c);
-            }
+            Command::Send { comm, req, buf } => self.post(&comm, Side::Send, Pending { buf, req }),
+            Command::Recv { comm, req, buf } => self.post(&comm, Side::Recv, Pending { buf, req }),
             Command::CloseComm { comm, done } => {
                 self.close_comm(&comm, now);
                 done.signal();
@@ -926,6 +845,96 @@ impl<F: Fabric> Reactor<F> {
             Command::Shutdown => self.shutdown = true,
             Command::Panic(message) => panic!("{message}"),
         }
+    }
+
+    /// Opens NCCL's listener on local NIC `nic`.
+    fn listen(&mut self, nic: usize, shared: Arc<ListenShared>) -> Result<SocketAddr, Error> {
+        let (mut listener, addr) = self.fabric.listen(nic)?;
+        let entry = self.listeners.vacant_entry();
+        let key = entry.key();
+        if let Err(e) = self.poll.registry().register(
+            &mut listener,
+            Token(key | LISTENER_BIT),
+            Interest::READABLE,
+        ) {
+            tracing::warn!("railover: cannot watch a listener: {e}");
+            return Err(e.into());
+        }
+        self.listener_ids.insert(shared.id, key);
+        entry.insert(Listener {
+            sock: Some(listener),
+            shared: Some(shared),
+            nic,
+        });
+        Ok(addr)
+    }
+
+    fn close_listen(&mut self, shared: &ListenShared, now: Instant) {
+        if let Some(key) = self.listener_ids.remove(&shared.id) {
+            let mut l = self.listeners.remove(key);
+            if let Some(sock) = l.sock.as_mut() {
+                let _ = self.poll.registry().deregister(sock);
+            }
+        }
+        // Accepted comms NCCL never took die with their listener.
+        let orphans: Vec<_> = shared.ready.lock().drain(..).collect();
+        for comm in orphans {
+            self.close_comm(&comm, now);
+        }
+    }
+
+    /// Connects from local NIC `nic` to NCCL's listener at `to`, keyed by its `token`.
+    fn connect(
+        &mut self,
+        nic: usize,
+        to: SocketAddr,
+        token: &[u8; 16],
+        pending: &Arc<PendingConnect>,
+        now: Instant,
+    ) -> Result<(), Error> {
+        let random = fresh_random(&mut self.entropy)?;
+        let stream = self.fabric.connect(nic, to).inspect_err(|e| {
+            tracing::warn!("railover: connect to {to} failed: {e}");
+        })?;
+        let (auth, hello) = Initiator::connect(token, self.wire.clone(), &random);
+        let pending = pending.clone();
+        let k = self.add_lane(
+            stream,
+            Role::Connecting { pending, nic, to },
+            now,
+            HANDSHAKE_TIMEOUT,
+        )?;
+        let lane = &mut self.lanes[k];
+        lane.nic = Some(nic);
+        lane.m.connecting(auth, hello);
+        self.dirty.push(k);
+        Ok(())
+    }
+
+    /// A send or receive NCCL posted on `comm`.
+    fn post(&mut self, comm: &Arc<CommShared>, side: Side, p: Pending) {
+        let len = p.buf.len() as u64;
+        let Some(c) = self.comm_of(comm) else {
+            let what = match side {
+                Side::Send => "send on a closed comm",
+                Side::Recv => "receive on a closed comm",
+            };
+            return p.req.fail(Error::InvalidArgument(what.into()));
+        };
+        match (&mut self.comms[c].machine, side) {
+            (Machine::Send(m), Side::Send) => {
+                m.post(len, p);
+            }
+            (Machine::Recv(m), Side::Recv) => {
+                m.post(len, p);
+            }
+            _ => {
+                let e =
+                    Error::InvalidArgument("send or receive on a comm of the other side".into());
+                return p.req.fail(e);
+            }
+        }
+        self.pump(c);
     }
 
     fn comm_of(&self, shared: &Arc<CommShared>) -> Option<usize> {
