@@ -12,7 +12,7 @@ use crate::conn::health;
 use crate::conn::lane::sample_interval;
 use crate::conn::path::{Loss, Moved};
 use crate::routing::{CommId, CommSpec, Event, LaneId, NicId, PeerId};
-use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair, NicSample};
+use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
 use crate::transport::fair::LaneSample;
 
 /// The one lane a comm has, in the router's numbering.
@@ -558,9 +558,7 @@ impl<F: Fabric> Reactor<F> {
     }
 
     pub(super) fn probe_failed(&mut self, pair: Pair, now: Instant) {
-        if let Some(n) = self.metrics.probe_failures.get_mut(pair.local.0 as usize) {
-            *n += 1;
-        }
+        self.metrics.probe_failed(pair.local.0 as usize);
         self.router.handle_probe(pair, false, now);
     }
 
@@ -713,65 +711,34 @@ impl<F: Fabric> Reactor<F> {
 
     /// Sends the counters gathered since the last sample to the metrics registry.
     pub(super) fn sample_metrics(&mut self, now: Instant) {
-        let t = self.setup.telemetry.clone();
-        let elapsed = now.saturating_duration_since(self.metrics.last_sample);
-        if !elapsed.is_zero() {
-            let idle = self.metrics.idle.min(elapsed);
-            t.record_reactor_busy(1.0 - idle.as_secs_f64() / elapsed.as_secs_f64());
-        }
-        self.metrics.last_sample = now;
-        self.metrics.idle = Duration::ZERO;
-        let mut lanes = vec![0u64; self.setup.nics.len()];
-        let mut paced = vec![0u64; self.setup.nics.len()];
+        let mut nics: Vec<NicNow> = (self.setup.nics.iter().zip(&self.nic_up))
+            .map(|(n, &up)| NicNow {
+                name: &n.name,
+                rail: n.rail,
+                up,
+                lanes: 0,
+                paced_lanes: 0,
+            })
+            .collect();
         for (k, l) in self.lanes.iter() {
-            if let (Role::Comm(_), Some(n)) = (&l.role, l.nic) {
-                if let Some(x) = lanes.get_mut(n) {
-                    *x += 1;
-                }
-                if let Some(x) = paced.get_mut(n).filter(|_| self.fair.cap(k).is_some()) {
-                    *x += 1;
-                }
-            }
-        }
-        for (i, nic) in self.setup.nics.iter().enumerate() {
-            let c = std::mem::take(&mut self.metrics.nic[i]);
-            t.record_nic(&NicSample {
-                nic: &nic.name,
-                rail: nic.rail,
-                up: self.nic_up[i],
-                lanes: lanes[i],
-                paced_lanes: paced[i],
-                tx_bytes: c[0],
-                rx_bytes: c[1],
-                tx_messages: c[2],
-                rx_messages: c[3],
-            });
-            let probes = std::mem::take(&mut self.metrics.probe_failures[i]);
-            if probes > 0 {
-                t.record_probe_failures(&nic.name, probes);
+            if let (Role::Comm(_), Some(n)) = (&l.role, l.nic.and_then(|n| nics.get_mut(n))) {
+                n.lanes += 1;
+                n.paced_lanes += u64::from(self.fair.cap(k).is_some());
             }
         }
         let st = &self.stats;
-        let m = &mut self.metrics;
-        t.record_replayed(m.replayed.take(st.replayed_bytes.load(Ordering::Relaxed)));
-        t.record_duplicates(m.duplicates.take(st.duplicates.load(Ordering::Relaxed)));
-        t.record_rejected(
-            m.rejected
-                .take(st.rejected_connections.load(Ordering::Relaxed)),
-        );
-        t.record_refused_handshakes(
-            m.refused
-                .take(st.refused_handshakes.load(Ordering::Relaxed)),
-        );
-        t.set_handshakes_pending(st.handshakes_pending.load(Ordering::Relaxed));
-        t.record_protocol_errors(
-            m.protocol_errors
-                .take(st.protocol_errors.load(Ordering::Relaxed)),
-        );
-        t.record_lane_failures(
-            m.lane_failures
-                .take(st.lane_failures.load(Ordering::Relaxed)),
-        );
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let totals = Totals {
+            replayed_bytes: load(&st.replayed_bytes),
+            duplicates: load(&st.duplicates),
+            rejected_connections: load(&st.rejected_connections),
+            refused_handshakes: load(&st.refused_handshakes),
+            handshakes_pending: load(&st.handshakes_pending),
+            protocol_errors: load(&st.protocol_errors),
+            lane_failures: load(&st.lane_failures),
+        };
+        let t = &self.setup.telemetry;
+        self.metrics.sample(t, now, &nics, &totals);
     }
 
     /// "eth0->peer0/nic1"-style names for a pair, as the metrics and logs show them.

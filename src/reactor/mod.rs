@@ -52,7 +52,8 @@ use crate::plugin::request::Request;
 use crate::plugin::{Error, UserBuf};
 use crate::routing::rng::SplitMix64;
 use crate::routing::{self, FailReason, Move, Pair, RoutePublisher, Router, RouterConfig};
-use crate::telemetry::metrics::{Delta, Telemetry};
+use crate::telemetry::metrics::Telemetry;
+use crate::telemetry::sampler::{NicNow, Sampler, Totals};
 use crate::topology::PathType;
 use crate::transport::fair::FairShare;
 use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
@@ -549,7 +550,7 @@ struct Reactor<F: Fabric> {
     watcher: Option<LinkWatcher>,
     next_tick: Instant,
     setup: Setup,
-    metrics: MetricsState,
+    metrics: Sampler,
     /// Local NICs cut by fault injection, and the sockets they swallowed: kept open and
     /// never served, as a dead cable would leave them, until the NIC is restored.
     injected_down: Vec<bool>,
@@ -559,42 +560,6 @@ struct Reactor<F: Fabric> {
     /// Seeded handshake randomness (simulation only); `None`: the OS's.
     entropy: Option<SplitMix64>,
 }
-
-/// What the reactor accumulates between two metric samples.
-#[derive(Debug)]
-struct MetricsState {
-    /// Per local NIC: tx bytes, rx bytes, tx messages, rx messages since the last sample.
-    nic: Vec<[u64; 4]>,
-    probe_failures: Vec<u64>,
-    last_sample: Instant,
-    idle: Duration,
-    replayed: Delta,
-    duplicates: Delta,
-    rejected: Delta,
-    refused: Delta,
-    protocol_errors: Delta,
-    lane_failures: Delta,
-}
-
-impl MetricsState {
-    fn new(nics: usize, now: Instant) -> MetricsState {
-        MetricsState {
-            nic: vec![[0; 4]; nics],
-            probe_failures: vec![0; nics],
-            last_sample: now,
-            idle: Duration::ZERO,
-            replayed: Delta::default(),
-            duplicates: Delta::default(),
-            rejected: Delta::default(),
-            refused: Delta::default(),
-            protocol_errors: Delta::default(),
-            lane_failures: Delta::default(),
-        }
-    }
-}
-
-/// How often counters reach the metrics registry.
-const METRICS_INTERVAL: Duration = Duration::from_millis(100);
 
 impl<F: Fabric> Reactor<F> {
     /// A reactor over `fabric`, its failover listeners open, not yet running.
@@ -668,7 +633,7 @@ impl<F: Fabric> Reactor<F> {
             injected_down: vec![false; setup.nics.len()],
             graveyard: Vec::new(),
             fair: FairShare::new(),
-            metrics: MetricsState::new(setup.nics.len(), now),
+            metrics: Sampler::new(setup.nics.len(), now),
             entropy,
             setup,
         })
@@ -719,7 +684,7 @@ impl<F: Fabric> Reactor<F> {
             let polled = self.poll.poll(&mut events, timeout);
             self.queue.parked.store(false, Ordering::SeqCst);
             if events.is_empty() {
-                self.metrics.idle += now.elapsed();
+                self.metrics.idle(now.elapsed());
             }
             if let Err(e) = polled {
                 if e.kind() != io::ErrorKind::Interrupted {
@@ -791,7 +756,7 @@ impl<F: Fabric> Reactor<F> {
                 tracing::warn!("railover: turned away {n} more incoming connections in the last {secs} s (latest: {latest})");
             }
         }
-        if now.saturating_duration_since(self.metrics.last_sample) >= METRICS_INTERVAL {
+        if self.metrics.due(now) {
             self.sample_metrics(now);
         }
         if self.router.poll_timeout().is_some_and(|d| d <= now) {
@@ -1212,10 +1177,7 @@ impl<F: Fabric> Reactor<F> {
             }
             (Machine::Recv(m), Inbound::PayloadDone { seq, len }) => {
                 self.stats.bytes_received.fetch_add(len, Ordering::Relaxed);
-                if let Some(n) = self.lanes[k].nic.and_then(|n| self.metrics.nic.get_mut(n)) {
-                    n[1] += len;
-                    n[3] += 1;
-                }
+                self.metrics.message(self.lanes[k].nic, false, len);
                 if m.message(seq).is_some() && m.delivered() == seq {
                     m.payload_done(seq, len)
                 } else {
@@ -1385,11 +1347,7 @@ impl<F: Fabric> Reactor<F> {
                                     .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
                                 lane.writer.push_payload(buf, len as usize);
                                 self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
-                                if let Some(n) = lane.nic.and_then(|n| self.metrics.nic.get_mut(n))
-                                {
-                                    n[0] += len;
-                                    n[2] += 1;
-                                }
+                                self.metrics.message(lane.nic, true, len);
                             }
                             Transmit::Truncated { seq, len } => {
                                 lane.writer
