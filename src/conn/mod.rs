@@ -7,6 +7,7 @@
 //! them decoded frames and does the I/O; [`wire`] is the byte format.
 
 pub mod auth;
+pub mod comm;
 pub mod health;
 pub mod lane;
 pub mod path;

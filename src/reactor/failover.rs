@@ -241,20 +241,14 @@ impl<F: Fabric> Reactor<F> {
 
     /// Whether comm `c` has requests outstanding.
     fn busy(&self, c: usize) -> bool {
-        match &self.comms[c].machine {
-            Machine::Send(m) => m.pending() > 0,
-            Machine::Recv(m) => m.pending() > 0,
-        }
+        self.comms[c].machine.pending() > 0
     }
 
     /// Fails every request of comm `c`, now and later.
     fn fail_comm(&mut self, c: usize, error: ConnError) {
         let comm = &mut self.comms[c];
         comm.shared.set_failed(error.clone().into());
-        match &mut comm.machine {
-            Machine::Send(m) => m.handle_lane_lost(error),
-            Machine::Recv(m) => m.handle_lane_lost(error),
-        }
+        comm.machine.handle_lane_lost(error);
         comm.path.handle_failed();
         let routed = comm.route.take().is_some();
         let lanes = [comm.lane.take(), comm.migrating.take()];
@@ -277,10 +271,7 @@ impl<F: Fabric> Reactor<F> {
             Err(e) => return self.refuse(k, &e, now),
         };
         let old = comm.lane.replace(k);
-        let delivered = match &mut comm.machine {
-            Machine::Recv(m) => m.begin_replay(),
-            Machine::Send(_) => 0,
-        };
+        let delivered = comm.machine.replay_point();
         let nic = self.lanes[k].nic.unwrap_or(0);
         comm.shared.moved_to(nic);
         if let Some((after, reason)) = outage {
@@ -322,10 +313,7 @@ impl<F: Fabric> Reactor<F> {
         };
         comm.migrating = None;
         let old = comm.lane.replace(k);
-        let replayed = match &mut comm.machine {
-            Machine::Send(m) => m.begin_replay(delivered)?,
-            Machine::Recv(_) => 0,
-        };
+        let replayed = comm.machine.replay_from(delivered)?;
         self.stats
             .replayed_bytes
             .fetch_add(replayed, Ordering::Relaxed);

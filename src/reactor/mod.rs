@@ -41,12 +41,11 @@ use parking_lot::Mutex;
 use slab::Slab;
 
 use crate::conn::auth::{self, AuthError, CommId, Initiator, Secret, Session};
+use crate::conn::comm::{CommMachine, Out};
 use crate::conn::lane::{io_error, Cause, LaneMachine, Step, LINGER};
 use crate::conn::path::{PathMachine, Timeouts};
 use crate::conn::wire::{Header, Kind, NicAddr, Purpose, Welcome};
-use crate::conn::{
-    ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
-};
+use crate::conn::ConnError;
 use crate::plugin::comm::{CommShared, ListenShared, PendingConnect, PendingListen, Side};
 use crate::plugin::request::Request;
 use crate::plugin::{Error, UserBuf};
@@ -433,16 +432,10 @@ struct Pending {
 }
 
 #[derive(Debug)]
-enum Machine {
-    Send(SendMachine<Pending>),
-    Recv(RecvMachine<Pending>),
-}
-
-#[derive(Debug)]
 struct Comm {
     shared: Arc<CommShared>,
     lane: Option<usize>,
-    machine: Machine,
+    machine: CommMachine<Pending>,
     /// The session secret its first handshake agreed; migrations and probes prove it.
     session: Session,
     /// Send side: the comm is registered with the router.
@@ -780,10 +773,7 @@ impl<F: Fabric> Reactor<F> {
     }
 
     fn requests_in_flight(&self) -> bool {
-        self.comms.iter().any(|(_, c)| match &c.machine {
-            Machine::Send(m) => m.pending() > 0,
-            Machine::Recv(m) => m.pending() > 0,
-        })
+        self.comms.iter().any(|(_, c)| c.machine.pending() > 0)
     }
 
     fn command(&mut self, c: Command, now: Instant) {
@@ -886,18 +876,9 @@ impl<F: Fabric> Reactor<F> {
             };
             return p.req.fail(Error::InvalidArgument(what.into()));
         };
-        match (&mut self.comms[c].machine, side) {
-            (Machine::Send(m), Side::Send) => {
-                m.post(len, p);
-            }
-            (Machine::Recv(m), Side::Recv) => {
-                m.post(len, p);
-            }
-            _ => {
-                let e =
-                    Error::InvalidArgument("send or receive on a comm of the other side".into());
-                return p.req.fail(e);
-            }
+        if let Err(p) = self.comms[c].machine.post(side == Side::Send, len, p) {
+            let e = Error::InvalidArgument("send or receive on a comm of the other side".into());
+            return p.req.fail(e);
         }
         self.pump(c);
     }
@@ -1143,52 +1124,27 @@ impl<F: Fabric> Reactor<F> {
 
     fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<(), ConnError> {
         let comm = &mut self.comms[c];
-        match (&mut comm.machine, item) {
-            (_, Inbound::Eof) => Err(ConnError::PeerClosed),
-            (_, Inbound::Frame(h, _)) if h.kind == Kind::Close => Err(ConnError::PeerClosed),
-            (Machine::Send(_), Inbound::Frame(h, _)) if h.kind == Kind::Stalled => {
-                Err(ConnError::Stalled(
-                    "the receiver has heard nothing on this lane for the completion timeout".into(),
-                ))
-            }
-            (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Cts => {
-                m.handle_cts(h.seq, h.len)
-            }
-            (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Ack => {
-                m.handle_ack(h.seq)?;
-                comm.path.handle_resumed();
-                Ok(())
-            }
-            (Machine::Recv(m), Inbound::Data { seq, len }) => {
-                let dst = match m.handle_data(seq, len)? {
-                    Placement::Deliver { seq, .. } => Some(
-                        m.message(seq)
-                            .expect("delivering a posted receive")
-                            .buf
-                            .lend(),
-                    ),
-                    Placement::Discard { .. } => {
-                        self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
-                        None
-                    }
-                };
-                self.lanes[k].reader.place(dst);
-                Ok(())
-            }
-            (Machine::Recv(m), Inbound::PayloadDone { seq, len }) => {
-                self.stats.bytes_received.fetch_add(len, Ordering::Relaxed);
-                self.metrics.message(self.lanes[k].nic, false, len);
-                if m.message(seq).is_some() && m.delivered() == seq {
-                    m.payload_done(seq, len)
-                } else {
-                    Ok(()) // a discarded duplicate
+        match item {
+            Inbound::Frame(h, _) => {
+                if comm.machine.handle_frame(&h)? {
+                    comm.path.handle_resumed();
                 }
             }
-            (Machine::Recv(m), Inbound::Frame(h, _)) if h.kind == Kind::Truncated => {
-                m.handle_truncated(h.seq, h.len)
+            Inbound::Data { seq, len } => {
+                let dst = comm.machine.handle_data(seq, len)?.map(|p| p.buf.lend());
+                if dst.is_none() {
+                    self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                }
+                self.lanes[k].reader.place(dst);
             }
-            (_, other) => Err(ConnError::Protocol(format!("unexpected {other:?}"))),
+            Inbound::PayloadDone { seq, len } => {
+                self.stats.bytes_received.fetch_add(len, Ordering::Relaxed);
+                self.metrics.message(self.lanes[k].nic, false, len);
+                comm.machine.handle_payload_done(seq, len)?;
+            }
+            Inbound::Eof => return Err(ConnError::PeerClosed),
         }
+        Ok(())
     }
 
     /// The listener side of every handshake: a new comm (NCCL's connect), a probe, or a
@@ -1307,14 +1263,10 @@ impl<F: Fabric> Reactor<F> {
         let entry = self.comms.vacant_entry();
         let key = entry.key();
         let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic));
-        let machine = match side {
-            Side::Send => Machine::Send(SendMachine::default()),
-            Side::Recv => Machine::Recv(RecvMachine::default()),
-        };
         entry.insert(Comm {
             shared: shared.clone(),
             lane: Some(lane),
-            machine,
+            machine: CommMachine::new(side == Side::Send),
             session,
             route: None,
             migrating: None,
@@ -1330,55 +1282,29 @@ impl<F: Fabric> Reactor<F> {
     /// Moves the machine's output onto its lane and its outcomes onto the requests.
     fn pump(&mut self, c: usize) {
         let comm = &mut self.comms[c];
-        let lane = comm.lane.and_then(|k| self.lanes.get_mut(k));
-        match &mut comm.machine {
-            Machine::Send(m) => {
-                // Without a lane (failover under way) the machine keeps its queue.
-                if let Some(lane) = lane {
-                    while let Some(t) = m.poll_transmit() {
-                        match t {
-                            Transmit::Data { seq, len } => {
-                                let buf = m
-                                    .message(seq)
-                                    .expect("transmitting a queued message")
-                                    .buf
-                                    .lend();
-                                lane.writer
-                                    .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
-                                lane.writer.push_payload(buf, len as usize);
-                                self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
-                                self.metrics.message(lane.nic, true, len);
-                            }
-                            Transmit::Truncated { seq, len } => {
-                                lane.writer
-                                    .push_ctrl(&Header::new(Kind::Truncated, seq, len).encode());
-                            }
-                        }
-                    }
-                }
-                while let Some(ev) = m.poll_event() {
-                    match ev {
-                        SendEvent::Completed { len, token, .. } => token.req.complete(len),
-                        SendEvent::Failed { token, error, .. } => token.req.fail(error.into()),
+        // Without a lane (failover under way) the machine keeps its queue.
+        if let Some(lane) = comm.lane.and_then(|k| self.lanes.get_mut(k)) {
+            while let Some(out) = comm.machine.poll_transmit() {
+                match out {
+                    Out::Frame(h) => lane.writer.push_ctrl(&h.encode()),
+                    Out::Data { seq, len } => {
+                        let p = comm
+                            .machine
+                            .message(seq)
+                            .expect("transmitting a queued message");
+                        lane.writer
+                            .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
+                        lane.writer.push_payload(p.buf.lend(), len as usize);
+                        self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
+                        self.metrics.message(lane.nic, true, len);
                     }
                 }
             }
-            Machine::Recv(m) => {
-                if let Some(lane) = lane {
-                    while let Some(ctl) = m.poll_transmit() {
-                        let h = match ctl {
-                            Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
-                            Control::Ack { delivered } => Header::new(Kind::Ack, delivered, 0),
-                        };
-                        lane.writer.push_ctrl(&h.encode());
-                    }
-                }
-                while let Some(ev) = m.poll_event() {
-                    match ev {
-                        RecvEvent::Completed { len, token, .. } => token.req.complete(len),
-                        RecvEvent::Failed { token, error, .. } => token.req.fail(error.into()),
-                    }
-                }
+        }
+        while let Some((p, outcome)) = comm.machine.poll_outcome() {
+            match outcome {
+                Ok(len) => p.req.complete(len),
+                Err(e) => p.req.fail(e.into()),
             }
         }
         if let Some(k) = comm.lane {
@@ -1432,26 +1358,11 @@ impl<F: Fabric> Reactor<F> {
         if self.recv_by_id.get(&comm.session.id()) == Some(&c) {
             self.recv_by_id.remove(&comm.session.id());
         }
-        let reason = || Error::InvalidArgument("comm closed with the request outstanding".into());
-        match comm.machine {
-            Machine::Send(mut m) => {
-                m.handle_lane_lost(ConnError::PeerClosed);
-                while let Some(
-                    SendEvent::Completed { token, .. } | SendEvent::Failed { token, .. },
-                ) = m.poll_event()
-                {
-                    token.req.fail(reason());
-                }
-            }
-            Machine::Recv(mut m) => {
-                m.handle_lane_lost(ConnError::PeerClosed);
-                while let Some(
-                    RecvEvent::Completed { token, .. } | RecvEvent::Failed { token, .. },
-                ) = m.poll_event()
-                {
-                    token.req.fail(reason());
-                }
-            }
+        let mut m = comm.machine;
+        m.handle_lane_lost(ConnError::PeerClosed);
+        while let Some((p, _)) = m.poll_outcome() {
+            let e = Error::InvalidArgument("comm closed with the request outstanding".into());
+            p.req.fail(e);
         }
         if let Some(k) = comm.migrating {
             self.drop_lane(k);
