@@ -1,6 +1,7 @@
-//! One comm's path across failures: which attempt its lane is, when a failure was
-//! detected and how long it went unnoticed, and the receiver's wait for the sender's
-//! replacement lane. No sockets, no clock reads.
+//! One comm's path across failures: its lane and the replacement being opened, which
+//! attempt the lane is, when a failure was detected and how long it went unnoticed, and
+//! the receiver's wait for the sender's replacement lane. Lanes are the caller's keys.
+//! No sockets, no clock reads.
 //!
 //! Call order: [`PathMachine::handle_lane_lost`] when the comm's lane is gone says
 //! whether to fail over, wait or fail the comm; a receiver that waits has a deadline in
@@ -34,6 +35,8 @@ pub enum Loss {
     Wait { grace: Duration, path: bool },
     /// Nothing to wait for: fail the comm.
     Fail,
+    /// A replacement lane is being opened anyway: its outcome decides.
+    Replacing,
 }
 
 /// How a move ended, for its log line and metric.
@@ -48,6 +51,15 @@ pub enum Moved {
         detection: Duration,
         resume: Duration,
     },
+}
+
+/// A receiver's lane was replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Replaced {
+    /// How long since the failure was detected, and how, if it was.
+    pub outage: Option<(Duration, FailReason)>,
+    /// The lane it replaced, to close.
+    pub old: Option<usize>,
 }
 
 /// A receiver waiting for the sender's replacement lane.
@@ -88,6 +100,9 @@ pub fn receiver_grace(
 #[derive(Debug)]
 pub struct PathMachine {
     sender: bool,
+    /// The lane carrying the comm, and (sender) the replacement being opened.
+    lane: Option<usize>,
+    migrating: Option<usize>,
     t: Timeouts,
     /// The attempt number of the newest replacement lane: the sender counts its
     /// attempts, the receiver keeps the one in use and refuses older ones.
@@ -102,9 +117,12 @@ pub struct PathMachine {
 }
 
 impl PathMachine {
-    pub fn new(sender: bool, t: Timeouts) -> PathMachine {
+    /// A comm that starts on `lane`.
+    pub fn new(sender: bool, t: Timeouts, lane: usize) -> PathMachine {
         PathMachine {
             sender,
+            lane: Some(lane),
+            migrating: None,
             t,
             epoch: 0,
             detected: None,
@@ -114,21 +132,38 @@ impl PathMachine {
         }
     }
 
+    /// The lane carrying the comm, if it has one.
+    pub fn lane(&self) -> Option<usize> {
+        self.lane
+    }
+
+    /// The replacement lane being opened, if any.
+    pub fn migrating(&self) -> Option<usize> {
+        self.migrating
+    }
+
     /// When the current failure was detected, and how.
     pub fn detected(&self) -> Option<(Instant, FailReason)> {
         self.detected
     }
 
-    /// The comm's lane died of `error` (`reason`) after `silent` without a byte; `routed`:
-    /// the router knows this sender's comm and can move it.
+    /// The comm's lane `k` died of `error` (`reason`) after `silent` without a byte;
+    /// `routed`: the router knows this sender's comm and can move it.
     pub fn handle_lane_lost(
         &mut self,
+        k: usize,
         error: &ConnError,
         reason: FailReason,
         silent: Duration,
         routed: bool,
         now: Instant,
     ) -> Loss {
+        if self.lane == Some(k) {
+            self.lane = None;
+        }
+        if self.migrating.is_some() {
+            return Loss::Replacing;
+        }
         let peer_gone = matches!(error, ConnError::PeerClosed);
         let path_failed = !peer_gone && !matches!(error, ConnError::Protocol(_));
         let (grace, path, error) = match (self.sender, path_failed) {
@@ -192,9 +227,10 @@ impl PathMachine {
         })
     }
 
-    /// The comm failed: nothing is awaited any more.
-    pub fn handle_failed(&mut self) {
+    /// The comm failed: nothing is awaited any more. Returns the lanes to close.
+    pub fn handle_failed(&mut self) -> [Option<usize>; 2] {
         self.stranded = None;
+        [self.lane.take(), self.migrating.take()]
     }
 
     /// The lane fell silent for `silent` before it was failed.
@@ -202,14 +238,25 @@ impl PathMachine {
         self.detection = Some(silent);
     }
 
-    /// Sender: the router moves the comm (`reason`); returns the new attempt's epoch.
-    pub fn handle_move(&mut self, reason: MoveReason, now: Instant) -> u64 {
+    /// Sender: the router moves the comm (`reason`). Returns the new attempt's epoch,
+    /// and the replacement of an earlier attempt, now abandoned, to close.
+    pub fn handle_move(&mut self, reason: MoveReason, now: Instant) -> (u64, Option<usize>) {
         if let MoveReason::Failover(r) = reason {
             // Moved because its pair failed under another comm: its outage starts now.
             self.detected.get_or_insert((now, r));
         }
         self.epoch += 1;
-        self.epoch
+        (self.epoch, self.migrating.take())
+    }
+
+    /// Sender: the replacement lane `k` is being opened.
+    pub fn handle_opening(&mut self, k: usize) {
+        self.migrating = Some(k);
+    }
+
+    /// Sender: the replacement lane being opened failed.
+    pub fn handle_opening_failed(&mut self) {
+        self.migrating = None;
     }
 
     /// Sender: acknowledged progress on the lane, so any failover is complete.
@@ -217,8 +264,20 @@ impl PathMachine {
         self.detected = None;
     }
 
-    /// Sender: the replacement lane of a move for `reason` was welcomed.
-    pub fn handle_moved(&mut self, reason: MoveReason, now: Instant) -> Moved {
+    /// Sender: replacement lane `k` of a move for `reason` was welcomed and now carries
+    /// the comm. Returns how the move ended, and the lane it replaced, to close.
+    pub fn handle_moved(
+        &mut self,
+        k: usize,
+        reason: MoveReason,
+        now: Instant,
+    ) -> (Moved, Option<usize>) {
+        self.migrating = None;
+        let old = self.lane.replace(k).filter(|&o| o != k);
+        (self.outcome(reason, now), old)
+    }
+
+    fn outcome(&mut self, reason: MoveReason, now: Instant) -> Moved {
         let detected = self.detected.take();
         match reason {
             MoveReason::Failback => Moved::Failback {
@@ -239,14 +298,16 @@ impl PathMachine {
         }
     }
 
-    /// Receiver: the sender opened replacement lane attempt `epoch`. One older than the
-    /// lane in use (held up in the network while the sender moved on) is refused: taking
-    /// it would retire the live lane for a dead one. Returns the outage it ends, if any.
+    /// Receiver: the sender opened lane `k`, replacement attempt `epoch`. One older than
+    /// the lane in use (held up in the network while the sender moved on) is refused:
+    /// taking it would retire the live lane for a dead one. Returns the outage it ends,
+    /// if any, and the lane it replaces, to close.
     pub fn handle_replacement(
         &mut self,
+        k: usize,
         epoch: u64,
         now: Instant,
-    ) -> Result<Option<(Duration, FailReason)>, AuthError> {
+    ) -> Result<Replaced, AuthError> {
         if epoch <= self.epoch {
             return Err(AuthError::Stale {
                 offered: epoch,
@@ -255,10 +316,10 @@ impl PathMachine {
         }
         self.epoch = epoch;
         self.stranded = None;
-        Ok(self
-            .detected
-            .take()
-            .map(|(t, r)| (now.saturating_duration_since(t), r)))
+        Ok(Replaced {
+            outage: (self.detected.take()).map(|(t, r)| (now.saturating_duration_since(t), r)),
+            old: self.lane.replace(k).filter(|&o| o != k),
+        })
     }
 }
 
@@ -304,9 +365,9 @@ mod tests {
     #[test]
     fn the_receivers_grace_counts_the_silence_before_its_carrier_dropped() {
         let t0 = Instant::now();
-        let mut p = PathMachine::new(false, T);
+        let mut p = PathMachine::new(false, T, 0);
         // Quiet for 600 ms, then the carrier: 400 ms of the sender's timeout are left.
-        let loss = p.handle_lane_lost(&link_down(), FailReason::LinkDown, 600 * MS, false, t0);
+        let loss = p.handle_lane_lost(0, &link_down(), FailReason::LinkDown, 600 * MS, false, t0);
         assert_eq!(
             loss,
             Loss::Wait {
@@ -326,12 +387,13 @@ mod tests {
     #[test]
     fn a_receiver_with_a_nic_up_also_waits_out_the_senders_give_up_window() {
         let t0 = Instant::now();
-        let mut p = PathMachine::new(false, T);
-        p.handle_lane_lost(&link_down(), FailReason::Timeout, 1000 * MS, false, t0);
+        let mut p = PathMachine::new(false, T, 0);
+        p.handle_lane_lost(0, &link_down(), FailReason::Timeout, 1000 * MS, false, t0);
         let end = t0 + 700 * MS + T.giveup;
         assert_eq!(p.handle_timeout(end - MS, true), None);
         // A second loss while stranded keeps the first deadline.
         let later = p.handle_lane_lost(
+            0,
             &link_down(),
             FailReason::LinkDown,
             Duration::ZERO,
@@ -351,34 +413,48 @@ mod tests {
     #[test]
     fn a_replacement_ends_the_wait_and_a_stale_one_is_refused() {
         let t0 = Instant::now();
-        let mut p = PathMachine::new(false, T);
+        let mut p = PathMachine::new(false, T, 0);
         p.handle_lane_lost(
+            0,
             &link_down(),
             FailReason::LinkDown,
             Duration::ZERO,
             false,
             t0,
         );
+        assert_eq!(p.lane(), None, "the lost lane is gone");
         assert_eq!(
-            p.handle_replacement(2, t0 + 300 * MS),
-            Ok(Some((300 * MS, FailReason::LinkDown)))
+            p.handle_replacement(1, 2, t0 + 300 * MS),
+            Ok(Replaced {
+                outage: Some((300 * MS, FailReason::LinkDown)),
+                old: None
+            })
         );
         assert_eq!(p.poll_timeout(true), None);
         assert!(matches!(
-            p.handle_replacement(1, t0 + 400 * MS),
+            p.handle_replacement(2, 1, t0 + 400 * MS),
             Err(AuthError::Stale {
                 offered: 1,
                 current: 2
             })
         ));
-        assert_eq!(p.handle_replacement(3, t0 + 500 * MS), Ok(None));
+        assert_eq!(p.lane(), Some(1), "a stale lane displaces nothing");
+        let newer = p.handle_replacement(3, 3, t0 + 500 * MS);
+        assert_eq!(
+            newer,
+            Ok(Replaced {
+                outage: None,
+                old: Some(1)
+            })
+        );
     }
 
     #[test]
     fn a_closed_lane_waits_for_a_replacement_a_protocol_error_does_not() {
         let t0 = Instant::now();
-        let mut r = PathMachine::new(false, T);
+        let mut r = PathMachine::new(false, T, 0);
         let loss = r.handle_lane_lost(
+            0,
             &ConnError::PeerClosed,
             FailReason::Timeout,
             Duration::ZERO,
@@ -397,16 +473,24 @@ mod tests {
         assert_eq!(gone.error, ConnError::PeerClosed);
         let bad = ConnError::Protocol("bad frame".into());
         assert_eq!(
-            r.handle_lane_lost(&bad, FailReason::Timeout, Duration::ZERO, false, t0),
+            r.handle_lane_lost(0, &bad, FailReason::Timeout, Duration::ZERO, false, t0),
             Loss::Fail
         );
-        let mut s = PathMachine::new(true, T);
+        let mut s = PathMachine::new(true, T, 0);
         assert_eq!(
-            s.handle_lane_lost(&link_down(), FailReason::NicError, Duration::ZERO, true, t0),
+            s.handle_lane_lost(
+                0,
+                &link_down(),
+                FailReason::NicError,
+                Duration::ZERO,
+                true,
+                t0
+            ),
             Loss::Failover
         );
         assert_eq!(
             s.handle_lane_lost(
+                0,
                 &link_down(),
                 FailReason::NicError,
                 Duration::ZERO,
@@ -418,6 +502,7 @@ mod tests {
         );
         assert_eq!(
             s.handle_lane_lost(
+                0,
                 &ConnError::PeerClosed,
                 FailReason::Timeout,
                 Duration::ZERO,
@@ -431,35 +516,70 @@ mod tests {
     #[test]
     fn a_failover_reports_its_detection_and_resume_times_and_a_failback_its_time_away() {
         let t0 = Instant::now();
-        let mut s = PathMachine::new(true, T);
+        let mut s = PathMachine::new(true, T, 0);
         s.handle_silence(1000 * MS);
-        s.handle_lane_lost(&link_down(), FailReason::Timeout, 1000 * MS, true, t0);
+        s.handle_lane_lost(0, &link_down(), FailReason::Timeout, 1000 * MS, true, t0);
         let fo = MoveReason::Failover(FailReason::Timeout);
-        assert_eq!(s.handle_move(fo, t0 + 10 * MS), 1);
+        assert_eq!(s.handle_move(fo, t0 + 10 * MS), (1, None));
+        s.handle_opening(1);
         assert_eq!(
-            s.handle_moved(fo, t0 + 250 * MS),
-            Moved::Failover {
-                reason: FailReason::Timeout,
-                detection: 1000 * MS,
-                resume: 250 * MS
-            }
+            s.handle_moved(1, fo, t0 + 250 * MS),
+            (
+                Moved::Failover {
+                    reason: FailReason::Timeout,
+                    detection: 1000 * MS,
+                    resume: 250 * MS
+                },
+                None
+            )
         );
-        assert_eq!(s.detected(), None);
-        assert_eq!(s.handle_move(MoveReason::Failback, t0 + 5000 * MS), 2);
         assert_eq!(
-            s.handle_moved(MoveReason::Failback, t0 + 5100 * MS),
-            Moved::Failback { away: 5100 * MS }
+            (s.detected(), s.lane(), s.migrating()),
+            (None, Some(1), None)
+        );
+        assert_eq!(
+            s.handle_move(MoveReason::Failback, t0 + 5000 * MS),
+            (2, None)
+        );
+        s.handle_opening(2);
+        assert_eq!(
+            s.handle_moved(2, MoveReason::Failback, t0 + 5100 * MS),
+            (Moved::Failback { away: 5100 * MS }, Some(1))
         );
         // Moved by a failure under another comm: its outage starts with the move.
         let link = MoveReason::Failover(FailReason::LinkDown);
         s.handle_move(link, t0 + 6000 * MS);
         assert_eq!(
-            s.handle_moved(link, t0 + 6040 * MS),
+            s.handle_moved(3, link, t0 + 6040 * MS).0,
             Moved::Failover {
                 reason: FailReason::LinkDown,
                 detection: Duration::ZERO,
                 resume: 40 * MS
             }
         );
+    }
+
+    #[test]
+    fn a_lane_lost_during_a_move_leaves_the_decision_to_the_replacement() {
+        let t0 = Instant::now();
+        let mut s = PathMachine::new(true, T, 0);
+        let fb = MoveReason::Failback;
+        s.handle_move(fb, t0);
+        s.handle_opening(1);
+        let loss = s.handle_lane_lost(
+            0,
+            &link_down(),
+            FailReason::NicError,
+            Duration::ZERO,
+            true,
+            t0,
+        );
+        assert_eq!(loss, Loss::Replacing);
+        assert_eq!(s.lane(), None);
+        // A newer move abandons the attempt under way; a failed attempt clears it.
+        assert_eq!(s.handle_move(fb, t0).1, Some(1));
+        s.handle_opening(2);
+        s.handle_opening_failed();
+        assert_eq!(s.handle_failed(), [None, None]);
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::conn::health;
 use crate::conn::lane::sample_interval;
-use crate::conn::path::{Loss, Moved};
+use crate::conn::path::{Loss, Moved, Replaced};
 use crate::routing::{CommId, CommSpec, Event, LaneId, NicId, PeerId};
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
 use crate::transport::fair::LaneSample;
@@ -114,7 +114,7 @@ impl<F: Fabric> Reactor<F> {
                     mv.to
                 );
                 if let Some(comm) = self.comms.get_mut(c) {
-                    comm.migrating = None;
+                    comm.path.handle_opening_failed();
                     if comm.route.is_some() {
                         let _ = self
                             .router
@@ -194,21 +194,15 @@ impl<F: Fabric> Reactor<F> {
         now: Instant,
     ) {
         let comm = &mut self.comms[c];
-        if comm.lane == Some(k) {
-            comm.lane = None;
-        }
         let peer_gone = matches!(error, ConnError::PeerClosed);
         if matches!(error, ConnError::Protocol(_)) {
             self.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
         } else if !peer_gone {
             self.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
         }
-        // A lane being replaced anyway: the replacement decides.
-        if comm.migrating.is_some() {
-            return;
-        }
         let routed = comm.route.is_some();
-        match comm.path.handle_lane_lost(&error, reason, silent, routed, now) {
+        match comm.path.handle_lane_lost(k, &error, reason, silent, routed, now) {
+            Loss::Replacing => {}
             Loss::Failover => {
                 tracing::warn!(
                     "railover: comm {c}: lane on {} failed ({}): {error}",
@@ -249,9 +243,8 @@ impl<F: Fabric> Reactor<F> {
         let comm = &mut self.comms[c];
         comm.shared.set_failed(error.clone().into());
         comm.machine.handle_lane_lost(error);
-        comm.path.handle_failed();
+        let lanes = comm.path.handle_failed();
         let routed = comm.route.take().is_some();
-        let lanes = [comm.lane.take(), comm.migrating.take()];
         if routed {
             self.router.remove_comm(CommId(c));
             self.routes_dirty = true;
@@ -266,11 +259,10 @@ impl<F: Fabric> Reactor<F> {
     /// comm `c`; a stale attempt is refused.
     pub(super) fn attach_replacement(&mut self, c: usize, k: usize, epoch: u64, now: Instant) {
         let comm = &mut self.comms[c];
-        let outage = match comm.path.handle_replacement(epoch, now) {
-            Ok(o) => o,
+        let Replaced { outage, old } = match comm.path.handle_replacement(k, epoch, now) {
+            Ok(r) => r,
             Err(e) => return self.refuse(k, &e, now),
         };
-        let old = comm.lane.replace(k);
         let delivered = comm.machine.replay_point();
         let nic = self.lanes[k].nic.unwrap_or(0);
         comm.shared.moved_to(nic);
@@ -282,7 +274,7 @@ impl<F: Fabric> Reactor<F> {
                 reason.as_str()
             );
         }
-        if let Some(old) = old.filter(|&o| o != k) {
+        if let Some(old) = old {
             self.drop_lane(old);
         }
         let lane = &mut self.lanes[k];
@@ -311,8 +303,7 @@ impl<F: Fabric> Reactor<F> {
         let Some(comm) = self.comms.get_mut(c) else {
             return Err(ConnError::Protocol("migration for a closed comm".into()));
         };
-        comm.migrating = None;
-        let old = comm.lane.replace(k);
+        let (moved, old) = comm.path.handle_moved(k, mv.reason, now);
         let replayed = comm.machine.replay_from(delivered)?;
         self.stats
             .replayed_bytes
@@ -322,7 +313,6 @@ impl<F: Fabric> Reactor<F> {
         }
         let local = mv.to.local.0 as usize;
         let lazily = comm.shared.moved_to(local);
-        let moved = comm.path.handle_moved(mv.reason, now);
         let (fl, fr) = self.pair_names(mv.from);
         let (tl, tr) = self.pair_names(mv.to);
         let from = NicPair {
@@ -362,7 +352,7 @@ impl<F: Fabric> Reactor<F> {
                 tracing::warn!("{f} replayed={replayed}B registered_on_backup={lazily}");
             }
         }
-        if let Some(old) = old.filter(|&o| o != k) {
+        if let Some(old) = old {
             self.drop_lane(old);
         }
         let lane = &mut self.lanes[k];
@@ -555,8 +545,8 @@ impl<F: Fabric> Reactor<F> {
         let Some(comm) = self.comms.get_mut(c) else {
             return;
         };
-        let epoch = comm.path.handle_move(mv.reason, now);
-        if let Some(old) = comm.migrating.take() {
+        let (epoch, abandoned) = comm.path.handle_move(mv.reason, now);
+        if let Some(old) = abandoned {
             if let Some(l) = self.lanes.get_mut(old) {
                 self.fabric.fence(&mut l.sock);
             }
@@ -567,7 +557,7 @@ impl<F: Fabric> Reactor<F> {
         let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
         let role = Role::Migrating { comm: c, mv };
         match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit)) {
-            Ok(Some(k)) => self.comms[c].migrating = Some(k),
+            Ok(Some(k)) => self.comms[c].path.handle_opening(k),
             _ => {
                 let _ = self
                     .router

@@ -434,15 +434,13 @@ struct Pending {
 #[derive(Debug)]
 struct Comm {
     shared: Arc<CommShared>,
-    lane: Option<usize>,
     machine: CommMachine<Pending>,
     /// The session secret its first handshake agreed; migrations and probes prove it.
     session: Session,
     /// Send side: the comm is registered with the router.
     route: Option<Route>,
-    /// Send side: the replacement lane being set up.
-    migrating: Option<usize>,
-    /// Attempts, detection and the receiver's wait for a replacement.
+    /// Its lane, the replacement being opened, attempts, detection and the receiver's
+    /// wait for a replacement.
     path: PathMachine,
 }
 
@@ -1265,12 +1263,10 @@ impl<F: Fabric> Reactor<F> {
         let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic));
         entry.insert(Comm {
             shared: shared.clone(),
-            lane: Some(lane),
             machine: CommMachine::new(side == Side::Send),
             session,
             route: None,
-            migrating: None,
-            path: PathMachine::new(side == Side::Send, timeouts),
+            path: PathMachine::new(side == Side::Send, timeouts, lane),
         });
         let l = &mut self.lanes[lane];
         l.role = Role::Comm(key);
@@ -1283,7 +1279,7 @@ impl<F: Fabric> Reactor<F> {
     fn pump(&mut self, c: usize) {
         let comm = &mut self.comms[c];
         // Without a lane (failover under way) the machine keeps its queue.
-        if let Some(lane) = comm.lane.and_then(|k| self.lanes.get_mut(k)) {
+        if let Some(lane) = comm.path.lane().and_then(|k| self.lanes.get_mut(k)) {
             while let Some(out) = comm.machine.poll_transmit() {
                 match out {
                     Out::Frame(h) => lane.writer.push_ctrl(&h.encode()),
@@ -1307,7 +1303,7 @@ impl<F: Fabric> Reactor<F> {
                 Err(e) => p.req.fail(e.into()),
             }
         }
-        if let Some(k) = comm.lane {
+        if let Some(k) = comm.path.lane() {
             self.dirty.push(k);
         }
     }
@@ -1364,10 +1360,10 @@ impl<F: Fabric> Reactor<F> {
             let e = Error::InvalidArgument("comm closed with the request outstanding".into());
             p.req.fail(e);
         }
-        if let Some(k) = comm.migrating {
+        if let Some(k) = comm.path.migrating() {
             self.drop_lane(k);
         }
-        if let Some(k) = comm.lane {
+        if let Some(k) = comm.path.lane() {
             let lane = &mut self.lanes[k];
             if lane.writer.holds_payload() {
                 // NCCL may free its buffers once close returns: never write from them
