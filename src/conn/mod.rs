@@ -3,11 +3,17 @@
 //! A comm is one direction of an NCCL connection: a [`SendMachine`] on one side, a
 //! [`RecvMachine`] on the other. They agree on per-comm sequence numbers, move data
 //! only after the receiver's clear-to-send, acknowledge cumulatively and keep every
-//! unacknowledged message so that it can be replayed on another lane. The reactor feeds
-//! them decoded frames and does the I/O; [`wire`] is the byte format.
+//! unacknowledged message so that it can be replayed on another lane; [`comm`] puts both
+//! behind one interface. [`lane`] is one lane's handshake, deadline and liveness (silence,
+//! keepalives, brown-out); [`path`] is a comm's life across failures (attempts, detection,
+//! the receiver's wait for a replacement). The reactor feeds them decoded frames and `now`
+//! and does the I/O; [`wire`] is the byte format.
 
 pub mod auth;
+pub mod comm;
 pub mod health;
+pub mod lane;
+pub mod path;
 pub mod recv;
 pub mod send;
 pub mod wire;

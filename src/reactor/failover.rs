@@ -4,81 +4,16 @@
 //! giving up with a clear error when nothing is left. Policy lives in `routing`; this
 //! file only carries out its decisions.
 
-use std::io;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::*;
-use crate::conn::health::{self, Verdict};
-use crate::routing::{
-    CommId, CommSpec, Event, LaneId, LocalNic as RouteLocal, MoveReason, NicId, PeerId, RemoteNic,
-};
-use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair, NicSample};
+use crate::conn::health;
+use crate::conn::lane::sample_interval;
+use crate::conn::path::{Loss, Moved, Replaced};
+use crate::routing::{CommId, CommSpec, Event, LaneId, NicId, PeerId};
+use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
 use crate::transport::fair::LaneSample;
-
-/// How a socket error is classified: a peer that closed or reset the connection is gone
-/// (its kernel answered, so the path works); anything else is a path failure.
-pub(super) fn io_error(e: &io::Error) -> ConnError {
-    match e.kind() {
-        io::ErrorKind::ConnectionReset
-        | io::ErrorKind::BrokenPipe
-        | io::ErrorKind::UnexpectedEof => ConnError::PeerClosed,
-        _ => ConnError::Io(e.to_string()),
-    }
-}
-
-fn reason_of(e: &ConnError) -> FailReason {
-    match e {
-        ConnError::Io(_) => FailReason::NicError,
-        _ => FailReason::Timeout,
-    }
-}
-
-/// Why a lane fails, and how: the one input of [`Reactor::fail_lane`], for real failures
-/// and fault injection alike.
-pub(super) struct Cause {
-    error: ConnError,
-    reason: FailReason,
-    /// It browned out: the least rate (bytes/s) a probe of its pair must show from now on.
-    brownout: Option<f64>,
-    /// An injected cut: the socket stays open and silent, as a pulled cable leaves it (the
-    /// peer must notice by itself), instead of being reset or closed.
-    cut: bool,
-}
-
-impl Cause {
-    pub(super) fn new(error: ConnError, reason: FailReason) -> Cause {
-        Cause {
-            error,
-            reason,
-            brownout: None,
-            cut: false,
-        }
-    }
-
-    /// A socket or protocol error, for the reason it implies.
-    pub(super) fn error(error: ConnError) -> Cause {
-        let reason = reason_of(&error);
-        Cause::new(error, reason)
-    }
-}
-
-/// How long a receiver whose lane died waits for the sender's replacement lane. When the
-/// receiver noticed first (its carrier, a socket error) the sender may only notice at its
-/// completion timeout, which started when the lane fell `silent`; when the receiver
-/// noticed by silence, the sender has too.
-fn receiver_grace(
-    reason: FailReason,
-    timeout: Duration,
-    probe: Duration,
-    silent: Duration,
-) -> Duration {
-    let slack = probe + Duration::from_millis(500);
-    match reason {
-        FailReason::Timeout => slack,
-        _ => timeout.saturating_sub(silent) + slack,
-    }
-}
 
 /// The one lane a comm has, in the router's numbering.
 const LANE: LaneId = LaneId(0);
@@ -106,41 +41,18 @@ impl<F: Fabric> Reactor<F> {
             );
             return;
         };
-        let spec = CommSpec {
-            peer: PeerId(peer as u32),
-            local_nics: self
-                .setup
-                .nics
-                .iter()
-                .enumerate()
-                .map(|(i, n)| RouteLocal {
-                    id: NicId(i as u32),
-                    rail: n.rail,
-                    distance: self
-                        .setup
-                        .distance
-                        .get(nic)
-                        .and_then(|d| d.get(i))
-                        .copied()
-                        .flatten(),
-                })
-                .collect(),
-            remote_nics: remote
-                .iter()
-                .enumerate()
-                .map(|(j, r)| RemoteNic {
-                    id: NicId(j as u32),
-                    rail: r.rail,
-                })
-                .collect(),
-            lanes: vec![(NicId(nic as u32), NicId(remote_idx as u32))],
-        };
+        let rails: Vec<_> = self.setup.nics.iter().map(|n| n.rail).collect();
+        let remotes: Vec<_> = remote.iter().map(|r| r.rail).collect();
+        let distance = self.setup.distance.get(nic).map_or(&[][..], |d| &d[..]);
+        let (local, remote) = (NicId(nic as u32), NicId(remote_idx as u32));
+        let peer = PeerId(peer as u32);
+        let spec = CommSpec::one_lane(peer, &rails, distance, &remotes, (local, remote));
         match self.router.add_comm(CommId(c), spec, now) {
             Ok(()) => {
                 let current = Pair {
-                    local: NicId(nic as u32),
-                    peer: PeerId(peer as u32),
-                    remote: NicId(remote_idx as u32),
+                    local,
+                    peer,
+                    remote,
                 };
                 self.comms[c].route = Some(Route { current });
                 self.routes_dirty = true;
@@ -156,7 +68,7 @@ impl<F: Fabric> Reactor<F> {
         let Some(lane) = self.lanes.get_mut(k) else {
             return;
         };
-        let silent = now.saturating_duration_since(lane.last_rx);
+        let silent = lane.m.silent(now);
         let role = std::mem::replace(&mut lane.role, Role::Closing);
         // Reset rather than close: a send lane's unacknowledged data is replayed on the
         // next lane (draining it into a sick link would only compete with the probes that
@@ -179,6 +91,7 @@ impl<F: Fabric> Reactor<F> {
             reason,
             brownout,
             cut,
+            ..
         } = cause;
         match role {
             Role::ProbeSink | Role::Closing => {}
@@ -201,7 +114,7 @@ impl<F: Fabric> Reactor<F> {
                     mv.to
                 );
                 if let Some(comm) = self.comms.get_mut(c) {
-                    comm.migrating = None;
+                    comm.path.handle_opening_failed();
                     if comm.route.is_some() {
                         let _ = self
                             .router
@@ -269,7 +182,8 @@ impl<F: Fabric> Reactor<F> {
     }
 
     /// The active lane `k` of comm `c` is gone (already released); it had received
-    /// nothing for `silent`.
+    /// nothing for `silent`. Its path machine says whether to fail over, wait for the
+    /// sender's replacement or fail the comm.
     fn comm_lane_lost(
         &mut self,
         c: usize,
@@ -280,24 +194,16 @@ impl<F: Fabric> Reactor<F> {
         now: Instant,
     ) {
         let comm = &mut self.comms[c];
-        if comm.lane == Some(k) {
-            comm.lane = None;
-        }
-        let moving = comm.migrating.is_some();
         let peer_gone = matches!(error, ConnError::PeerClosed);
         if matches!(error, ConnError::Protocol(_)) {
             self.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
         } else if !peer_gone {
             self.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
         }
-        // A lane being replaced anyway: the replacement decides.
-        if moving {
-            return;
-        }
-        let failover = !peer_gone && !matches!(error, ConnError::Protocol(_));
-        match (comm.shared.side, failover) {
-            (Side::Send, true) if comm.route.is_some() => {
-                comm.detected.get_or_insert((now, reason));
+        let routed = comm.route.is_some();
+        match comm.path.handle_lane_lost(k, &error, reason, silent, routed, now) {
+            Loss::Replacing => {}
+            Loss::Failover => {
                 tracing::warn!(
                     "railover: comm {c}: lane on {} failed ({}): {error}",
                     comm.route
@@ -313,48 +219,13 @@ impl<F: Fabric> Reactor<F> {
                 }
                 self.routes_dirty = true;
             }
-            (Side::Recv, true) => {
-                // The sender drives the move; wait for its replacement lane.
-                let grace = receiver_grace(
-                    reason,
-                    self.setup.completion_timeout,
-                    self.setup.probe_timeout,
-                    silent,
-                );
-                comm.stranded.get_or_insert(Stranded {
-                    deadline: now + grace,
-                    path: true,
-                    error: ConnError::Io("receive lane lost and not replaced".into()),
-                });
-                comm.detected.get_or_insert((now, reason));
-                tracing::warn!("railover: comm {c}: receive lane failed ({}): {error}; waiting for the sender's replacement lane", reason.as_str());
-            }
-            (Side::Recv, false) if peer_gone => {
-                // The sender resets a lane it gives up on (a brown-out, silence), and that
-                // looks the same as a peer that went away: wait as long as a receiver
-                // that noticed first would, then fail with the peer's close.
-                let grace = receiver_grace(
-                    FailReason::NicError,
-                    self.setup.completion_timeout,
-                    self.setup.probe_timeout,
-                    Duration::ZERO,
-                );
-                comm.stranded.get_or_insert(Stranded {
-                    deadline: now + grace,
-                    path: false,
-                    error,
-                });
-                tracing::info!(
-                    "railover: comm {c}: the sender closed the lane; failing in {} ms unless it opens a replacement",
-                    grace.as_millis()
-                );
-            }
-            _ => {
-                let busy = match &comm.machine {
-                    Machine::Send(m) => m.pending() > 0,
-                    Machine::Recv(m) => m.pending() > 0,
-                };
-                if busy || !peer_gone {
+            Loss::Wait { path: true, .. } => tracing::warn!("railover: comm {c}: receive lane failed ({}): {error}; waiting for the sender's replacement lane", reason.as_str()),
+            Loss::Wait { grace, .. } => tracing::info!(
+                "railover: comm {c}: the sender closed the lane; failing in {} ms unless it opens a replacement",
+                grace.as_millis()
+            ),
+            Loss::Fail => {
+                if self.busy(c) || !peer_gone {
                     tracing::warn!("railover: comm {c} lost its connection: {error}");
                 }
                 self.fail_comm(c, error);
@@ -362,17 +233,18 @@ impl<F: Fabric> Reactor<F> {
         }
     }
 
+    /// Whether comm `c` has requests outstanding.
+    fn busy(&self, c: usize) -> bool {
+        self.comms[c].machine.pending() > 0
+    }
+
     /// Fails every request of comm `c`, now and later.
     fn fail_comm(&mut self, c: usize, error: ConnError) {
         let comm = &mut self.comms[c];
         comm.shared.set_failed(error.clone().into());
-        match &mut comm.machine {
-            Machine::Send(m) => m.handle_lane_lost(error),
-            Machine::Recv(m) => m.handle_lane_lost(error),
-        }
-        comm.stranded = None;
+        comm.machine.handle_lane_lost(error);
+        let lanes = comm.path.handle_failed();
         let routed = comm.route.take().is_some();
-        let lanes = [comm.lane.take(), comm.migrating.take()];
         if routed {
             self.router.remove_comm(CommId(c));
             self.routes_dirty = true;
@@ -384,45 +256,30 @@ impl<F: Fabric> Reactor<F> {
     }
 
     /// Receive side: the sender opened replacement lane `k`, its attempt `epoch`, for
-    /// comm `c`. One older than the lane in use (held up in the network while the sender
-    /// moved on) is refused: taking it would retire the live lane for a dead one.
+    /// comm `c`; a stale attempt is refused.
     pub(super) fn attach_replacement(&mut self, c: usize, k: usize, epoch: u64, now: Instant) {
         let comm = &mut self.comms[c];
-        if epoch <= comm.epoch {
-            let current = comm.epoch;
-            self.refuse(
-                k,
-                &AuthError::Stale {
-                    offered: epoch,
-                    current,
-                },
-                now,
-            );
-            return;
-        }
-        comm.epoch = epoch;
-        let old = comm.lane.replace(k);
-        comm.stranded = None;
-        let delivered = match &mut comm.machine {
-            Machine::Recv(m) => m.begin_replay(),
-            Machine::Send(_) => 0,
+        let Replaced { outage, old } = match comm.path.handle_replacement(k, epoch, now) {
+            Ok(r) => r,
+            Err(e) => return self.refuse(k, &e, now),
         };
+        let delivered = comm.machine.replay_point();
         let nic = self.lanes[k].nic.unwrap_or(0);
         comm.shared.moved_to(nic);
-        if let Some((t, reason)) = comm.detected.take() {
+        if let Some((after, reason)) = outage {
             tracing::info!(
                 "railover: comm {c}: receive lane replaced on NIC {} after {} ms ({})",
                 self.setup.nics.get(nic).map_or("?", |n| n.name.as_str()),
-                now.saturating_duration_since(t).as_millis(),
+                after.as_millis(),
                 reason.as_str()
             );
         }
-        if let Some(old) = old.filter(|&o| o != k) {
+        if let Some(old) = old {
             self.drop_lane(old);
         }
         let lane = &mut self.lanes[k];
         lane.role = Role::Comm(c);
-        lane.deadline = None;
+        lane.m.carry();
         lane.reader.enlarge();
         lane.writer.push_ctrl(
             &Welcome {
@@ -446,12 +303,8 @@ impl<F: Fabric> Reactor<F> {
         let Some(comm) = self.comms.get_mut(c) else {
             return Err(ConnError::Protocol("migration for a closed comm".into()));
         };
-        comm.migrating = None;
-        let old = comm.lane.replace(k);
-        let replayed = match &mut comm.machine {
-            Machine::Send(m) => m.begin_replay(delivered)?,
-            Machine::Recv(_) => 0,
-        };
+        let (moved, old) = comm.path.handle_moved(k, mv.reason, now);
+        let replayed = comm.machine.replay_from(delivered)?;
         self.stats
             .replayed_bytes
             .fetch_add(replayed, Ordering::Relaxed);
@@ -460,7 +313,6 @@ impl<F: Fabric> Reactor<F> {
         }
         let local = mv.to.local.0 as usize;
         let lazily = comm.shared.moved_to(local);
-        let detected = comm.detected.take();
         let (fl, fr) = self.pair_names(mv.from);
         let (tl, tr) = self.pair_names(mv.to);
         let from = NicPair {
@@ -472,12 +324,8 @@ impl<F: Fabric> Reactor<F> {
             remote: &tr,
         };
         let t = self.setup.telemetry.clone();
-        match mv.reason {
-            MoveReason::Failback => {
-                let away = self
-                    .failed_at
-                    .remove(&c)
-                    .map_or(Duration::ZERO, |t0| now.saturating_duration_since(t0));
+        match moved {
+            Moved::Failback { away } => {
                 let f = Failback {
                     comm: c as u64,
                     from,
@@ -487,27 +335,29 @@ impl<F: Fabric> Reactor<F> {
                 t.record_failback(&f);
                 tracing::warn!("{f} replayed={replayed}B");
             }
-            MoveReason::Failover(reason) => {
-                let (t0, detected_by) = detected.unwrap_or((now, reason));
-                self.failed_at.entry(c).or_insert(t0);
+            Moved::Failover {
+                reason,
+                detection,
+                resume,
+            } => {
                 let f = Failover {
                     comm: c as u64,
                     from,
                     to,
-                    reason: detected_by,
-                    detection: self.detection_latency.remove(&c).unwrap_or_default(),
-                    resume: now.saturating_duration_since(t0),
+                    reason,
+                    detection,
+                    resume,
                 };
                 t.record_failover(&f);
                 tracing::warn!("{f} replayed={replayed}B registered_on_backup={lazily}");
             }
         }
-        if let Some(old) = old.filter(|&o| o != k) {
+        if let Some(old) = old {
             self.drop_lane(old);
         }
         let lane = &mut self.lanes[k];
         lane.role = Role::Comm(c);
-        lane.deadline = None;
+        lane.m.carry();
         lane.reader.enlarge();
         lane.nic = Some(local);
         self.routes_dirty = true;
@@ -534,7 +384,7 @@ impl<F: Fabric> Reactor<F> {
                     let since = self
                         .comms
                         .get(comm.0)
-                        .and_then(|c| c.detected)
+                        .and_then(|c| c.path.detected())
                         .map_or(0, |(t, _)| now.saturating_duration_since(t).as_millis());
                     tracing::warn!("railover: giving up {since} ms after the failure: {ev}");
                     self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
@@ -546,7 +396,8 @@ impl<F: Fabric> Reactor<F> {
                     {
                         let (l, r) = self.pair_names(cur);
                         let reason = self.comms[comm.0]
-                            .detected
+                            .path
+                            .detected()
                             .map_or(FailReason::Timeout, |d| d.1);
                         self.setup.telemetry.record_give_up(&GiveUp {
                             comm: comm.0 as u64,
@@ -618,8 +469,7 @@ impl<F: Fabric> Reactor<F> {
         let k = self.add_lane(stream, role, now, limit).ok()?;
         let lane = &mut self.lanes[k];
         lane.nic = Some(pair.local.0 as usize);
-        lane.auth = Some(Auth::Connector(auth));
-        lane.writer.push_ctrl(&hello);
+        lane.m.connecting(auth, hello);
         self.dirty.push(k);
         Some(k)
     }
@@ -686,9 +536,7 @@ impl<F: Fabric> Reactor<F> {
     }
 
     pub(super) fn probe_failed(&mut self, pair: Pair, now: Instant) {
-        if let Some(n) = self.metrics.probe_failures.get_mut(pair.local.0 as usize) {
-            *n += 1;
-        }
+        self.metrics.probe_failed(pair.local.0 as usize);
         self.router.handle_probe(pair, false, now);
     }
 
@@ -697,38 +545,25 @@ impl<F: Fabric> Reactor<F> {
         let Some(comm) = self.comms.get_mut(c) else {
             return;
         };
-        if let MoveReason::Failover(reason) = mv.reason {
-            // A comm moved because its pair failed under another comm: its outage
-            // starts now.
-            comm.detected.get_or_insert((now, reason));
-        }
-        if let Some(old) = comm.migrating.take() {
+        let (epoch, abandoned) = comm.path.handle_move(mv.reason, now);
+        if let Some(old) = abandoned {
             if let Some(l) = self.lanes.get_mut(old) {
                 self.fabric.fence(&mut l.sock);
             }
             self.drop_lane(old);
         }
-        self.comms[c].epoch += 1;
-        let (session, epoch) = (self.comms[c].session.clone(), self.comms[c].epoch);
+        let session = self.comms[c].session.clone();
         let hello = self.opener(Purpose::Migrate, &session, epoch);
         let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
         let role = Role::Migrating { comm: c, mv };
         match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit)) {
-            Ok(Some(k)) => self.comms[c].migrating = Some(k),
+            Ok(Some(k)) => self.comms[c].path.handle_opening(k),
             _ => {
                 let _ = self
                     .router
                     .handle_lane_failure(CommId(c), LANE, FailReason::Probe, now);
             }
         }
-    }
-
-    /// How often `tick` runs: a tenth of the completion timeout, within 5–100 ms, so
-    /// silence and brown-outs are judged within a tenth of the timeout. Keepalives still
-    /// go out only after a quarter of it without other traffic.
-    pub(super) fn tick_interval(&self) -> Duration {
-        (self.setup.completion_timeout / 10)
-            .clamp(Duration::from_millis(5), Duration::from_millis(100))
     }
 
     /// Applies the NICs' fair shares (see `transport::fair`) to the lanes as pacing caps.
@@ -752,112 +587,75 @@ impl<F: Fabric> Reactor<F> {
         }
     }
 
-    /// Periodic work: silence and brown-out detection, keepalives, stranded receivers.
-    pub(super) fn tick(&mut self, now: Instant) {
-        let timeout = self.setup.completion_timeout;
-        let keepalive = timeout / 4;
-        self.next_tick = now + self.tick_interval();
-        // Lanes to fail, with how long they had been silent when that was the cause.
-        let mut dead: Vec<(usize, Cause, Option<Duration>)> = Vec::new();
-        let mut shares: Vec<LaneSample> = Vec::new();
-        for (k, lane) in self.lanes.iter_mut() {
-            let Role::Comm(_) = lane.role else {
-                continue;
-            };
-            let silent = now.saturating_duration_since(lane.last_rx);
-            if silent > timeout {
-                let e =
-                    ConnError::Stalled(format!("nothing received for {} ms", silent.as_millis()));
-                dead.push((k, Cause::new(e, FailReason::Timeout), Some(silent)));
-                continue;
+    /// A lane's machine condemned it (silence, brown-out, a deadline). A receiver tells
+    /// the sender first: in a one-way failure it still hears us and would otherwise never
+    /// notice. Best effort, one small write.
+    pub(super) fn lane_condemned(&mut self, k: usize, cause: Cause, now: Instant) {
+        if let Some(Role::Comm(c)) = self.lanes.get(k).map(|l| &l.role) {
+            let c = *c;
+            if let Some(silent) = cause.silent {
+                self.comms[c].path.handle_silence(silent);
             }
-            // Delivery progress: what the peer has acknowledged. A large socket buffer
-            // can hold every byte in flight, so the userspace queue alone would not show
-            // a stuck path.
-            let p = self.fabric.progress(&lane.sock);
-            let (unacked, delivered) = (p.sent.saturating_sub(p.acked), p.acked);
-            let queued = !lane.writer.is_empty();
-            let waiting = lane.writer.queued_bytes() + unacked;
-            let moved = delivered.saturating_sub(lane.progress.last_total());
-            let backlogged = health::backlogged(lane.waiting, moved, waiting);
-            lane.waiting = waiting;
-            if let Some(nic) = lane.nic {
-                shares.push(LaneSample {
-                    key: k,
-                    nic,
-                    bytes: moved,
-                    backlogged,
-                });
-            }
-            if let Verdict::Slow { rate, peak } = lane.progress.observe(now, delivered, backlogged)
-            {
-                let e = ConnError::Stalled(format!(
-                    "brown-out: delivering {:.0} kB/s with data waiting, against {:.0} kB/s before",
-                    rate / 1e3,
-                    peak / 1e3
-                ));
-                let cause = Cause {
-                    brownout: Some(health::recovery_floor(peak)),
-                    ..Cause::new(e, FailReason::Timeout)
-                };
-                dead.push((k, cause, None));
-                continue;
-            }
-            if now.saturating_duration_since(lane.last_tx) >= keepalive && !queued {
-                lane.writer
-                    .push_ctrl(&Header::new(Kind::Keepalive, 0, 0).encode());
-                self.dirty.push(k);
-            }
-        }
-        self.pace(&shares, now);
-        for (k, cause, silent) in dead {
-            let Role::Comm(c) = self.lanes[k].role else {
-                continue;
-            };
-            if let Some(silent) = silent {
-                self.detection_latency.insert(c, silent);
-            }
-            if self.comms[c].shared.side == Side::Recv {
-                // Tell the sender before letting go: in a one-way failure it still hears
-                // us and would otherwise never notice. Best effort, one small write.
+            let stalled = matches!(cause.error, ConnError::Stalled(_));
+            if stalled && self.comms[c].shared.side == Side::Recv {
                 let lane = &mut self.lanes[k];
                 lane.writer
                     .push_ctrl(&Header::new(Kind::Stalled, 0, 0).encode());
                 let _ = self.fabric.write(&mut lane.sock, &mut lane.writer);
             }
-            self.fail_lane(k, cause, now);
+        }
+        self.fail_lane(k, cause, now);
+    }
+
+    /// Periodic work: lane timers (silence, keepalives), delivery samples (brown-outs,
+    /// fair shares), stranded receivers.
+    pub(super) fn tick(&mut self, now: Instant) {
+        self.next_tick = now + sample_interval(self.setup.completion_timeout);
+        self.expire(now);
+        let mut dead = Vec::new();
+        let mut shares: Vec<LaneSample> = Vec::new();
+        for (k, lane) in self.lanes.iter_mut() {
+            let Role::Comm(_) = lane.role else {
+                continue;
+            };
+            // Delivery progress: what the peer has acknowledged. A large socket buffer
+            // can hold every byte in flight, so the userspace queue alone would not show
+            // a stuck path.
+            let p = self.fabric.progress(&lane.sock);
+            let waiting = lane.writer.queued_bytes() + p.sent.saturating_sub(p.acked);
+            let s = lane.m.handle_sample(now, p.acked, waiting);
+            if let Some(nic) = lane.nic {
+                shares.push(LaneSample {
+                    key: k,
+                    nic,
+                    bytes: s.moved,
+                    backlogged: s.backlogged,
+                });
+            }
+            dead.extend(lane.m.poll_failure().map(|c| (k, c)));
+        }
+        self.pace(&shares, now);
+        for (k, cause) in dead {
+            self.lane_condemned(k, cause, now);
         }
         // A receiver whose sender never came back: the peer is gone or has no pair left.
-        // While one of our NICs is up the sender may still be re-probing candidates, for
-        // as long as its give-up window; with none up, no lane can reach us.
-        let window = if self.nic_up.iter().any(|&up| up) {
-            self.setup.router.giveup
-        } else {
-            Duration::ZERO
-        };
-        let stranded: Vec<(usize, ConnError, bool)> = self
+        let nic_up = self.nic_up.iter().any(|&up| up);
+        let abandoned: Vec<_> = self
             .comms
-            .iter()
-            .filter_map(|(k, c)| {
-                let s = c.stranded.as_ref()?;
-                let deadline = s.deadline + if s.path { window } else { Duration::ZERO };
-                (now >= deadline).then(|| (k, s.error.clone(), s.path))
-            })
+            .iter_mut()
+            .filter_map(|(c, comm)| Some((c, comm.path.handle_timeout(now, nic_up)?)))
             .collect();
-        for (c, error, path) in stranded {
-            let busy = match &self.comms[c].machine {
-                Machine::Send(m) => m.pending() > 0,
-                Machine::Recv(m) => m.pending() > 0,
-            };
-            if busy || !matches!(error, ConnError::PeerClosed) {
+        for (c, gone) in abandoned {
+            if self.busy(c) || !matches!(gone.error, ConnError::PeerClosed) {
                 tracing::warn!(
-                    "railover: comm {c}: no replacement lane arrived in time; failing its receives: {error}"
+                    "railover: comm {c}: no replacement lane arrived in time; failing its receives: {}",
+                    gone.error
                 );
             }
-            if path {
+            if gone.path {
                 self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
             }
-            self.fail_comm(c, error);
+            self.fail_comm(c, gone.error);
         }
     }
 
@@ -891,65 +689,34 @@ impl<F: Fabric> Reactor<F> {
 
     /// Sends the counters gathered since the last sample to the metrics registry.
     pub(super) fn sample_metrics(&mut self, now: Instant) {
-        let t = self.setup.telemetry.clone();
-        let elapsed = now.saturating_duration_since(self.metrics.last_sample);
-        if !elapsed.is_zero() {
-            let idle = self.metrics.idle.min(elapsed);
-            t.record_reactor_busy(1.0 - idle.as_secs_f64() / elapsed.as_secs_f64());
-        }
-        self.metrics.last_sample = now;
-        self.metrics.idle = Duration::ZERO;
-        let mut lanes = vec![0u64; self.setup.nics.len()];
-        let mut paced = vec![0u64; self.setup.nics.len()];
+        let mut nics: Vec<NicNow> = (self.setup.nics.iter().zip(&self.nic_up))
+            .map(|(n, &up)| NicNow {
+                name: &n.name,
+                rail: n.rail,
+                up,
+                lanes: 0,
+                paced_lanes: 0,
+            })
+            .collect();
         for (k, l) in self.lanes.iter() {
-            if let (Role::Comm(_), Some(n)) = (&l.role, l.nic) {
-                if let Some(x) = lanes.get_mut(n) {
-                    *x += 1;
-                }
-                if let Some(x) = paced.get_mut(n).filter(|_| self.fair.cap(k).is_some()) {
-                    *x += 1;
-                }
-            }
-        }
-        for (i, nic) in self.setup.nics.iter().enumerate() {
-            let c = std::mem::take(&mut self.metrics.nic[i]);
-            t.record_nic(&NicSample {
-                nic: &nic.name,
-                rail: nic.rail,
-                up: self.nic_up[i],
-                lanes: lanes[i],
-                paced_lanes: paced[i],
-                tx_bytes: c[0],
-                rx_bytes: c[1],
-                tx_messages: c[2],
-                rx_messages: c[3],
-            });
-            let probes = std::mem::take(&mut self.metrics.probe_failures[i]);
-            if probes > 0 {
-                t.record_probe_failures(&nic.name, probes);
+            if let (Role::Comm(_), Some(n)) = (&l.role, l.nic.and_then(|n| nics.get_mut(n))) {
+                n.lanes += 1;
+                n.paced_lanes += u64::from(self.fair.cap(k).is_some());
             }
         }
         let st = &self.stats;
-        let m = &mut self.metrics;
-        t.record_replayed(m.replayed.take(st.replayed_bytes.load(Ordering::Relaxed)));
-        t.record_duplicates(m.duplicates.take(st.duplicates.load(Ordering::Relaxed)));
-        t.record_rejected(
-            m.rejected
-                .take(st.rejected_connections.load(Ordering::Relaxed)),
-        );
-        t.record_refused_handshakes(
-            m.refused
-                .take(st.refused_handshakes.load(Ordering::Relaxed)),
-        );
-        t.set_handshakes_pending(st.handshakes_pending.load(Ordering::Relaxed));
-        t.record_protocol_errors(
-            m.protocol_errors
-                .take(st.protocol_errors.load(Ordering::Relaxed)),
-        );
-        t.record_lane_failures(
-            m.lane_failures
-                .take(st.lane_failures.load(Ordering::Relaxed)),
-        );
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let totals = Totals {
+            replayed_bytes: load(&st.replayed_bytes),
+            duplicates: load(&st.duplicates),
+            rejected_connections: load(&st.rejected_connections),
+            refused_handshakes: load(&st.refused_handshakes),
+            handshakes_pending: load(&st.handshakes_pending),
+            protocol_errors: load(&st.protocol_errors),
+            lane_failures: load(&st.lane_failures),
+        };
+        let t = &self.setup.telemetry;
+        self.metrics.sample(t, now, &nics, &totals);
     }
 
     /// "eth0->peer0/nic1"-style names for a pair, as the metrics and logs show them.
@@ -992,36 +759,5 @@ impl<F: Fabric> Reactor<F> {
             tracing::warn!("railover: NIC {name} cut (fault injection)");
             self.nic_lost(i, true, now);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MS: Duration = Duration::from_millis(1);
-
-    #[test]
-    fn a_receiver_waits_for_the_senders_timeout_only_as_long_as_it_has_left() {
-        let (timeout, probe) = (1000 * MS, 200 * MS);
-        // Noticed by silence: the sender's timeout has run as well.
-        assert_eq!(
-            receiver_grace(FailReason::Timeout, timeout, probe, 1000 * MS),
-            700 * MS
-        );
-        // Its own carrier, at once: the sender needs its whole timeout.
-        assert_eq!(
-            receiver_grace(FailReason::LinkDown, timeout, probe, Duration::ZERO),
-            1700 * MS
-        );
-        // Its carrier dropped after the lane had gone quiet: that much has run already.
-        assert_eq!(
-            receiver_grace(FailReason::LinkDown, timeout, probe, 600 * MS),
-            1100 * MS
-        );
-        assert_eq!(
-            receiver_grace(FailReason::NicError, timeout, probe, 5000 * MS),
-            700 * MS
-        );
     }
 }

@@ -40,19 +40,20 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use parking_lot::Mutex;
 use slab::Slab;
 
-use crate::conn::auth::{self, AuthError, CommId, Initiator, Responder, Secret, Session};
-use crate::conn::health::{Progress, MAX_PROBE_DEADLINE};
-use crate::conn::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
-use crate::conn::{
-    ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
-};
+use crate::conn::auth::{self, AuthError, CommId, Initiator, Secret, Session};
+use crate::conn::comm::{CommMachine, Out};
+use crate::conn::lane::{io_error, Cause, LaneMachine, Step, LINGER};
+use crate::conn::path::{PathMachine, Timeouts};
+use crate::conn::wire::{Header, Kind, NicAddr, Purpose, Welcome};
+use crate::conn::ConnError;
 use crate::handoff::{
     panic_message, CommShared, Command, CommandQueue, Error, ListenShared, PendingConnect, Request,
     Side,
 };
 use crate::routing::rng::SplitMix64;
 use crate::routing::{self, FailReason, Move, Pair, RoutePublisher, Router, RouterConfig};
-use crate::telemetry::metrics::{Delta, Telemetry};
+use crate::telemetry::metrics::Telemetry;
+use crate::telemetry::sampler::{NicNow, Sampler, Totals};
 use crate::topology::PathType;
 use crate::transport::fair::FairShare;
 use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
@@ -98,8 +99,6 @@ const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
 /// Connections one listener accepts per reactor turn: between batches the reactor reads
 /// the Hellos that arrived, so a flood cannot evict a real handshake before it is seen.
 const ACCEPT_BATCH: usize = 32;
-/// How long a closed comm's lane may keep flushing its last acks.
-const LINGER: Duration = Duration::from_secs(2);
 
 /// The reactor thread's name (Linux keeps 15 characters: this fits whole in `ps`/`top`).
 pub const REACTOR_THREAD: &str = "rlvr-reactor";
@@ -211,42 +210,16 @@ struct Pending {
 }
 
 #[derive(Debug)]
-enum Machine {
-    Send(SendMachine<Pending>),
-    Recv(RecvMachine<Pending>),
-}
-
-#[derive(Debug)]
 struct Comm {
     shared: Arc<CommShared>,
-    lane: Option<usize>,
-    machine: Machine,
+    machine: CommMachine<Pending>,
     /// The session secret its first handshake agreed; migrations and probes prove it.
     session: Session,
-    /// The attempt number of the newest replacement lane: the sender counts its
-    /// attempts, the receiver keeps the one in use and refuses older ones.
-    epoch: u64,
     /// Send side: the comm is registered with the router.
     route: Option<Route>,
-    /// Send side: the replacement lane being set up.
-    migrating: Option<usize>,
-    /// A failure was detected at this time and traffic has not resumed yet.
-    detected: Option<(Instant, FailReason)>,
-    /// Receive side: the lane was lost and no replacement has arrived.
-    stranded: Option<Stranded>,
-}
-
-/// A receive comm waiting for the sender's replacement lane.
-#[derive(Debug, Clone)]
-struct Stranded {
-    /// When the comm fails if no replacement has come.
-    deadline: Instant,
-    /// The path failed (rather than the peer closing the lane): the sender may still be
-    /// re-probing candidates, so while one of our NICs is up the deadline also waits
-    /// out the sender's give-up window.
-    path: bool,
-    /// What the comm's requests fail with.
-    error: ConnError,
+    /// Its lane, the replacement being opened, attempts, detection and the receiver's
+    /// wait for a replacement.
+    path: PathMachine,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -277,31 +250,30 @@ enum Role {
     Closing,
 }
 
-/// A lane's handshake in progress; `None` once it has authenticated.
-#[derive(Debug)]
-enum Auth {
-    Connector(Initiator),
-    Listener(Responder),
-}
-
 #[derive(Debug)]
 struct Lane<F: Fabric> {
     sock: F::Lane,
     reader: FrameReader,
     writer: FrameWriter,
     role: Role,
-    auth: Option<Auth>,
+    /// Its handshake, deadline and liveness.
+    m: LaneMachine,
     /// Its place in the handshake caps (accepted lanes not yet authenticated).
     ticket: Option<u64>,
-    deadline: Option<Instant>,
     /// Local NIC index, when the lane's local address is one of ours.
     nic: Option<usize>,
-    last_rx: Instant,
-    last_tx: Instant,
-    /// Bytes waiting (queued or unacknowledged) at the last tick, and the lane's
-    /// progress history.
-    waiting: u64,
-    progress: Progress,
+}
+
+impl<F: Fabric> Lane<F> {
+    /// Moves the machine's control frames onto the writer; `true` if there were any.
+    fn sync(&mut self) -> bool {
+        let mut any = false;
+        while let Some(f) = self.m.poll_transmit() {
+            self.writer.push_ctrl(&f);
+            any = true;
+        }
+        any
+    }
 }
 
 struct Listener<F: Fabric> {
@@ -347,39 +319,16 @@ struct Reactor<F: Fabric> {
     watcher: Option<LinkWatcher>,
     next_tick: Instant,
     setup: Setup,
-    metrics: MetricsState,
+    metrics: Sampler,
     /// Local NICs cut by fault injection, and the sockets they swallowed: kept open and
     /// never served, as a dead cable would leave them, until the NIC is restored.
     injected_down: Vec<bool>,
     graveyard: Vec<F::Lane>,
-    /// Per comm: when it first left its original pair (for the fail-back's "away" time).
-    failed_at: HashMap<usize, Instant>,
-    /// Per comm: how long the failure went unnoticed (silence before a timeout).
-    detection_latency: HashMap<usize, Duration>,
     /// Pacing caps that share each NIC evenly between its backlogged lanes.
     fair: FairShare,
     /// Seeded handshake randomness (simulation only); `None`: the OS's.
     entropy: Option<SplitMix64>,
 }
-
-/// What the reactor accumulates between two metric samples.
-#[derive(Debug)]
-struct MetricsState {
-    /// Per local NIC: tx bytes, rx bytes, tx messages, rx messages since the last sample.
-    nic: Vec<[u64; 4]>,
-    probe_failures: Vec<u64>,
-    last_sample: Instant,
-    idle: Duration,
-    replayed: Delta,
-    duplicates: Delta,
-    rejected: Delta,
-    refused: Delta,
-    protocol_errors: Delta,
-    lane_failures: Delta,
-}
-
-/// How often counters reach the metrics registry.
-const METRICS_INTERVAL: Duration = Duration::from_millis(100);
 
 impl<F: Fabric> Reactor<F> {
     /// A reactor over `fabric`, its failover listeners open, not yet running.
@@ -452,21 +401,8 @@ impl<F: Fabric> Reactor<F> {
             next_tick: now,
             injected_down: vec![false; setup.nics.len()],
             graveyard: Vec::new(),
-            failed_at: HashMap::new(),
-            detection_latency: HashMap::new(),
             fair: FairShare::new(),
-            metrics: MetricsState {
-                nic: vec![[0; 4]; setup.nics.len()],
-                probe_failures: vec![0; setup.nics.len()],
-                last_sample: now,
-                idle: Duration::ZERO,
-                replayed: Delta::default(),
-                duplicates: Delta::default(),
-                rejected: Delta::default(),
-                refused: Delta::default(),
-                protocol_errors: Delta::default(),
-                lane_failures: Delta::default(),
-            },
+            metrics: Sampler::new(setup.nics.len(), now),
             entropy,
             setup,
         })
@@ -517,7 +453,7 @@ impl<F: Fabric> Reactor<F> {
             let polled = self.poll.poll(&mut events, timeout);
             self.queue.parked.store(false, Ordering::SeqCst);
             if events.is_empty() {
-                self.metrics.idle += now.elapsed();
+                self.metrics.idle(now.elapsed());
             }
             if let Err(e) = polled {
                 if e.kind() != io::ErrorKind::Interrupted {
@@ -589,7 +525,7 @@ impl<F: Fabric> Reactor<F> {
                 tracing::warn!("railover: turned away {n} more incoming connections in the last {secs} s (latest: {latest})");
             }
         }
-        if now.saturating_duration_since(self.metrics.last_sample) >= METRICS_INTERVAL {
+        if self.metrics.due(now) {
             self.sample_metrics(now);
         }
         if self.router.poll_timeout().is_some_and(|d| d <= now) {
@@ -613,116 +549,25 @@ impl<F: Fabric> Reactor<F> {
     }
 
     fn requests_in_flight(&self) -> bool {
-        self.comms.iter().any(|(_, c)| match &c.machine {
-            Machine::Send(m) => m.pending() > 0,
-            Machine::Recv(m) => m.pending() > 0,
-        })
+        self.comms.iter().any(|(_, c)| c.machine.pending() > 0)
     }
 
     fn command(&mut self, c: Command, now: Instant) {
         match c {
-            Command::Listen { nic, shared, reply } => {
-                let (mut listener, addr) = match self.fabric.listen(nic) {
-                    Ok(l) => l,
-                    Err(e) => {
-                        reply.finish(Err(e.into()));
-                        return;
-                    }
-                };
-                let entry = self.listeners.vacant_entry();
-                let key = entry.key();
-                if let Err(e) = self.poll.registry().register(
-                    &mut listener,
-                    Token(key | LISTENER_BIT),
-                    Interest::READABLE,
-                ) {
-                    tracing::warn!("railover: cannot watch a listener: {e}");
-                    reply.finish(Err(e.into()));
-                    return;
-                }
-                self.listener_ids.insert(shared.id, key);
-                entry.insert(Listener {
-                    sock: Some(listener),
-                    shared: Some(shared),
-                    nic,
-                });
-                reply.finish(Ok(addr));
-            }
-            Command::CloseListen { shared } => {
-                if let Some(key) = self.listener_ids.remove(&shared.id) {
-                    let mut l = self.listeners.remove(key);
-                    if let Some(sock) = l.sock.as_mut() {
-                        let _ = self.poll.registry().deregister(sock);
-                    }
-                }
-                // Accepted comms NCCL never took die with their listener.
-                let orphans: Vec<_> = shared.ready.lock().drain(..).collect();
-                for comm in orphans {
-                    self.close_comm(&comm, now);
-                }
-            }
+            Command::Listen { nic, shared, reply } => reply.finish(self.listen(nic, shared)),
+            Command::CloseListen { shared } => self.close_listen(&shared, now),
             Command::Connect {
                 nic,
                 to,
                 token,
                 pending,
             } => {
-                let random = match fresh_random(&mut self.entropy) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        *pending.result.lock() = Some(Err(e.into()));
-                        return;
-                    }
-                };
-                let stream = match self.fabric.connect(nic, to) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::warn!("railover: connect to {to} failed: {e}");
-                        *pending.result.lock() = Some(Err(e.into()));
-                        return;
-                    }
-                };
-                let (auth, hello) = Initiator::connect(&token, self.wire.clone(), &random);
-                match self.add_lane(
-                    stream,
-                    Role::Connecting {
-                        pending: pending.clone(),
-                        nic,
-                        to,
-                    },
-                    now,
-                    HANDSHAKE_TIMEOUT,
-                ) {
-                    Ok(k) => {
-                        let lane = &mut self.lanes[k];
-                        lane.nic = Some(nic);
-                        lane.auth = Some(Auth::Connector(auth));
-                        lane.writer.push_ctrl(&hello);
-                        self.dirty.push(k);
-                    }
-                    Err(e) => *pending.result.lock() = Some(Err(e.into())),
+                if let Err(e) = self.connect(nic, to, &token, &pending, now) {
+                    *pending.result.lock() = Some(Err(e));
                 }
             }
-            Command::Send { comm, req, buf } => {
-                let Some(c) = self.comm_of(&comm) else {
-                    req.fail(Error::InvalidArgument("send on a closed comm".into()));
-                    return;
-                };
-                if let Machine::Send(m) = &mut self.comms[c].machine {
-                    m.post(buf.len() as u64, Pending { buf, req });
-                }
-                self.pump(c);
-            }
-            Command::Recv { comm, req, buf } => {
-                let Some(c) = self.comm_of(&comm) else {
-                    req.fail(Error::InvalidArgument("receive on a closed comm".into()));
-                    return;
-                };
-                if let Machine::Recv(m) = &mut self.comms[c].machine {
-                    m.post(buf.len() as u64, Pending { buf, req });
-                }
-                self.pump(c);
-            }
+            Command::Send { comm, req, buf } => self.post(&comm, Side::Send, Pending { buf, req }),
+            Command::Recv { comm, req, buf } => self.post(&comm, Side::Recv, Pending { buf, req }),
             Command::CloseComm { comm, done } => {
                 self.close_comm(&comm, now);
                 done.signal();
@@ -731,6 +576,87 @@ impl<F: Fabric> Reactor<F> {
             Command::Shutdown => self.shutdown = true,
             Command::Panic(message) => panic!("{message}"),
         }
+    }
+
+    /// Opens NCCL's listener on local NIC `nic`.
+    fn listen(&mut self, nic: usize, shared: Arc<ListenShared>) -> Result<SocketAddr, Error> {
+        let (mut listener, addr) = self.fabric.listen(nic)?;
+        let entry = self.listeners.vacant_entry();
+        let key = entry.key();
+        if let Err(e) = self.poll.registry().register(
+            &mut listener,
+            Token(key | LISTENER_BIT),
+            Interest::READABLE,
+        ) {
+            tracing::warn!("railover: cannot watch a listener: {e}");
+            return Err(e.into());
+        }
+        self.listener_ids.insert(shared.id, key);
+        entry.insert(Listener {
+            sock: Some(listener),
+            shared: Some(shared),
+            nic,
+        });
+        Ok(addr)
+    }
+
+    fn close_listen(&mut self, shared: &ListenShared, now: Instant) {
+        if let Some(key) = self.listener_ids.remove(&shared.id) {
+            let mut l = self.listeners.remove(key);
+            if let Some(sock) = l.sock.as_mut() {
+                let _ = self.poll.registry().deregister(sock);
+            }
+        }
+        // Accepted comms NCCL never took die with their listener.
+        let orphans: Vec<_> = shared.ready.lock().drain(..).collect();
+        for comm in orphans {
+            self.close_comm(&comm, now);
+        }
+    }
+
+    /// Connects from local NIC `nic` to NCCL's listener at `to`, keyed by its `token`.
+    fn connect(
+        &mut self,
+        nic: usize,
+        to: SocketAddr,
+        token: &[u8; 16],
+        pending: &Arc<PendingConnect>,
+        now: Instant,
+    ) -> Result<(), Error> {
+        let random = fresh_random(&mut self.entropy)?;
+        let stream = self.fabric.connect(nic, to).inspect_err(|e| {
+            tracing::warn!("railover: connect to {to} failed: {e}");
+        })?;
+        let (auth, hello) = Initiator::connect(token, self.wire.clone(), &random);
+        let pending = pending.clone();
+        let k = self.add_lane(
+            stream,
+            Role::Connecting { pending, nic, to },
+            now,
+            HANDSHAKE_TIMEOUT,
+        )?;
+        let lane = &mut self.lanes[k];
+        lane.nic = Some(nic);
+        lane.m.connecting(auth, hello);
+        self.dirty.push(k);
+        Ok(())
+    }
+
+    /// A send or receive NCCL posted on `comm`.
+    fn post(&mut self, comm: &Arc<CommShared>, side: Side, p: Pending) {
+        let len = p.buf.len() as u64;
+        let Some(c) = self.comm_of(comm) else {
+            let what = match side {
+                Side::Send => "send on a closed comm",
+                Side::Recv => "receive on a closed comm",
+            };
+            return p.req.fail(Error::InvalidArgument(what.into()));
+        };
+        if let Err(p) = self.comms[c].machine.post(side == Side::Send, len, p) {
+            let e = Error::InvalidArgument("send or receive on a comm of the other side".into());
+            return p.req.fail(e);
+        }
+        self.pump(c);
     }
 
     fn comm_of(&self, shared: &Arc<CommShared>) -> Option<usize> {
@@ -747,7 +673,7 @@ impl<F: Fabric> Reactor<F> {
         now: Instant,
         limit: Duration,
     ) -> io::Result<usize> {
-        let progress = Progress::new(self.setup.completion_timeout, self.tick_interval());
+        self.arm(now + limit);
         let entry = self.lanes.vacant_entry();
         let key = entry.key();
         self.poll.registry().register(
@@ -755,21 +681,14 @@ impl<F: Fabric> Reactor<F> {
             Token(key),
             Interest::READABLE | Interest::WRITABLE,
         )?;
-        let deadline = now + limit;
-        self.next_deadline = Some(self.next_deadline.map_or(deadline, |d| d.min(deadline)));
         entry.insert(Lane {
             sock,
             reader: FrameReader::default(),
             writer: FrameWriter::default(),
             role,
-            auth: None,
+            m: LaneMachine::new(self.setup.completion_timeout, now, limit),
             ticket: None,
-            deadline: Some(deadline),
             nic: None,
-            last_rx: now,
-            last_tx: now,
-            waiting: 0,
-            progress,
         });
         Ok(key)
     }
@@ -844,7 +763,7 @@ impl<F: Fabric> Reactor<F> {
                             let (ticket, evict) = self.gate.admit(k, key);
                             let lane = &mut self.lanes[k];
                             lane.nic = nic;
-                            lane.auth = Some(Auth::Listener(Responder::default()));
+                            lane.m.listening();
                             lane.ticket = Some(ticket);
                             for (t, old) in evict {
                                 self.evict(t, old, now);
@@ -889,13 +808,16 @@ impl<F: Fabric> Reactor<F> {
             let before = lane.reader.total_read();
             let got = self.fabric.read(&mut lane.sock, &mut lane.reader);
             if lane.reader.total_read() != before {
-                lane.last_rx = now;
+                lane.m.handle_rx(now);
             }
             match got {
                 Ok(Some(item)) => {
                     if let Err(e) = self.inbound(k, item, now) {
-                        self.fail_lane(k, failover::Cause::error(e), now);
+                        self.fail_lane(k, Cause::error(e), now);
                         return;
+                    }
+                    if let Some(lane) = self.lanes.get_mut(k) {
+                        lane.sync();
                     }
                 }
                 Ok(None) => {
@@ -906,10 +828,10 @@ impl<F: Fabric> Reactor<F> {
                 }
                 Err(e) => {
                     let e = match e {
-                        ReadError::Io(e) => failover::io_error(&e),
+                        ReadError::Io(e) => io_error(&e),
                         ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
                     };
-                    self.fail_lane(k, failover::Cause::error(e), now);
+                    self.fail_lane(k, Cause::error(e), now);
                     return;
                 }
             }
@@ -917,169 +839,88 @@ impl<F: Fabric> Reactor<F> {
         self.dirty.push(k);
     }
 
+    /// One item from lane `k`: its machine says what it means, the reactor acts on it.
     fn inbound(&mut self, k: usize, item: Inbound, now: Instant) -> Result<(), ConnError> {
-        if let Inbound::Frame(h, body) = &item {
-            match h.kind {
-                Kind::Keepalive => return Ok(()),
-                Kind::Challenge => return self.challenge(k, body),
-                Kind::Proof => return self.proof(k, body, now),
-                _ => {}
-            }
-        }
         let lane = &mut self.lanes[k];
-        match &lane.role {
-            Role::Handshake { listener } => {
-                let listener = *listener;
-                match item {
-                    Inbound::Frame(h, body) if h.kind == Kind::Hello => {
-                        self.hello(k, listener, &body, now)
-                    }
-                    Inbound::Eof => Err(ConnError::PeerClosed),
-                    _ => Err(ConnError::Protocol("expected Hello".into())),
-                }
-            }
-            Role::Connecting { pending, nic, to } => {
-                let (pending, nic, to) = (pending.clone(), *nic, *to);
-                match item {
-                    Inbound::Frame(h, body) if h.kind == Kind::Welcome => {
-                        let peer = Welcome::decode(&body)
-                            .map_err(|e| ConnError::Protocol(e.to_string()))?;
-                        let session = self.finish_auth(k)?.ok_or_else(|| {
-                            ConnError::Protocol("the handshake agreed no session".into())
-                        })?;
-                        let shared = self.new_comm(Side::Send, k, nic, session);
-                        self.register_route(shared.key, nic, to, peer.nics, now);
-                        *pending.result.lock() = Some(Ok(shared));
-                        Ok(())
-                    }
-                    Inbound::Frame(h, _) if h.kind == Kind::Refuse => Err(ConnError::Protocol(
-                        "the listener refused the handshake (wrong comm token?)".into(),
-                    )),
-                    Inbound::Eof => Err(ConnError::PeerClosed),
-                    _ => Err(ConnError::Protocol("expected Welcome".into())),
-                }
-            }
-            Role::ProbeSink => match item {
-                Inbound::Data { .. } => {
-                    lane.reader.place(None);
-                    Ok(())
-                }
-                Inbound::PayloadDone { .. } => {
-                    let welcome = Welcome {
-                        nics: self.wire.clone(),
-                    }
-                    .encode(0);
-                    let lane = &mut self.lanes[k];
-                    lane.writer.push_ctrl(&welcome);
-                    lane.role = Role::Closing;
-                    lane.deadline = Some(now + LINGER);
-                    Ok(())
-                }
-                Inbound::Eof => Err(ConnError::PeerClosed),
-                _ => Err(ConnError::Protocol("expected a probe payload".into())),
-            },
-            Role::Probe { pair, started } => {
-                let (pair, started) = (*pair, *started);
-                match item {
-                    Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
-                        self.finish_auth(k)?;
-                        self.probe_answered(pair, started, now);
-                        let lane = &mut self.lanes[k];
-                        lane.role = Role::Closing;
-                        lane.deadline = Some(now + LINGER);
-                        Ok(())
-                    }
-                    Inbound::Eof => Err(ConnError::PeerClosed),
-                    _ => Err(ConnError::Protocol("expected Welcome to a probe".into())),
-                }
-            }
-            Role::Migrating { comm, mv } => {
-                let (c, mv) = (*comm, *mv);
-                match item {
-                    Inbound::Frame(h, _) if h.kind == Kind::Welcome => {
-                        self.finish_auth(k)?;
-                        self.finish_migration(c, k, mv, h.seq, now)
-                    }
-                    Inbound::Frame(h, _) if h.kind == Kind::Refuse => Err(ConnError::Protocol(
-                        "the peer refused the replacement lane".into(),
-                    )),
-                    Inbound::Eof => Err(ConnError::PeerClosed),
-                    _ => Err(ConnError::Protocol(
-                        "expected Welcome to a migration".into(),
-                    )),
-                }
-            }
-            Role::Closing => {
-                // Drain and ignore whatever the peer still sends.
-                if let Inbound::Data { .. } = item {
-                    lane.reader.place(None);
-                }
-                if matches!(item, Inbound::Eof) {
-                    return Err(ConnError::PeerClosed);
-                }
+        let (step, body) = match &item {
+            Inbound::Frame(h, body) => (
+                lane.m.handle_frame(h, body, self.setup.probe_bytes)?,
+                &body[..],
+            ),
+            Inbound::Data { .. } => (lane.m.handle_payload(false, now)?, &[][..]),
+            Inbound::PayloadDone { .. } => (lane.m.handle_payload(true, now)?, &[][..]),
+            Inbound::Eof => return Err(ConnError::PeerClosed),
+        };
+        match (step, &lane.role) {
+            (Step::Handled, _) => Ok(()),
+            (Step::Discard, _) => {
+                lane.reader.place(None);
                 Ok(())
             }
-            Role::Comm(c) => {
-                let c = *c;
+            (Step::Hello, &Role::Handshake { listener }) => self.hello(k, listener, body, now),
+            (Step::Proof, _) => self.proof(k, body, now),
+            (Step::ProbeCrossed, _) => {
+                lane.writer.push_ctrl(
+                    &Welcome {
+                        nics: self.wire.clone(),
+                    }
+                    .encode(0),
+                );
+                lane.role = Role::Closing;
+                Ok(())
+            }
+            (Step::Welcomed { nics, session, .. }, Role::Connecting { pending, nic, to }) => {
+                let (pending, nic, to) = (pending.clone(), *nic, *to);
+                let session = session
+                    .ok_or_else(|| ConnError::Protocol("the handshake agreed no session".into()))?;
+                let shared = self.new_comm(Side::Send, k, nic, session);
+                self.register_route(shared.key, nic, to, nics, now);
+                *pending.result.lock() = Some(Ok(shared));
+                Ok(())
+            }
+            (Step::Welcomed { .. }, &Role::Probe { pair, started }) => {
+                lane.role = Role::Closing;
+                lane.m.linger(now);
+                self.probe_answered(pair, started, now);
+                Ok(())
+            }
+            (Step::Welcomed { delivered, .. }, &Role::Migrating { comm, mv }) => {
+                self.finish_migration(comm, k, mv, delivered, now)
+            }
+            (Step::Comm, &Role::Comm(c)) => {
                 self.comm_inbound(c, k, item)?;
                 self.pump(c);
                 Ok(())
             }
+            (step, role) => Err(ConnError::Protocol(format!(
+                "{step:?} on a lane in {role:?}"
+            ))),
         }
     }
 
     fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<(), ConnError> {
         let comm = &mut self.comms[c];
-        match (&mut comm.machine, item) {
-            (_, Inbound::Eof) => Err(ConnError::PeerClosed),
-            (_, Inbound::Frame(h, _)) if h.kind == Kind::Close => Err(ConnError::PeerClosed),
-            (Machine::Send(_), Inbound::Frame(h, _)) if h.kind == Kind::Stalled => {
-                Err(ConnError::Stalled(
-                    "the receiver has heard nothing on this lane for the completion timeout".into(),
-                ))
+        match item {
+            Inbound::Frame(h, _) => {
+                if comm.machine.handle_frame(&h)? {
+                    comm.path.handle_resumed();
+                }
             }
-            (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Cts => {
-                m.handle_cts(h.seq, h.len)
-            }
-            (Machine::Send(m), Inbound::Frame(h, _)) if h.kind == Kind::Ack => {
-                m.handle_ack(h.seq)?;
-                // Acknowledged progress on the new lane: the failover is complete.
-                comm.detected = None;
-                Ok(())
-            }
-            (Machine::Recv(m), Inbound::Data { seq, len }) => {
-                let dst = match m.handle_data(seq, len)? {
-                    Placement::Deliver { seq, .. } => Some(
-                        m.message(seq)
-                            .expect("delivering a posted receive")
-                            .buf
-                            .lend(),
-                    ),
-                    Placement::Discard { .. } => {
-                        self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
-                        None
-                    }
-                };
+            Inbound::Data { seq, len } => {
+                let dst = comm.machine.handle_data(seq, len)?.map(|p| p.buf.lend());
+                if dst.is_none() {
+                    self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                }
                 self.lanes[k].reader.place(dst);
-                Ok(())
             }
-            (Machine::Recv(m), Inbound::PayloadDone { seq, len }) => {
+            Inbound::PayloadDone { seq, len } => {
                 self.stats.bytes_received.fetch_add(len, Ordering::Relaxed);
-                if let Some(n) = self.lanes[k].nic.and_then(|n| self.metrics.nic.get_mut(n)) {
-                    n[1] += len;
-                    n[3] += 1;
-                }
-                if m.message(seq).is_some() && m.delivered() == seq {
-                    m.payload_done(seq, len)
-                } else {
-                    Ok(()) // a discarded duplicate
-                }
+                self.metrics.message(self.lanes[k].nic, false, len);
+                comm.machine.handle_payload_done(seq, len)?;
             }
-            (Machine::Recv(m), Inbound::Frame(h, _)) if h.kind == Kind::Truncated => {
-                m.handle_truncated(h.seq, h.len)
-            }
-            (_, other) => Err(ConnError::Protocol(format!("unexpected {other:?}"))),
+            Inbound::Eof => return Err(ConnError::PeerClosed),
         }
+        Ok(())
     }
 
     /// The listener side of every handshake: a new comm (NCCL's connect), a probe, or a
@@ -1106,19 +947,13 @@ impl<F: Fabric> Reactor<F> {
                 .map(|c| Secret::Session(c.session.clone())),
         };
         let lane = &mut self.lanes[k];
-        let Some(Auth::Listener(r)) = lane.auth.as_mut() else {
-            return Err(ConnError::Protocol(
-                "Hello on a lane that is not listening".into(),
-            ));
-        };
-        match r.handle_hello(body, secret, &random) {
-            Ok(challenge) => {
-                lane.writer.push_ctrl(&challenge);
+        match lane.m.handle_hello(body, secret, &random, now)? {
+            None => {
                 if let Some(t) = lane.ticket {
                     self.gate.vouch(t);
                 }
             }
-            Err(e) => self.refuse(k, &e, now),
+            Some(e) => self.refused(k, &e, now),
         }
         Ok(())
     }
@@ -1127,20 +962,16 @@ impl<F: Fabric> Reactor<F> {
     /// become a comm, a probe's answer, or a comm's replacement lane.
     fn proof(&mut self, k: usize, body: &[u8], now: Instant) -> Result<(), ConnError> {
         let lane = &mut self.lanes[k];
-        let (Some(Auth::Listener(r)), Role::Handshake { listener }) =
-            (lane.auth.as_mut(), &lane.role)
-        else {
+        let Role::Handshake { listener } = lane.role else {
             return Err(ConnError::Protocol("unexpected Proof".into()));
         };
-        let listener = *listener;
-        let accepted = match r.handle_proof(body) {
+        let accepted = match lane.m.handle_proof(body, now)? {
             Ok(a) => a,
             Err(e) => {
-                self.refuse(k, &e, now);
+                self.refused(k, &e, now);
                 return Ok(());
             }
         };
-        lane.auth = None;
         self.leave_gate(k);
         match accepted.purpose {
             Purpose::Data => {
@@ -1164,16 +995,8 @@ impl<F: Fabric> Reactor<F> {
                 );
                 shared.ready.lock().push_back(comm);
             }
-            // Answer once the probe's payload, sent after the Proof, has crossed the
-            // path: a pair that connects but cannot move data is not healthy. The
-            // prober's own deadline decides; this one only bounds a prober that stops.
-            Purpose::Probe => {
-                let lane = &mut self.lanes[k];
-                lane.role = Role::ProbeSink;
-                // Later than the pre-authentication deadline it replaces, so the
-                // reactor's next deadline still comes first.
-                lane.deadline = Some(now + MAX_PROBE_DEADLINE + LINGER);
-            }
+            // Its payload crosses before the Welcome (see `LaneMachine::handle_proof`).
+            Purpose::Probe => self.lanes[k].role = Role::ProbeSink,
             Purpose::Migrate => match self.recv_by_id.get(&accepted.comm).copied() {
                 Some(c) => self.attach_replacement(c, k, accepted.epoch, now),
                 None => self.refuse(k, &AuthError::NotHere(Purpose::Migrate), now),
@@ -1182,40 +1005,14 @@ impl<F: Fabric> Reactor<F> {
         Ok(())
     }
 
-    /// The connector's side of a Challenge: check the listener holds the key, prove ours.
-    /// A probe's payload follows its Proof: the listener reads it only once authenticated,
-    /// so the probe's own deadline, not the short pre-authentication one, judges it.
-    fn challenge(&mut self, k: usize, body: &[u8]) -> Result<(), ConnError> {
-        let lane = &mut self.lanes[k];
-        let Some(Auth::Connector(a)) = lane.auth.as_mut() else {
-            return Err(ConnError::Protocol("unexpected Challenge".into()));
-        };
-        let proof = a.handle_challenge(body).map_err(|e| {
-            ConnError::Protocol(format!("the listener failed to authenticate: {e}"))
-        })?;
-        lane.writer.push_ctrl(&proof);
-        if matches!(lane.role, Role::Probe { .. }) {
-            let n = self.setup.probe_bytes;
-            lane.writer
-                .push_ctrl(&Header::new(Kind::Data, 0, n as u64).encode());
-            lane.writer.push_ctrl(&vec![0u8; n]);
-        }
-        Ok(())
-    }
-
-    /// A Welcome reached a connecting lane: its handshake must be complete. Returns the
-    /// session a `Data` handshake agreed.
-    fn finish_auth(&mut self, k: usize) -> Result<Option<Session>, ConnError> {
-        match self.lanes[k].auth.take() {
-            Some(Auth::Connector(a)) => a.finish().map_err(|e| ConnError::Protocol(e.to_string())),
-            _ => Err(ConnError::Protocol(
-                "Welcome on a lane that did not authenticate".into(),
-            )),
-        }
-    }
-
     /// Refuses a connection that failed to authenticate, and counts it.
     fn refuse(&mut self, k: usize, why: &AuthError, now: Instant) {
+        self.lanes[k].m.refuse(now);
+        self.refused(k, why, now);
+    }
+
+    /// Counts a connection its machine refused; it lingers until the Refuse is out.
+    fn refused(&mut self, k: usize, why: &AuthError, now: Instant) {
         self.stats
             .rejected_connections
             .fetch_add(1, Ordering::Relaxed);
@@ -1223,13 +1020,7 @@ impl<F: Fabric> Reactor<F> {
             .refused_handshakes
             .fetch_add(1, Ordering::Relaxed);
         self.leave_gate(k);
-        let lane = &mut self.lanes[k];
-        lane.auth = None;
-        let mut h = Header::new(Kind::Refuse, 0, 0);
-        h.aux = wire::REFUSE_AUTH;
-        lane.writer.push_ctrl(&h.encode());
-        lane.role = Role::Closing;
-        lane.deadline = Some(now + LINGER);
+        self.lanes[k].role = Role::Closing;
         self.turned_away(&format!("refused its handshake: {why}"), now);
     }
 
@@ -1240,27 +1031,24 @@ impl<F: Fabric> Reactor<F> {
         nic: usize,
         session: Session,
     ) -> Arc<CommShared> {
+        let timeouts = Timeouts {
+            completion: self.setup.completion_timeout,
+            probe: self.setup.probe_timeout,
+            giveup: self.setup.router.giveup,
+        };
         let entry = self.comms.vacant_entry();
         let key = entry.key();
         let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic));
-        let machine = match side {
-            Side::Send => Machine::Send(SendMachine::default()),
-            Side::Recv => Machine::Recv(RecvMachine::default()),
-        };
         entry.insert(Comm {
             shared: shared.clone(),
-            lane: Some(lane),
-            machine,
+            machine: CommMachine::new(side == Side::Send),
             session,
-            epoch: 0,
             route: None,
-            migrating: None,
-            detected: None,
-            stranded: None,
+            path: PathMachine::new(side == Side::Send, timeouts, lane),
         });
         let l = &mut self.lanes[lane];
         l.role = Role::Comm(key);
-        l.deadline = None;
+        l.m.carry();
         l.reader.enlarge();
         shared
     }
@@ -1268,62 +1056,32 @@ impl<F: Fabric> Reactor<F> {
     /// Moves the machine's output onto its lane and its outcomes onto the requests.
     fn pump(&mut self, c: usize) {
         let comm = &mut self.comms[c];
-        let lane = comm.lane.and_then(|k| self.lanes.get_mut(k));
-        match &mut comm.machine {
-            Machine::Send(m) => {
-                // Without a lane (failover under way) the machine keeps its queue.
-                if let Some(lane) = lane {
-                    while let Some(t) = m.poll_transmit() {
-                        match t {
-                            Transmit::Data { seq, len } => {
-                                let buf = m
-                                    .message(seq)
-                                    .expect("transmitting a queued message")
-                                    .buf
-                                    .lend();
-                                lane.writer
-                                    .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
-                                lane.writer.push_payload(buf, len as usize);
-                                self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
-                                if let Some(n) = lane.nic.and_then(|n| self.metrics.nic.get_mut(n))
-                                {
-                                    n[0] += len;
-                                    n[2] += 1;
-                                }
-                            }
-                            Transmit::Truncated { seq, len } => {
-                                lane.writer
-                                    .push_ctrl(&Header::new(Kind::Truncated, seq, len).encode());
-                            }
-                        }
-                    }
-                }
-                while let Some(ev) = m.poll_event() {
-                    match ev {
-                        SendEvent::Completed { len, token, .. } => token.req.complete(len),
-                        SendEvent::Failed { token, error, .. } => token.req.fail(error.into()),
-                    }
-                }
-            }
-            Machine::Recv(m) => {
-                if let Some(lane) = lane {
-                    while let Some(ctl) = m.poll_transmit() {
-                        let h = match ctl {
-                            Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
-                            Control::Ack { delivered } => Header::new(Kind::Ack, delivered, 0),
-                        };
-                        lane.writer.push_ctrl(&h.encode());
-                    }
-                }
-                while let Some(ev) = m.poll_event() {
-                    match ev {
-                        RecvEvent::Completed { len, token, .. } => token.req.complete(len),
-                        RecvEvent::Failed { token, error, .. } => token.req.fail(error.into()),
+        // Without a lane (failover under way) the machine keeps its queue.
+        if let Some(lane) = comm.path.lane().and_then(|k| self.lanes.get_mut(k)) {
+            while let Some(out) = comm.machine.poll_transmit() {
+                match out {
+                    Out::Frame(h) => lane.writer.push_ctrl(&h.encode()),
+                    Out::Data { seq, len } => {
+                        let p = comm
+                            .machine
+                            .message(seq)
+                            .expect("transmitting a queued message");
+                        lane.writer
+                            .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
+                        lane.writer.push_payload(p.buf.lend(), len as usize);
+                        self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
+                        self.metrics.message(lane.nic, true, len);
                     }
                 }
             }
         }
-        if let Some(k) = comm.lane {
+        while let Some((p, outcome)) = comm.machine.poll_outcome() {
+            match outcome {
+                Ok(len) => p.req.complete(len),
+                Err(e) => p.req.fail(e.into()),
+            }
+        }
+        if let Some(k) = comm.path.lane() {
             self.dirty.push(k);
         }
     }
@@ -1336,6 +1094,7 @@ impl<F: Fabric> Reactor<F> {
             let Some(lane) = self.lanes.get_mut(k) else {
                 continue;
             };
+            lane.sync();
             if lane.writer.is_empty() {
                 if matches!(lane.role, Role::Closing) {
                     self.drop_lane(k);
@@ -1345,7 +1104,7 @@ impl<F: Fabric> Reactor<F> {
             let before = lane.writer.total_written();
             let res = self.fabric.write(&mut lane.sock, &mut lane.writer);
             if lane.writer.total_written() != before {
-                lane.last_tx = now;
+                lane.m.handle_tx(now);
             }
             match res {
                 Ok(()) => {
@@ -1355,7 +1114,7 @@ impl<F: Fabric> Reactor<F> {
                         self.drop_lane(k);
                     }
                 }
-                Err(e) => self.fail_lane(k, failover::Cause::error(failover::io_error(&e)), now),
+                Err(e) => self.fail_lane(k, Cause::error(io_error(&e)), now),
             }
         }
         self.dirty = dirty;
@@ -1373,31 +1132,16 @@ impl<F: Fabric> Reactor<F> {
         if self.recv_by_id.get(&comm.session.id()) == Some(&c) {
             self.recv_by_id.remove(&comm.session.id());
         }
-        let reason = || Error::InvalidArgument("comm closed with the request outstanding".into());
-        match comm.machine {
-            Machine::Send(mut m) => {
-                m.handle_lane_lost(ConnError::PeerClosed);
-                while let Some(
-                    SendEvent::Completed { token, .. } | SendEvent::Failed { token, .. },
-                ) = m.poll_event()
-                {
-                    token.req.fail(reason());
-                }
-            }
-            Machine::Recv(mut m) => {
-                m.handle_lane_lost(ConnError::PeerClosed);
-                while let Some(
-                    RecvEvent::Completed { token, .. } | RecvEvent::Failed { token, .. },
-                ) = m.poll_event()
-                {
-                    token.req.fail(reason());
-                }
-            }
+        let mut m = comm.machine;
+        m.handle_lane_lost(ConnError::PeerClosed);
+        while let Some((p, _)) = m.poll_outcome() {
+            let e = Error::InvalidArgument("comm closed with the request outstanding".into());
+            p.req.fail(e);
         }
-        if let Some(k) = comm.migrating {
+        if let Some(k) = comm.path.migrating() {
             self.drop_lane(k);
         }
-        if let Some(k) = comm.lane {
+        if let Some(k) = comm.path.lane() {
             let lane = &mut self.lanes[k];
             if lane.writer.holds_payload() {
                 // NCCL may free its buffers once close returns: never write from them
@@ -1406,29 +1150,39 @@ impl<F: Fabric> Reactor<F> {
             } else {
                 // Let the last acks and CTS reach the peer, but do not wait for it.
                 lane.role = Role::Closing;
-                lane.deadline = Some(now + LINGER);
-                self.next_deadline = Some(
-                    self.next_deadline
-                        .map_or(now + LINGER, |d| d.min(now + LINGER)),
-                );
+                lane.m.linger(now);
+                self.arm(now + LINGER);
                 self.dirty.push(k);
             }
         }
     }
 
-    /// Fails handshakes, probes and migrations that took too long, and drops lingering lanes.
+    /// Runs the lanes' timers that are due: handshakes, probes and migrations that took
+    /// too long, lingering lanes, silence and keepalives.
     fn expire(&mut self, now: Instant) {
-        let overdue: Vec<usize> = self
+        let mut failed = Vec::new();
+        for (k, lane) in self.lanes.iter_mut() {
+            if lane.m.poll_timeout().is_some_and(|d| d <= now) {
+                lane.m.handle_timeout(now);
+                if lane.sync() {
+                    self.dirty.push(k);
+                }
+                failed.extend(lane.m.poll_failure().map(|c| (k, c)));
+            }
+        }
+        for (k, cause) in failed {
+            self.lane_condemned(k, cause, now);
+        }
+        self.next_deadline = self
             .lanes
             .iter()
-            .filter(|(_, l)| l.deadline.is_some_and(|d| d <= now))
-            .map(|(k, _)| k)
-            .collect();
-        for k in overdue {
-            let e = ConnError::Io("handshake, probe or close timed out".into());
-            self.fail_lane(k, failover::Cause::new(e, FailReason::Timeout), now);
-        }
-        self.next_deadline = self.lanes.iter().filter_map(|(_, l)| l.deadline).min();
+            .filter_map(|(_, l)| l.m.poll_timeout())
+            .min();
+    }
+
+    /// A lane timer may be due at `at`.
+    fn arm(&mut self, at: Instant) {
+        self.next_deadline = Some(self.next_deadline.map_or(at, |d| d.min(at)));
     }
 
     fn close_everything(&mut self) {

@@ -132,6 +132,35 @@ pub struct CommSpec {
     pub lanes: Vec<(NicId, NicId)>,
 }
 
+impl CommSpec {
+    /// A comm NCCL connected over one lane, from local NIC `local` to the peer's NIC
+    /// `remote`. `locals`: this node's NICs' rails; `distance[x]`: the path type from
+    /// `local`'s GPU to NIC `x`; `remotes`: the peer's NICs' rails, in its numbering.
+    pub fn one_lane(
+        peer: PeerId,
+        locals: &[Option<u32>],
+        distance: &[Option<PathType>],
+        remotes: &[Option<u32>],
+        (local, remote): (NicId, NicId),
+    ) -> CommSpec {
+        let id = |i: usize| NicId(i as u32);
+        CommSpec {
+            peer,
+            local_nics: (locals.iter().enumerate())
+                .map(|(i, &rail)| LocalNic {
+                    id: id(i),
+                    rail,
+                    distance: distance.get(i).copied().flatten(),
+                })
+                .collect(),
+            remote_nics: (remotes.iter().enumerate())
+                .map(|(j, &rail)| RemoteNic { id: id(j), rail })
+                .collect(),
+            lanes: vec![(local, remote)],
+        }
+    }
+}
+
 /// Why a lane failed (an input to [`Router::handle_lane_failure`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum FailReason {

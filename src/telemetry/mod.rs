@@ -8,3 +8,4 @@
 pub mod exporter;
 pub mod log;
 pub mod metrics;
+pub mod sampler;

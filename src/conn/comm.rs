@@ -1,0 +1,238 @@
+//! One comm's data machine, either side, behind one interface: the reactor feeds it the
+//! frames and payloads of the comm's lane and writes what it gives back. No sockets, no
+//! threads, no clock reads.
+//!
+//! Call order: [`CommMachine::post`] NCCL's requests; feed the lane's items to
+//! [`CommMachine::handle_frame`], [`CommMachine::handle_data`] (then place the payload
+//! where it says) and [`CommMachine::handle_payload_done`]; then write
+//! [`CommMachine::poll_transmit`]'s output while the comm has a lane, and settle the
+//! requests [`CommMachine::poll_outcome`] gives.
+
+use super::wire::{Header, Kind};
+use super::{
+    ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
+};
+
+/// What a comm wants written on its lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Out {
+    /// A `Data` frame with the payload of message `seq` ([`CommMachine::message`]).
+    Data { seq: u64, len: u64 },
+    /// A frame without payload (CTS, ack, truncation notice).
+    Frame(Header),
+}
+
+/// A comm's machine: the send side or the receive side.
+#[derive(Debug)]
+pub enum CommMachine<T> {
+    Send(SendMachine<T>),
+    Recv(RecvMachine<T>),
+}
+
+impl<T> CommMachine<T> {
+    pub fn new(sender: bool) -> CommMachine<T> {
+        if sender {
+            CommMachine::Send(SendMachine::default())
+        } else {
+            CommMachine::Recv(RecvMachine::default())
+        }
+    }
+
+    /// Requests posted and not yet settled.
+    pub fn pending(&self) -> usize {
+        match self {
+            CommMachine::Send(m) => m.pending(),
+            CommMachine::Recv(m) => m.pending(),
+        }
+    }
+
+    /// NCCL posted a send (`send`) or a receive of `len` bytes; a request for the other
+    /// side is handed back.
+    pub fn post(&mut self, send: bool, len: u64, token: T) -> Result<(), T> {
+        match self {
+            CommMachine::Send(m) if send => {
+                m.post(len, token);
+            }
+            CommMachine::Recv(m) if !send => {
+                m.post(len, token);
+            }
+            _ => return Err(token),
+        }
+        Ok(())
+    }
+
+    /// A frame without payload from the peer. `Ok(true)`: the receiver acknowledged
+    /// progress, so a failover is complete.
+    pub fn handle_frame(&mut self, h: &Header) -> Result<bool, ConnError> {
+        match (self, h.kind) {
+            (_, Kind::Close) => Err(ConnError::PeerClosed),
+            (CommMachine::Send(_), Kind::Stalled) => Err(ConnError::Stalled(
+                "the receiver has heard nothing on this lane for the completion timeout".into(),
+            )),
+            (CommMachine::Send(m), Kind::Cts) => m.handle_cts(h.seq, h.len).map(|()| false),
+            (CommMachine::Send(m), Kind::Ack) => m.handle_ack(h.seq).map(|()| true),
+            (CommMachine::Recv(m), Kind::Truncated) => {
+                m.handle_truncated(h.seq, h.len).map(|()| false)
+            }
+            _ => Err(ConnError::Protocol(format!("unexpected {h:?}"))),
+        }
+    }
+
+    /// A payload's header: the posted receive it fills, or `None` for a duplicate to
+    /// read and drop.
+    pub fn handle_data(&mut self, seq: u64, len: u64) -> Result<Option<&T>, ConnError> {
+        let CommMachine::Recv(m) = self else {
+            return Err(ConnError::Protocol(format!(
+                "unexpected Data {{ seq: {seq}, len: {len} }}"
+            )));
+        };
+        match m.handle_data(seq, len)? {
+            Placement::Deliver { seq, .. } => Ok(m.message(seq)),
+            Placement::Discard { .. } => Ok(None),
+        }
+    }
+
+    /// The payload placed by [`CommMachine::handle_data`] has fully arrived.
+    pub fn handle_payload_done(&mut self, seq: u64, len: u64) -> Result<(), ConnError> {
+        let CommMachine::Recv(m) = self else {
+            return Err(ConnError::Protocol(format!(
+                "unexpected PayloadDone {{ seq: {seq}, len: {len} }}"
+            )));
+        };
+        if m.message(seq).is_some() && m.delivered() == seq {
+            m.payload_done(seq, len)
+        } else {
+            Ok(()) // a discarded duplicate
+        }
+    }
+
+    /// The next thing to write on the comm's lane.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<Out> {
+        match self {
+            CommMachine::Send(m) => m.poll_transmit().map(|t| match t {
+                Transmit::Data { seq, len } => Out::Data { seq, len },
+                Transmit::Truncated { seq, len } => {
+                    Out::Frame(Header::new(Kind::Truncated, seq, len))
+                }
+            }),
+            CommMachine::Recv(m) => m.poll_transmit().map(|c| {
+                Out::Frame(match c {
+                    Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
+                    Control::Ack { delivered } => Header::new(Kind::Ack, delivered, 0),
+                })
+            }),
+        }
+    }
+
+    /// The token of message `seq` (a send's, for its payload).
+    pub fn message(&self, seq: u64) -> Option<&T> {
+        match self {
+            CommMachine::Send(m) => m.message(seq),
+            CommMachine::Recv(m) => m.message(seq),
+        }
+    }
+
+    /// A settled request: its token and its length, or why it failed.
+    #[must_use]
+    pub fn poll_outcome(&mut self) -> Option<(T, Result<u64, ConnError>)> {
+        match self {
+            CommMachine::Send(m) => m.poll_event().map(|e| match e {
+                SendEvent::Completed { len, token, .. } => (token, Ok(len)),
+                SendEvent::Failed { token, error, .. } => (token, Err(error)),
+            }),
+            CommMachine::Recv(m) => m.poll_event().map(|e| match e {
+                RecvEvent::Completed { len, token, .. } => (token, Ok(len)),
+                RecvEvent::Failed { token, error, .. } => (token, Err(error)),
+            }),
+        }
+    }
+
+    /// The comm is lost: every request fails with `error`, now and later.
+    pub fn handle_lane_lost(&mut self, error: ConnError) {
+        match self {
+            CommMachine::Send(m) => m.handle_lane_lost(error),
+            CommMachine::Recv(m) => m.handle_lane_lost(error),
+        }
+    }
+
+    /// Receiver: a replacement lane arrived; returns how many messages were delivered,
+    /// which the sender replays after.
+    pub fn replay_point(&mut self) -> u64 {
+        match self {
+            CommMachine::Recv(m) => m.begin_replay(),
+            CommMachine::Send(_) => 0,
+        }
+    }
+
+    /// Sender: the receiver has `delivered` messages; replay the rest. Returns the bytes
+    /// sent again.
+    pub fn replay_from(&mut self, delivered: u64) -> Result<u64, ConnError> {
+        match self {
+            CommMachine::Send(m) => m.begin_replay(delivered),
+            CommMachine::Recv(_) => Ok(0),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_side_takes_only_its_frames() {
+        let mut s = CommMachine::new(true);
+        let mut r = CommMachine::new(false);
+        assert_eq!(s.post(false, 1, 'x'), Err('x'));
+        assert_eq!(r.post(true, 1, 'y'), Err('y'));
+        assert_eq!(s.post(true, 4, 'a'), Ok(()));
+        assert_eq!(r.post(false, 8, 'b'), Ok(()));
+        // CTS from the receiver, then the data, then its ack.
+        let Some(Out::Frame(cts)) = r.poll_transmit() else {
+            panic!("the receiver's CTS first")
+        };
+        assert_eq!(s.handle_frame(&cts), Ok(false));
+        assert_eq!(s.poll_transmit(), Some(Out::Data { seq: 0, len: 4 }));
+        assert_eq!(s.message(0), Some(&'a'));
+        assert_eq!(r.handle_data(0, 4), Ok(Some(&'b')));
+        assert_eq!(r.handle_payload_done(0, 4), Ok(()));
+        assert_eq!(r.poll_outcome(), Some(('b', Ok(4))));
+        let Some(Out::Frame(ack)) = r.poll_transmit() else {
+            panic!("an ack")
+        };
+        assert_eq!(s.handle_frame(&ack), Ok(true), "progress acknowledged");
+        assert_eq!(s.poll_outcome(), Some(('a', Ok(4))));
+        // Frames of the other side are protocol errors; a Close is the peer leaving.
+        assert!(matches!(r.handle_frame(&ack), Err(ConnError::Protocol(_))));
+        assert!(matches!(s.handle_data(1, 1), Err(ConnError::Protocol(_))));
+        let stalled = Header::new(Kind::Stalled, 0, 0);
+        assert!(matches!(
+            s.handle_frame(&stalled),
+            Err(ConnError::Stalled(_))
+        ));
+        assert!(matches!(
+            r.handle_frame(&stalled),
+            Err(ConnError::Protocol(_))
+        ));
+        let close = Header::new(Kind::Close, 0, 0);
+        assert_eq!(r.handle_frame(&close), Err(ConnError::PeerClosed));
+    }
+
+    #[test]
+    fn a_lost_comm_settles_every_request_with_the_error() {
+        let mut r = CommMachine::new(false);
+        r.post(false, 8, 1).unwrap();
+        r.post(false, 8, 2).unwrap();
+        assert_eq!(r.pending(), 2);
+        r.handle_lane_lost(ConnError::PeerClosed);
+        let got: Vec<_> = std::iter::from_fn(|| r.poll_outcome()).collect();
+        assert_eq!(
+            got,
+            [
+                (1, Err(ConnError::PeerClosed)),
+                (2, Err(ConnError::PeerClosed))
+            ]
+        );
+        assert_eq!(r.pending(), 0);
+    }
+}

@@ -1,0 +1,695 @@
+//! One lane's protocol state, apart from its socket: its handshake, its deadline, and
+//! whether it is alive (silence, brown-out, keepalives). No sockets, no clock reads.
+//!
+//! Call order: the reactor reports what moved with [`LaneMachine::handle_rx`] and
+//! [`LaneMachine::handle_tx`], feeds handshake frames to the `handle_*` methods, samples
+//! delivery with [`LaneMachine::handle_sample`] and calls
+//! [`LaneMachine::handle_timeout`] once [`LaneMachine::poll_timeout`] is due (early or
+//! extra calls do nothing). It then moves [`LaneMachine::poll_transmit`]'s control frames
+//! onto the lane, in order, before anything else it writes, and fails the lane on
+//! [`LaneMachine::poll_failure`]. `now` never goes backwards between calls.
+
+use std::collections::VecDeque;
+use std::io;
+use std::time::{Duration, Instant};
+
+use super::auth::{Accepted, AuthError, CommId, Initiator, Random, Responder, Secret, Session};
+use super::health::{self, Progress, Verdict, MAX_PROBE_DEADLINE};
+use super::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
+use super::ConnError;
+use crate::routing::FailReason;
+
+/// How long a lane that is done may keep flushing its last bytes.
+pub const LINGER: Duration = Duration::from_secs(2);
+
+/// How often a lane's delivery is sampled: a tenth of the completion timeout, within
+/// 5–100 ms, so a brown-out is judged within a tenth of the timeout.
+pub fn sample_interval(timeout: Duration) -> Duration {
+    (timeout / 10).clamp(Duration::from_millis(5), Duration::from_millis(100))
+}
+
+/// How a socket error is classified: a peer that closed or reset the connection is gone
+/// (its kernel answered, so the path works); anything else is a path failure.
+pub fn io_error(e: &io::Error) -> ConnError {
+    match e.kind() {
+        io::ErrorKind::ConnectionReset
+        | io::ErrorKind::BrokenPipe
+        | io::ErrorKind::UnexpectedEof => ConnError::PeerClosed,
+        _ => ConnError::Io(e.to_string()),
+    }
+}
+
+/// Why a lane fails, and how: the one input of the reactor's `fail_lane`, for real
+/// failures and fault injection alike.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cause {
+    pub error: ConnError,
+    pub reason: FailReason,
+    /// It browned out: the least rate (bytes/s) a probe of its pair must show from now on.
+    pub brownout: Option<f64>,
+    /// It fell silent: for how long nothing had been received.
+    pub silent: Option<Duration>,
+    /// An injected cut: the socket stays open and silent, as a pulled cable leaves it (the
+    /// peer must notice by itself), instead of being reset or closed.
+    pub cut: bool,
+}
+
+impl Cause {
+    pub fn new(error: ConnError, reason: FailReason) -> Cause {
+        Cause {
+            error,
+            reason,
+            brownout: None,
+            silent: None,
+            cut: false,
+        }
+    }
+
+    /// A socket or protocol error, for the reason it implies.
+    pub fn error(error: ConnError) -> Cause {
+        let reason = match error {
+            ConnError::Io(_) => FailReason::NicError,
+            _ => FailReason::Timeout,
+        };
+        Cause::new(error, reason)
+    }
+}
+
+/// A lane's handshake in progress.
+#[derive(Debug)]
+enum Auth {
+    Connector(Initiator),
+    Listener(Responder),
+}
+
+/// Where a lane is in its life, as far as its frames go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Accepted, waiting for a Hello and then a Proof.
+    Listening,
+    /// Ours, waiting for the listener's Welcome to a handshake for this purpose.
+    Connecting(Purpose),
+    /// Answering a probe: its payload crosses before the Welcome.
+    ProbeSink,
+    /// Carrying a comm.
+    Carrying,
+    /// Flushing its last bytes; whatever arrives is ignored.
+    Closing,
+}
+
+/// What an inbound frame or payload asks of the reactor.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Nothing: the machine handled it (a keepalive, a Challenge, a closing lane's rest).
+    Handled,
+    /// Listener: a Hello; look up the secret it names and call
+    /// [`LaneMachine::handle_hello`].
+    Hello,
+    /// Listener: a Proof; call [`LaneMachine::handle_proof`].
+    Proof,
+    /// Connector: the listener welcomed the lane and the handshake is complete. `session`:
+    /// the one a `Data` handshake agreed; `nics`: the listener's (`Data` only);
+    /// `delivered`: what a migration's receiver has.
+    Welcomed {
+        purpose: Purpose,
+        session: Option<Session>,
+        nics: Vec<NicAddr>,
+        delivered: u64,
+    },
+    /// Drop this payload unread (a probe's, or one reaching a closing lane).
+    Discard,
+    /// A probe's payload crossed: send the Welcome; the lane then closes.
+    ProbeCrossed,
+    /// For the comm's machine.
+    Comm,
+}
+
+/// What one delivery sample found, for the NIC's fair shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Bytes the peer acknowledged since the previous sample.
+    pub moved: u64,
+    /// Data waited through the whole interval.
+    pub backlogged: bool,
+}
+
+/// One lane's protocol machine.
+#[derive(Debug)]
+pub struct LaneMachine {
+    timeout: Duration,
+    phase: Phase,
+    auth: Option<Auth>,
+    /// When an unfinished handshake, probe or linger fails.
+    deadline: Option<Instant>,
+    /// Carrying a comm: silence, brown-outs and keepalives are judged.
+    carrying: bool,
+    last_rx: Instant,
+    last_tx: Instant,
+    /// Bytes waiting (queued or unacknowledged) at the last sample.
+    waiting: u64,
+    progress: Progress,
+    out: VecDeque<Vec<u8>>,
+    failed: Option<Cause>,
+}
+
+impl LaneMachine {
+    /// A lane opened at `now` that must finish its handshake within `limit`; its
+    /// completion timeout is `timeout`.
+    pub fn new(timeout: Duration, now: Instant, limit: Duration) -> LaneMachine {
+        LaneMachine {
+            timeout,
+            phase: Phase::Listening,
+            auth: None,
+            deadline: Some(now + limit),
+            carrying: false,
+            last_rx: now,
+            last_tx: now,
+            waiting: 0,
+            progress: Progress::new(timeout, sample_interval(timeout)),
+            out: VecDeque::new(),
+            failed: None,
+        }
+    }
+
+    /// Our end of a connection: sends `hello`, then proves `auth`'s key.
+    pub fn connecting(&mut self, auth: Initiator, hello: Vec<u8>) {
+        self.phase = Phase::Connecting(auth.purpose());
+        self.auth = Some(Auth::Connector(auth));
+        self.out.push_back(hello);
+    }
+
+    /// An accepted connection, waiting for its Hello.
+    pub fn listening(&mut self) {
+        self.phase = Phase::Listening;
+        self.auth = Some(Auth::Listener(Responder::default()));
+    }
+
+    /// Bytes arrived at `now`.
+    pub fn handle_rx(&mut self, now: Instant) {
+        self.last_rx = now;
+    }
+
+    /// Bytes left at `now`.
+    pub fn handle_tx(&mut self, now: Instant) {
+        self.last_tx = now;
+    }
+
+    /// How long nothing has arrived.
+    pub fn silent(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.last_rx)
+    }
+
+    /// A frame arrived (handshake frames with their `body`). `probe_bytes`: a probe's
+    /// payload size. `Err`: the peer broke the protocol; the lane must fail.
+    pub fn handle_frame(
+        &mut self,
+        h: &Header,
+        body: &[u8],
+        probe_bytes: usize,
+    ) -> Result<Step, ConnError> {
+        let unexpected = |what: &str| Err(ConnError::Protocol(what.into()));
+        match (h.kind, self.phase) {
+            (Kind::Keepalive, _) => Ok(Step::Handled),
+            (Kind::Challenge, phase) => {
+                let probe = phase == Phase::Connecting(Purpose::Probe);
+                self.handle_challenge(body, probe.then_some(probe_bytes))?;
+                Ok(Step::Handled)
+            }
+            (Kind::Proof, Phase::Listening) => Ok(Step::Proof),
+            (Kind::Proof, _) => unexpected("unexpected Proof"),
+            (Kind::Hello, Phase::Listening) => Ok(Step::Hello),
+            (Kind::Welcome, Phase::Connecting(purpose)) => {
+                let nics = match purpose {
+                    Purpose::Data => {
+                        Welcome::decode(body)
+                            .map_err(|e| ConnError::Protocol(e.to_string()))?
+                            .nics
+                    }
+                    _ => Vec::new(),
+                };
+                let session = self.handle_welcome()?;
+                Ok(Step::Welcomed {
+                    purpose,
+                    session,
+                    nics,
+                    delivered: h.seq,
+                })
+            }
+            (Kind::Refuse, Phase::Connecting(Purpose::Data)) => {
+                unexpected("the listener refused the handshake (wrong comm token?)")
+            }
+            (Kind::Refuse, Phase::Connecting(Purpose::Migrate)) => {
+                unexpected("the peer refused the replacement lane")
+            }
+            (_, Phase::Carrying) => Ok(Step::Comm),
+            (_, Phase::Closing) => Ok(Step::Handled),
+            _ => unexpected(self.expected()),
+        }
+    }
+
+    /// What a lane in its phase waits for, for the error when something else comes.
+    fn expected(&self) -> &'static str {
+        match self.phase {
+            Phase::Listening => "expected Hello",
+            Phase::Connecting(Purpose::Data) => "expected Welcome",
+            Phase::Connecting(Purpose::Probe) => "expected Welcome to a probe",
+            Phase::Connecting(Purpose::Migrate) => "expected Welcome to a migration",
+            Phase::ProbeSink => "expected a probe payload",
+            Phase::Carrying | Phase::Closing => "nothing in particular",
+        }
+    }
+
+    /// A payload's header (`done` false: place it) or its end (`done` true) arrived.
+    pub fn handle_payload(&mut self, done: bool, now: Instant) -> Result<Step, ConnError> {
+        match (self.phase, done) {
+            (Phase::Carrying, _) => Ok(Step::Comm),
+            (Phase::Closing, false) | (Phase::ProbeSink, false) => Ok(Step::Discard),
+            (Phase::Closing, true) => Ok(Step::Handled),
+            (Phase::ProbeSink, true) => {
+                self.linger(now);
+                Ok(Step::ProbeCrossed)
+            }
+            (Phase::Listening | Phase::Connecting(_), _) => {
+                Err(ConnError::Protocol(self.expected().into()))
+            }
+        }
+    }
+
+    /// Listener: a Hello. `secret` gives the key its purpose calls for. `Err` means the
+    /// lane is not listening; a Hello that fails to authenticate is refused (`Ok(Some)`).
+    pub fn handle_hello(
+        &mut self,
+        body: &[u8],
+        secret: impl FnOnce(Purpose, CommId) -> Option<Secret>,
+        random: &Random,
+        now: Instant,
+    ) -> Result<Option<AuthError>, ConnError> {
+        let Some(Auth::Listener(r)) = self.auth.as_mut() else {
+            return Err(ConnError::Protocol(
+                "Hello on a lane that is not listening".into(),
+            ));
+        };
+        match r.handle_hello(body, secret, random) {
+            Ok(challenge) => {
+                self.out.push_back(challenge);
+                Ok(None)
+            }
+            Err(e) => {
+                self.refuse(now);
+                Ok(Some(e))
+            }
+        }
+    }
+
+    /// Listener: the connector's Proof. `Ok(Ok)`: authenticated; `Ok(Err)`: refused.
+    pub fn handle_proof(
+        &mut self,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<Result<Accepted, AuthError>, ConnError> {
+        let Some(Auth::Listener(r)) = self.auth.as_mut() else {
+            return Err(ConnError::Protocol("unexpected Proof".into()));
+        };
+        let accepted = r.handle_proof(body);
+        match &accepted {
+            // Answered once the probe's payload, sent after the Proof, has crossed the
+            // path: a pair that connects but cannot move data is not healthy. The
+            // prober's own deadline decides; this one only bounds a prober that stops,
+            // and is later than the pre-authentication one it replaces.
+            Ok(a) if a.purpose == Purpose::Probe => {
+                self.phase = Phase::ProbeSink;
+                self.expect_by(now + MAX_PROBE_DEADLINE + LINGER);
+            }
+            Ok(_) => {}
+            Err(_) => self.refuse(now),
+        }
+        if accepted.is_ok() {
+            self.auth = None;
+        }
+        Ok(accepted)
+    }
+
+    /// Connector: the listener's Challenge; the Proof follows, then a probe's
+    /// `probe_bytes` of payload. The listener reads that payload only once authenticated,
+    /// so the probe's own deadline, not the short pre-authentication one, judges it.
+    fn handle_challenge(
+        &mut self,
+        body: &[u8],
+        probe_bytes: Option<usize>,
+    ) -> Result<(), ConnError> {
+        let Some(Auth::Connector(a)) = self.auth.as_mut() else {
+            return Err(ConnError::Protocol("unexpected Challenge".into()));
+        };
+        let proof = a.handle_challenge(body).map_err(|e| {
+            ConnError::Protocol(format!("the listener failed to authenticate: {e}"))
+        })?;
+        self.out.push_back(proof);
+        if let Some(n) = probe_bytes {
+            self.out
+                .push_back(Header::new(Kind::Data, 0, n as u64).encode().to_vec());
+            self.out.push_back(vec![0u8; n]);
+        }
+        Ok(())
+    }
+
+    /// Connector: a Welcome arrived, so the handshake must be complete. Returns the
+    /// session a `Data` handshake agreed.
+    fn handle_welcome(&mut self) -> Result<Option<Session>, ConnError> {
+        match self.auth.take() {
+            Some(Auth::Connector(a)) => a.finish().map_err(|e| ConnError::Protocol(e.to_string())),
+            _ => Err(ConnError::Protocol(
+                "Welcome on a lane that did not authenticate".into(),
+            )),
+        }
+    }
+
+    /// Turns the lane away: a Refuse, then it lingers until closed.
+    pub fn refuse(&mut self, now: Instant) {
+        self.auth = None;
+        let mut h = Header::new(Kind::Refuse, 0, 0);
+        h.aux = wire::REFUSE_AUTH;
+        self.out.push_back(h.encode().to_vec());
+        self.linger(now);
+    }
+
+    /// Fails unless done by `deadline`.
+    pub fn expect_by(&mut self, deadline: Instant) {
+        self.deadline = Some(deadline);
+        self.carrying = false;
+    }
+
+    /// Done: it may flush its last bytes for [`LINGER`].
+    pub fn linger(&mut self, now: Instant) {
+        self.phase = Phase::Closing;
+        self.expect_by(now + LINGER);
+    }
+
+    /// It now carries a comm: no deadline, but silence and brown-outs are judged.
+    pub fn carry(&mut self) {
+        self.phase = Phase::Carrying;
+        self.deadline = None;
+        self.carrying = true;
+    }
+
+    /// One delivery sample: the peer has acknowledged `delivered` bytes in all, and
+    /// `waiting` bytes are queued or unacknowledged. A lane that stayed backlogged far
+    /// below its own best rate for the whole completion timeout has browned out.
+    pub fn handle_sample(&mut self, now: Instant, delivered: u64, waiting: u64) -> Sample {
+        let moved = delivered.saturating_sub(self.progress.last_total());
+        let backlogged = health::backlogged(self.waiting, moved, waiting);
+        self.waiting = waiting;
+        if !self.carrying {
+            return Sample { moved, backlogged };
+        }
+        if let Verdict::Slow { rate, peak } = self.progress.observe(now, delivered, backlogged) {
+            let e = ConnError::Stalled(format!(
+                "brown-out: delivering {:.0} kB/s with data waiting, against {:.0} kB/s before",
+                rate / 1e3,
+                peak / 1e3
+            ));
+            self.fail(Cause {
+                brownout: Some(health::recovery_floor(peak)),
+                ..Cause::new(e, FailReason::Timeout)
+            });
+        }
+        Sample { moved, backlogged }
+    }
+
+    fn keepalive(&self) -> Duration {
+        self.timeout / 4
+    }
+
+    /// When [`LaneMachine::handle_timeout`] next has something to do.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.failed.is_some() {
+            return None;
+        }
+        let live = self
+            .carrying
+            .then(|| (self.last_rx + self.timeout).min(self.last_tx + self.keepalive()));
+        [self.deadline, live].into_iter().flatten().min()
+    }
+
+    /// Fails an overdue handshake, probe or linger; fails a lane that heard nothing for
+    /// the completion timeout; sends a keepalive after a quarter of it without traffic.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.failed.is_some() {
+            return;
+        }
+        if self.deadline.is_some_and(|d| d <= now) {
+            self.deadline = None;
+            let e = ConnError::Io("handshake, probe or close timed out".into());
+            self.fail(Cause::new(e, FailReason::Timeout));
+            return;
+        }
+        if !self.carrying {
+            return;
+        }
+        let silent = self.silent(now);
+        if silent >= self.timeout {
+            let e = ConnError::Stalled(format!("nothing received for {} ms", silent.as_millis()));
+            self.fail(Cause {
+                silent: Some(silent),
+                ..Cause::new(e, FailReason::Timeout)
+            });
+            return;
+        }
+        if now.saturating_duration_since(self.last_tx) >= self.keepalive() && self.out.is_empty() {
+            self.out
+                .push_back(Header::new(Kind::Keepalive, 0, 0).encode().to_vec());
+            self.last_tx = now;
+        }
+    }
+
+    fn fail(&mut self, cause: Cause) {
+        self.carrying = false;
+        self.failed.get_or_insert(cause);
+    }
+
+    /// The next control frame to write, in order.
+    #[must_use]
+    pub fn poll_transmit(&mut self) -> Option<Vec<u8>> {
+        self.out.pop_front()
+    }
+
+    /// Why the lane must be failed, once.
+    #[must_use]
+    pub fn poll_failure(&mut self) -> Option<Cause> {
+        self.failed.take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+    const TIMEOUT: Duration = Duration::from_millis(1000);
+
+    /// A lane carrying a comm since `t0`.
+    fn carrying(t0: Instant) -> LaneMachine {
+        let mut m = LaneMachine::new(TIMEOUT, t0, Duration::from_secs(30));
+        m.carry();
+        m
+    }
+
+    fn kinds(m: &mut LaneMachine) -> Vec<Kind> {
+        std::iter::from_fn(|| m.poll_transmit())
+            .map(|f| wire::Header::decode(&f).unwrap().kind)
+            .collect()
+    }
+
+    #[test]
+    fn silence_fails_the_lane_at_the_timeout_not_a_millisecond_before() {
+        let t0 = Instant::now();
+        let mut m = carrying(t0);
+        m.handle_rx(t0 + 100 * MS);
+        assert_eq!(m.poll_timeout(), Some(t0 + 250 * MS), "the keepalive first");
+        m.handle_timeout(t0 + 1099 * MS);
+        assert_eq!(m.poll_failure(), None);
+        assert_eq!(kinds(&mut m), [Kind::Keepalive]);
+        m.handle_tx(t0 + 1099 * MS);
+        assert_eq!(m.poll_timeout(), Some(t0 + 1100 * MS));
+        m.handle_timeout(t0 + 1100 * MS);
+        let cause = m.poll_failure().expect("silent for the timeout");
+        assert_eq!(cause.reason, FailReason::Timeout);
+        assert_eq!(cause.silent, Some(TIMEOUT));
+        assert!(matches!(cause.error, ConnError::Stalled(_)), "{cause:?}");
+        // Once: a failed lane is judged no more.
+        m.handle_timeout(t0 + 5000 * MS);
+        assert_eq!((m.poll_failure(), m.poll_timeout()), (None, None));
+    }
+
+    #[test]
+    fn keepalives_keep_a_slow_transfer_alive() {
+        let t0 = Instant::now();
+        let (mut a, mut b) = (carrying(t0), carrying(t0));
+        // One side is stuck behind a long transfer and hears nothing but keepalives; the
+        // other writes nothing but keepalives. Ten timeouts pass without a verdict.
+        let mut now = t0;
+        let mut sent = 0;
+        while now < t0 + 10 * TIMEOUT {
+            now += 50 * MS;
+            a.handle_timeout(now);
+            for k in kinds(&mut a) {
+                assert_eq!(k, Kind::Keepalive);
+                a.handle_tx(now);
+                b.handle_rx(now);
+                sent += 1;
+            }
+            a.handle_rx(now); // a hears b's data
+            b.handle_timeout(now);
+            b.handle_tx(now); // b's own data keeps leaving
+            assert_eq!(b.poll_failure(), None, "at {:?}", now - t0);
+            assert!(kinds(&mut b).is_empty(), "b sends data, needs no keepalive");
+        }
+        assert_eq!(sent, 40, "one keepalive per quarter timeout");
+        assert_eq!(a.poll_failure(), None);
+    }
+
+    #[test]
+    fn a_brown_out_is_judged_through_the_lane_on_the_health_rule() {
+        let t0 = Instant::now();
+        let mut m = carrying(t0);
+        let step = sample_interval(TIMEOUT);
+        assert_eq!(step, 100 * MS);
+        let (mut now, mut delivered) = (t0, 0u64);
+        let mut sample = |m: &mut LaneMachine, now: &mut Instant, bytes: u64, waiting: u64| {
+            *now += step;
+            delivered += bytes;
+            m.handle_rx(*now);
+            m.handle_tx(*now);
+            m.handle_timeout(*now);
+            m.handle_sample(*now, delivered, waiting)
+        };
+        // 30 MB/s with 8 MB always waiting.
+        for i in 0..5 {
+            let s = sample(&mut m, &mut now, 3_000_000, 8 << 20);
+            assert_eq!(s.backlogged, i > 0, "nothing waited before the first");
+        }
+        // Then 1 % of that, still backlogged: slow for a whole timeout (ten samples)
+        // before the verdict, not one sample earlier.
+        for i in 0..9 {
+            let s = sample(&mut m, &mut now, 30_000, 8 << 20);
+            assert_eq!(s.moved, 30_000);
+            assert_eq!(m.poll_failure(), None, "sample {i}");
+        }
+        sample(&mut m, &mut now, 30_000, 8 << 20);
+        let cause = m.poll_failure().expect("browned out");
+        let floor = cause.brownout.expect("a recovery floor");
+        assert!(
+            (floor - health::recovery_floor(30e6)).abs() < 1.0,
+            "{floor}"
+        );
+        assert_eq!(cause.silent, None);
+    }
+
+    #[test]
+    fn a_slow_steady_or_latency_bound_lane_is_not_browned_out() {
+        let t0 = Instant::now();
+        let mut m = carrying(t0);
+        let mut delivered = 0;
+        for i in 1..=100u32 {
+            let now = t0 + 100 * MS * i;
+            m.handle_rx(now);
+            // Steady 0.5 MB/s, backlogged: never slower than itself; then a small
+            // message in flight at every sample that moves far more than ever waits.
+            delivered += if i <= 50 { 50_000 } else { 400_000 };
+            let waiting = if i <= 50 { 1 << 20 } else { 24 };
+            m.handle_sample(now, delivered, waiting);
+            m.handle_timeout(now);
+            assert_eq!(m.poll_failure(), None, "sample {i}");
+        }
+    }
+
+    #[test]
+    fn a_handshake_fails_at_its_deadline_and_a_carrying_lane_has_none() {
+        let t0 = Instant::now();
+        let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        assert_eq!(m.poll_timeout(), Some(t0 + 2000 * MS));
+        m.handle_timeout(t0 + 1999 * MS);
+        assert_eq!(
+            m.poll_failure(),
+            None,
+            "no silence verdict before it carries"
+        );
+        m.handle_timeout(t0 + 2000 * MS);
+        assert_eq!(
+            m.poll_failure().map(|c| c.reason),
+            Some(FailReason::Timeout)
+        );
+
+        let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        m.handle_rx(t0 + 1500 * MS);
+        m.carry();
+        m.handle_timeout(t0 + 2000 * MS);
+        assert_eq!(m.poll_failure(), None, "the handshake deadline is gone");
+        m.linger(t0 + 2100 * MS);
+        assert_eq!(m.poll_timeout(), Some(t0 + 2100 * MS + LINGER));
+    }
+
+    #[test]
+    fn a_refusal_is_a_refuse_frame_and_a_linger() {
+        let t0 = Instant::now();
+        let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        m.listening();
+        let refused = m
+            .handle_hello(b"garbage", |_, _| None, &[0; 64], t0)
+            .unwrap();
+        assert!(refused.is_some());
+        assert_eq!(kinds(&mut m), [Kind::Refuse]);
+        assert_eq!(m.poll_timeout(), Some(t0 + LINGER));
+        // Nothing more is accepted on it, but what still arrives is drained.
+        assert!(m.handle_proof(b"", t0).is_err());
+        let frame = |kind| Header::new(kind, 0, 0);
+        assert!(m.handle_frame(&frame(Kind::Challenge), b"", 0).is_err());
+        assert!(m.handle_frame(&frame(Kind::Proof), b"", 0).is_err());
+        assert_eq!(m.handle_frame(&frame(Kind::Ack), b"", 0), Ok(Step::Handled));
+        assert_eq!(m.handle_payload(false, t0), Ok(Step::Discard));
+    }
+
+    #[test]
+    fn each_phase_takes_only_its_frames() {
+        let t0 = Instant::now();
+        let frame = |kind| Header::new(kind, 0, 0);
+        let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        m.listening();
+        assert_eq!(
+            m.handle_frame(&frame(Kind::Keepalive), b"", 0),
+            Ok(Step::Handled)
+        );
+        assert_eq!(m.handle_frame(&frame(Kind::Hello), b"", 0), Ok(Step::Hello));
+        assert!(m.handle_frame(&frame(Kind::Data), b"", 0).is_err());
+        assert!(m.handle_payload(true, t0).is_err());
+        // A connector welcomed before it was challenged has not authenticated.
+        let (auth, hello) = Initiator::connect(&[1; 16], Vec::new(), &[2; 64]);
+        let mut c = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        c.connecting(auth, hello);
+        assert_eq!(kinds(&mut c), [Kind::Hello]);
+        let welcome = Welcome { nics: Vec::new() }.encode(0);
+        let h = Header::decode(&welcome).unwrap();
+        assert!(c.handle_frame(&h, &welcome[wire::HEADER_LEN..], 0).is_err());
+        let refuse = frame(Kind::Refuse);
+        let mut c = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        let (auth, hello) = Initiator::connect(&[1; 16], Vec::new(), &[2; 64]);
+        c.connecting(auth, hello);
+        assert!(c.handle_frame(&refuse, b"", 0).is_err());
+        // A carrying lane hands everything but keepalives to its comm.
+        c.carry();
+        assert_eq!(c.handle_frame(&frame(Kind::Ack), b"", 0), Ok(Step::Comm));
+        assert_eq!(c.handle_payload(true, t0), Ok(Step::Comm));
+    }
+
+    #[test]
+    fn socket_errors_are_classified_by_who_answered() {
+        let reset = io::Error::from(io::ErrorKind::ConnectionReset);
+        assert_eq!(io_error(&reset), ConnError::PeerClosed);
+        let down = io::Error::from(io::ErrorKind::TimedOut);
+        let c = Cause::error(io_error(&down));
+        assert_eq!(c.reason, FailReason::NicError);
+        assert_eq!(
+            Cause::error(ConnError::PeerClosed).reason,
+            FailReason::Timeout
+        );
+    }
+}
