@@ -30,7 +30,7 @@ impl<F: Fabric> Driven<F> {
 
     /// This node's NICs as its peers see them.
     pub(crate) fn wire(&self) -> &[NicAddr] {
-        &self.0.wire
+        self.0.engine.wire()
     }
 
     /// One turn at `now`: commands, every lane and listener, every timer that is due.
@@ -40,9 +40,8 @@ impl<F: Fabric> Driven<F> {
         if r.shutdown {
             return;
         }
-        let ready: Vec<Token> = r
-            .lanes
-            .iter()
+        let ready: Vec<Token> = (r.io.lanes.iter().enumerate())
+            .filter(|(_, s)| s.is_some())
             .map(|(k, _)| Token(k))
             .chain(r.listeners.iter().map(|(k, _)| Token(k | LISTENER_BIT)))
             .collect();
