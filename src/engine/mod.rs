@@ -601,3 +601,5 @@ fn fresh_random(seeded: &mut Option<SplitMix64>) -> Result<auth::Random, ConnErr
     Ok(r)
 }
 
+#[cfg(test)]
+mod tests;
