@@ -27,6 +27,8 @@ pub mod ffi;
 pub mod plugin;
 pub mod reactor;
 pub mod routing;
+#[cfg(test)]
+mod sim;
 pub mod telemetry;
 pub mod topology;
 pub mod transport;
