@@ -128,6 +128,8 @@ struct Sim {
     violations: Vec<String>,
     /// Every buffer lent to a reactor, kept until the reactors are gone.
     mems: Vec<Arc<SimMem>>,
+    /// A spinning timer was reported.
+    spun: bool,
 }
 
 /// Where a run ended.
@@ -570,7 +572,12 @@ impl Sim {
             if next <= self.now {
                 same += 1;
                 if same > 64 {
-                    self.now += Duration::from_micros(10);
+                    // A timer that stays due after its turn would spin the reactor thread.
+                    if !self.spun {
+                        self.spun = true;
+                        self.violate("a reactor timer stays due after 64 turns at one instant: its thread would spin".into());
+                    }
+                    self.now += Duration::from_millis(1);
                     same = 0;
                 }
             } else {
@@ -646,6 +653,7 @@ pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
         trace,
         violations: Vec::new(),
         mems: Vec::new(),
+        spun: false,
     };
     sim.run();
     // The reactors go first: they hold views of the lent memory.
