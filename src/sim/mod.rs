@@ -259,6 +259,15 @@ impl Sim {
         for (i, pair) in done.into_iter().enumerate() {
             let (send, recv) = pair.expect("checked above");
             let c = &self.s.comms[i];
+            self.note(|| {
+                format!(
+                    "comm {i}: the reactors call it comm {} (node {}) and comm {} (node {})",
+                    send.key,
+                    c.from,
+                    recv.key,
+                    1 - c.from
+                )
+            });
             self.flows.push(Flow {
                 from: c.from,
                 nic_seen: send.nic(),

@@ -157,7 +157,14 @@ fn replay() {
     let Some(seed) = env_u64("RAILOVER_SIM_SEED") else {
         return;
     };
-    let (s, r) = run_seed(seed, true);
+    // The reactors' own log lines, interleaved with the simulation's trace.
+    let log = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let (s, r) = tracing::subscriber::with_default(log, || run_seed(seed, true));
     eprintln!(
         "{s}ran {} ms of virtual time, {} comm(s) failed",
         r.virtual_time.as_millis(),
