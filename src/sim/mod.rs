@@ -351,16 +351,24 @@ impl Sim {
             let (Some(tx), Some(rx)) = (&self.nodes[from], &self.nodes[to]) else {
                 continue;
             };
-            rx.queue().push(Command::Recv {
-                comm: fl.recv.clone(),
-                req: rreq.clone(),
-                buf: recv_mem.user_buf(),
-            });
-            tx.queue().push(Command::Send {
-                comm: fl.send.clone(),
-                req: sreq.clone(),
-                buf: send_mem.user_buf(),
-            });
+            // As `plugin::isend`/`irecv`: a comm that failed hands out failed requests
+            // and queues nothing.
+            match fl.recv.failure() {
+                Some(e) => rreq.fail(e),
+                None => rx.queue().push(Command::Recv {
+                    comm: fl.recv.clone(),
+                    req: rreq.clone(),
+                    buf: recv_mem.user_buf(),
+                }),
+            }
+            match fl.send.failure() {
+                Some(e) => sreq.fail(e),
+                None => tx.queue().push(Command::Send {
+                    comm: fl.send.clone(),
+                    req: sreq.clone(),
+                    buf: send_mem.user_buf(),
+                }),
+            }
             let now = self.now;
             fl.sends.push_back(Posted {
                 seq,
