@@ -22,14 +22,17 @@ const KNOWN_FAILURES: &[(&str, &[&str])] = &[
         &["(remote error: peer closed the connection) although"],
     ),
     // A receive comm gives up ("receive lane lost and not replaced") while its sender
-    // keeps re-opening lanes the receiver refuses: the sender's requests never finish,
-    // and its other comms are moved back and forth by the failing migrations (P5, P7).
+    // still waits out its give-up window; the sender's later replacement lanes are
+    // answered with a delivered count outside its window ("replay from 4 outside
+    // [2, 2]"), fail as protocol errors, and are retried for good: its requests never
+    // finish and its other comms are moved back and forth (P5, P7).
     (
         "sender-hangs-after-receiver-gave-up",
         &["hangs (its peer comm failed", "the run did not settle"],
     ),
     // `close_comm` indexes a lane key the comm still holds after the lane was removed
-    // (`invalid key` in Slab indexing); seen at the final close of every comm.
+    // (`invalid key` in Slab indexing), at NCCL's final close. Mostly after schedules
+    // that leave no pair for seconds, next to the protocol errors above.
     ("stale-lane-key-at-close", &["panicked: invalid key"]),
 ];
 
