@@ -32,6 +32,8 @@ pub mod handoff;
 pub mod plugin;
 pub mod reactor;
 pub mod routing;
+#[cfg(test)]
+mod sim;
 pub mod telemetry;
 pub mod topology;
 pub mod transport;
