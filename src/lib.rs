@@ -36,6 +36,8 @@ pub mod handoff;
 pub mod plugin;
 pub mod reactor;
 pub mod routing;
+#[cfg(test)]
+mod sim;
 pub mod telemetry;
 pub mod topology;
 pub mod transport;

@@ -2,8 +2,7 @@
 //! deterministic simulation: the caller passes virtual time, and every lane and listener
 //! counts as ready each step (readiness is only a hint to the reactor, so this is the
 //! same logic, merely polled more often).
-
-#![allow(dead_code)] // until the simulation tier drives it
+#![cfg_attr(not(test), allow(dead_code))] // only the simulation tier drives it
 
 use std::io;
 use std::sync::Arc;
@@ -12,7 +11,6 @@ use std::time::Instant;
 use mio::Token;
 
 use super::{CommandQueue, Reactor, Setup, LISTENER_BIT};
-use crate::conn::wire::NicAddr;
 use crate::transport::Fabric;
 
 /// A reactor stepped by hand.
@@ -26,11 +24,6 @@ impl<F: Fabric> Driven<F> {
     /// Where NCCL's side pushes its commands.
     pub(crate) fn queue(&self) -> &Arc<CommandQueue> {
         &self.0.queue
-    }
-
-    /// This node's NICs as its peers see them.
-    pub(crate) fn wire(&self) -> &[NicAddr] {
-        self.0.engine.wire()
     }
 
     /// One turn at `now`: commands, every lane and listener, every timer that is due.

@@ -7,4 +7,6 @@
 
 mod sys;
 
+#[cfg(test)]
+pub(crate) use sys::SimMem;
 pub use sys::{LentBuf, UserBuf};

@@ -124,6 +124,59 @@ impl UserBuf {
     }
 }
 
+/// Test only: memory the deterministic simulation lends the reactor, freed when the last
+/// holder lets go. The simulation keeps one holder until its reactors are gone, so the
+/// memory outlives every [`UserBuf`] and view made from it.
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct SimMem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the simulation drives its reactors on its own thread; the pointer only moves.
+#[cfg(test)]
+unsafe impl Send for SimMem {}
+// SAFETY: as above; `bytes` is called between reactor steps, never during one.
+#[cfg(test)]
+unsafe impl Sync for SimMem {}
+
+#[cfg(test)]
+impl SimMem {
+    pub(crate) fn new(data: Vec<u8>) -> SimMem {
+        let len = data.len();
+        let ptr = Box::into_raw(data.into_boxed_slice()).cast::<u8>();
+        SimMem { ptr, len }
+    }
+
+    /// A buffer over all of it, for one request.
+    pub(crate) fn user_buf(&self) -> UserBuf {
+        UserBuf {
+            ptr: self.ptr,
+            len: self.len,
+        }
+    }
+
+    /// A copy of the bytes, read between reactor steps (once the request is finished).
+    pub(crate) fn bytes(&self) -> Vec<u8> {
+        if self.len == 0 {
+            return Vec::new();
+        }
+        // SAFETY: `ptr` holds `len` initialised bytes owned by `self`; the simulation reads
+        // them on the reactor's thread between steps, so nothing writes meanwhile.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
+    }
+}
+
+#[cfg(test)]
+impl Drop for SimMem {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice of that length,
+        // and this is its one owner.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,722 @@
+//! The deterministic simulation tier: two real reactors ([`Driven`]) over an in-memory
+//! network ([`net`]) in virtual time, under seeded fault schedules ([`schedule`]), with
+//! the promises checked on every step and at the end ([`check`]).
+//!
+//! A failure prints its seed, the schedule and the broken invariant;
+//! `RAILOVER_SIM_SEED=<n> cargo test --lib sim -- --nocapture` replays that seed with a
+//! trace of the network, the faults, the requests and the reactors' own log lines.
+
+mod check;
+mod fabric;
+mod net;
+mod schedule;
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::handoff::{
+    CommShared, Command, Done, ListenShared, PendingConnect, PendingListen, Request, Status,
+};
+use crate::reactor::driven::Driven;
+use crate::reactor::{LocalNic, Setup};
+use crate::routing::RouterConfig;
+use crate::telemetry::exporter::ExporterConfig;
+use crate::telemetry::metrics::Telemetry;
+use crate::topology::{PathType, RailRule};
+use crate::transport::memory::SimMem;
+use check::{COMPLETION_TIMEOUT, HANG_BOUND};
+use fabric::{SharedNet, SimFabric};
+use net::{Net, Time, Wire};
+use schedule::{Action, Scenario};
+
+/// The byte at `i` of message `seq` of comm `comm`: a receiver can tell a wrong, late,
+/// doubled or shifted message from the right one.
+fn pattern(comm: usize, seq: usize, i: usize) -> u8 {
+    let x = (comm as u64) << 40 ^ (seq as u64) << 20 ^ (i as u64 >> 8);
+    let h = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (h >> 56) as u8 ^ i as u8
+}
+
+fn message(comm: usize, seq: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|i| pattern(comm, seq, i)).collect()
+}
+
+fn telemetry() -> Arc<Telemetry> {
+    static T: OnceLock<Arc<Telemetry>> = OnceLock::new();
+    T.get_or_init(|| Arc::new(Telemetry::start(&ExporterConfig::off(), None)))
+        .clone()
+}
+
+fn setup(s: &Scenario, node: usize) -> Setup {
+    Setup {
+        nics: (0..s.nics)
+            .map(|i| LocalNic {
+                name: format!("n{node}e{i}"),
+                ip: net::ip_of(node, i),
+                rail: Some(i as u32),
+            })
+            .collect(),
+        distance: vec![vec![Some(PathType::Pix); s.nics]; s.nics],
+        spin: Duration::ZERO,
+        completion_timeout: COMPLETION_TIMEOUT,
+        probe_timeout: Duration::from_millis(200),
+        probe_bytes: 64 << 10,
+        fair_share: false,
+        router: RouterConfig {
+            rail_rule: if s.rail_any {
+                RailRule::Any
+            } else {
+                RailRule::Same
+            },
+            distance_limit: PathType::Phb,
+            failback_interval: check::FAILBACK_INTERVAL,
+            failback_probes_k: check::FAILBACK_PROBES,
+            holddown_base: Duration::from_secs(1),
+            holddown_max: check::HOLDDOWN_MAX,
+            health_ttl: Duration::from_millis(500),
+            giveup: check::GIVEUP,
+            retry_base: Duration::from_millis(100),
+            retry_max: Duration::from_secs(1),
+            seed: s.seed.wrapping_mul(2).wrapping_add(node as u64 + 1),
+        },
+        telemetry: telemetry(),
+        entropy_seed: Some(s.seed ^ (node as u64 + 1) << 56),
+    }
+}
+
+/// A request NCCL would hold, with the memory it lent.
+struct Posted {
+    seq: usize,
+    req: Arc<Request>,
+    mem: Arc<SimMem>,
+    at: Time,
+}
+
+/// One send comm and its receive comm, as the two NCCL ranks drive them.
+struct Flow {
+    from: usize,
+    send: Arc<CommShared>,
+    recv: Arc<CommShared>,
+    next: usize,
+    sends: VecDeque<Posted>,
+    recvs: VecDeque<Posted>,
+    sent_ok: Vec<bool>,
+    recv_ok: Vec<bool>,
+    /// When a request of the comm first failed.
+    failed: Option<Time>,
+    may_fail: bool,
+    nic_seen: usize,
+}
+
+/// One run of one seed.
+struct Sim {
+    s: Scenario,
+    net: SharedNet,
+    base: Instant,
+    now: Time,
+    /// Traffic starts here (after the comms connected); fault times count from it.
+    start: Time,
+    nodes: Vec<Option<Driven<SimFabric>>>,
+    flows: Vec<Flow>,
+    state: check::State,
+    next_fault: usize,
+    last_fault: Time,
+    trace: bool,
+    violations: Vec<String>,
+    /// Every buffer lent to a reactor, kept until the reactors are gone.
+    mems: Vec<Arc<SimMem>>,
+    /// A spinning timer was reported.
+    spun: bool,
+}
+
+/// Where a run ended.
+#[derive(Debug)]
+pub(crate) struct Report {
+    pub virtual_time: Duration,
+    pub failed_comms: usize,
+    pub violations: Vec<String>,
+}
+
+impl Sim {
+    fn note(&self, what: impl FnOnce() -> String) {
+        if self.trace {
+            eprintln!("{:>10.3} ms  sim  {}", self.now.as_secs_f64() * 1e3, what());
+        }
+    }
+
+    fn violate(&mut self, what: String) {
+        self.note(|| format!("VIOLATION: {what}"));
+        if self.violations.len() < 20 {
+            self.violations
+                .push(format!("at {} ms: {what}", self.now.as_millis()));
+        }
+    }
+
+    fn alive(&self, node: usize) -> bool {
+        self.nodes[node].is_some()
+    }
+
+    /// One turn of everything at `self.now`.
+    fn turn(&mut self) {
+        let now = self.now;
+        self.net.lock().advance(now);
+        let at = self.base + now;
+        for d in self.nodes.iter_mut().flatten() {
+            d.step(at);
+        }
+        self.net.lock().advance(now);
+    }
+
+    /// The next time anything is due, after a turn at `self.now`.
+    fn next_time(&self, extra: Option<Time>) -> Time {
+        let mut t = self.net.lock().next_event();
+        for d in self.nodes.iter().flatten() {
+            let w = d
+                .next_wakeup()
+                .map(|w| w.saturating_duration_since(self.base));
+            t = [t, w].into_iter().flatten().min();
+        }
+        t = [t, extra].into_iter().flatten().min();
+        t.unwrap_or(self.now + Duration::from_millis(100))
+            .max(self.now)
+    }
+
+    fn connect(&mut self) -> Result<(), String> {
+        let mut pending = Vec::new();
+        for (i, c) in self.s.comms.clone().iter().enumerate() {
+            let (from, to) = (c.from, 1 - c.from);
+            let token = {
+                let mut t = [0u8; 16];
+                t[..8].copy_from_slice(&self.s.seed.to_le_bytes());
+                t[8..].copy_from_slice(&(i as u64).to_le_bytes());
+                t
+            };
+            let rx = self.nodes[to].as_ref().expect("alive at setup");
+            let shared = Arc::new(ListenShared {
+                id: i as u64 + 1,
+                token,
+                ready: Mutex::new(VecDeque::new()),
+                queue: rx.queue().clone(),
+            });
+            let reply = Arc::new(PendingListen::default());
+            rx.queue().push(Command::Listen {
+                nic: c.nic,
+                shared: shared.clone(),
+                reply: reply.clone(),
+            });
+            self.turn();
+            let addr: SocketAddr = match reply.wait(Duration::ZERO) {
+                Some(Ok(a)) => a,
+                other => return Err(format!("listen for comm {i} failed: {other:?}")),
+            };
+            let p = Arc::new(PendingConnect::default());
+            let tx = self.nodes[from].as_ref().expect("alive at setup");
+            tx.queue().push(Command::Connect {
+                nic: c.nic,
+                to: addr,
+                token,
+                pending: p.clone(),
+            });
+            pending.push((shared, p));
+        }
+        let mut done: Vec<Option<(Arc<CommShared>, Arc<CommShared>)>> = vec![None; pending.len()];
+        for _ in 0..10_000 {
+            self.turn();
+            for (i, (l, p)) in pending.iter().enumerate() {
+                if done[i].is_some() {
+                    continue;
+                }
+                let Some(r) = p.result.lock().take() else {
+                    continue;
+                };
+                let send = r.map_err(|e| format!("connect of comm {i} failed: {e}"))?;
+                let recv = l.ready.lock().pop_front();
+                match recv {
+                    Some(recv) => done[i] = Some((send, recv)),
+                    None => *p.result.lock() = Some(Ok(send)),
+                }
+            }
+            if done.iter().all(Option::is_some) {
+                break;
+            }
+            self.now = self.next_time(None);
+            if self.now > Duration::from_secs(5) {
+                break;
+            }
+        }
+        if done.iter().any(Option::is_none) {
+            return Err("comms did not connect without faults".into());
+        }
+        for (l, _) in &pending {
+            let owner = 1 - self.s.comms[l.id as usize - 1].from;
+            if let Some(d) = &self.nodes[owner] {
+                d.queue().push(Command::CloseListen { shared: l.clone() });
+            }
+        }
+        for (i, pair) in done.into_iter().enumerate() {
+            let (send, recv) = pair.expect("checked above");
+            let c = &self.s.comms[i];
+            self.note(|| {
+                format!(
+                    "comm {i}: the reactors call it comm {} (node {}) and comm {} (node {})",
+                    send.key,
+                    c.from,
+                    recv.key,
+                    1 - c.from
+                )
+            });
+            self.flows.push(Flow {
+                from: c.from,
+                nic_seen: send.nic(),
+                send,
+                recv,
+                next: 0,
+                sends: VecDeque::new(),
+                recvs: VecDeque::new(),
+                sent_ok: vec![false; c.sizes.len()],
+                recv_ok: vec![false; c.sizes.len()],
+                failed: None,
+                may_fail: check::may_fail(&self.s, i),
+            });
+        }
+        Ok(())
+    }
+
+    /// The time fault `f` of the schedule is due.
+    fn fault_time(&self, i: usize) -> Option<Time> {
+        self.s.faults.get(i).map(|f| self.start + f.at)
+    }
+
+    fn apply_faults(&mut self) {
+        while let Some(t) = self.fault_time(self.next_fault).filter(|&t| t <= self.now) {
+            let a = self.s.faults[self.next_fault].action;
+            self.next_fault += 1;
+            self.last_fault = t;
+            self.note(|| format!("fault: {a}"));
+            if check::apply(&mut self.state, a) {
+                let Action::Kill { node } = a else {
+                    unreachable!("only a kill kills");
+                };
+                // The process dies: its sockets close as the kernel closes them.
+                drop(self.nodes[node].take());
+                continue;
+            }
+            let (node, nic) = match a {
+                Action::Carrier { node, nic, .. }
+                | Action::Hole { node, nic, .. }
+                | Action::Slow { node, nic, .. } => (node, nic),
+                Action::Kill { .. } => unreachable!(),
+            };
+            let (tx, rx) = self.state[node][nic].links();
+            self.net.lock().set_link(node, nic, Some(tx), Some(rx));
+            if let Action::Carrier { up, .. } = a {
+                let at = self.base + self.now;
+                if let Some(d) = &mut self.nodes[node] {
+                    d.carrier(nic, up, at);
+                }
+            }
+        }
+    }
+
+    /// NCCL's side: posts what is due, takes what finished, and checks it.
+    fn drive_requests(&mut self) -> Option<Time> {
+        let mut next: Option<Time> = None;
+        for f in 0..self.flows.len() {
+            self.harvest(f);
+            let plan = &self.s.comms[f];
+            let fl = &self.flows[f];
+            let (from, to) = (fl.from, 1 - fl.from);
+            if fl.next >= plan.sizes.len() || !self.alive(from) || !self.alive(to) {
+                continue;
+            }
+            let due = self.start + plan.gap * fl.next as u32;
+            if due > self.now {
+                next = [next, Some(due)].into_iter().flatten().min();
+                continue;
+            }
+            if fl.sends.len() >= plan.window || fl.recvs.len() >= plan.window {
+                continue;
+            }
+            let seq = fl.next;
+            let len = plan.sizes[seq];
+            let send_mem = Arc::new(SimMem::new(message(f, seq, len)));
+            let recv_mem = Arc::new(SimMem::new(vec![0xEE; len + plan.slack[seq]]));
+            let fl = &mut self.flows[f];
+            fl.next += 1;
+            let sreq = Arc::new(Request::new(fl.send.clone()));
+            let rreq = Arc::new(Request::new(fl.recv.clone()));
+            let (Some(tx), Some(rx)) = (&self.nodes[from], &self.nodes[to]) else {
+                continue;
+            };
+            // As `plugin::isend`/`irecv`: a comm that failed hands out failed requests
+            // and queues nothing.
+            match fl.recv.failure() {
+                Some(e) => rreq.fail(e),
+                None => rx.queue().push(Command::Recv {
+                    comm: fl.recv.clone(),
+                    req: rreq.clone(),
+                    buf: recv_mem.user_buf(),
+                }),
+            }
+            match fl.send.failure() {
+                Some(e) => sreq.fail(e),
+                None => tx.queue().push(Command::Send {
+                    comm: fl.send.clone(),
+                    req: sreq.clone(),
+                    buf: send_mem.user_buf(),
+                }),
+            }
+            let now = self.now;
+            fl.sends.push_back(Posted {
+                seq,
+                req: sreq,
+                mem: send_mem.clone(),
+                at: now,
+            });
+            fl.recvs.push_back(Posted {
+                seq,
+                req: rreq,
+                mem: recv_mem.clone(),
+                at: now,
+            });
+            self.mems.push(send_mem);
+            self.mems.push(recv_mem);
+            // Another message may be due at once.
+            next = Some(now);
+        }
+        next
+    }
+
+    fn harvest(&mut self, f: usize) {
+        let now = self.now;
+        let sizes = self.s.comms[f].sizes.clone();
+        for side in 0..2 {
+            let node = if side == 0 {
+                self.flows[f].from
+            } else {
+                1 - self.flows[f].from
+            };
+            if !self.alive(node) {
+                continue;
+            }
+            let list = if side == 0 {
+                std::mem::take(&mut self.flows[f].sends)
+            } else {
+                std::mem::take(&mut self.flows[f].recvs)
+            };
+            let mut keep = VecDeque::new();
+            for p in list {
+                let what = if side == 0 { "send" } else { "receive" };
+                match p.req.status() {
+                    Ok(Status::Pending) => {
+                        let since = p.at.max(self.last_fault);
+                        if now > since + HANG_BOUND {
+                            let other = if side == 0 {
+                                &self.flows[f].recv
+                            } else {
+                                &self.flows[f].send
+                            };
+                            let peer = match (self.alive(1 - node), other.failure()) {
+                                (false, _) => "its peer is dead".to_string(),
+                                (true, Some(e)) => format!("its peer comm failed: {e}"),
+                                (true, None) => "its peer comm is alive".to_string(),
+                            };
+                            self.violate(format!(
+                                "comm {f}: {what} {} hangs ({peer}): posted at {} ms, last fault at {} ms",
+                                p.seq,
+                                p.at.as_millis(),
+                                self.last_fault.as_millis()
+                            ));
+                            // Reported once; forget it so the run can end.
+                            self.flows[f].failed.get_or_insert(now);
+                            continue;
+                        }
+                        keep.push_back(p);
+                    }
+                    Ok(Status::Done(n)) => {
+                        self.note(|| format!("comm {f}: {what} {} done ({n} B)", p.seq));
+                        if n != sizes[p.seq] as u64 {
+                            self.violate(format!(
+                                "comm {f}: {what} {} reports {n} B, {} were sent",
+                                p.seq, sizes[p.seq]
+                            ));
+                        }
+                        if side == 1 {
+                            let got = p.mem.bytes();
+                            let want = message(f, p.seq, sizes[p.seq]);
+                            if got[..want.len()] != want[..] {
+                                let at = got.iter().zip(&want).position(|(a, b)| a != b);
+                                self.violate(format!(
+                                    "comm {f}: receive {} holds wrong bytes (first at {at:?}): lost, doubled or out of order",
+                                    p.seq
+                                ));
+                            }
+                            if got[want.len()..].iter().any(|&b| b != 0xEE) {
+                                self.violate(format!(
+                                    "comm {f}: receive {} wrote past the message",
+                                    p.seq
+                                ));
+                            }
+                            self.flows[f].recv_ok[p.seq] = true;
+                        } else {
+                            self.flows[f].sent_ok[p.seq] = true;
+                        }
+                    }
+                    Err(e) => {
+                        self.note(|| format!("comm {f}: {what} {} failed: {e}", p.seq));
+                        let fl = &mut self.flows[f];
+                        if fl.failed.is_none() {
+                            fl.failed = Some(now);
+                            if !fl.may_fail {
+                                self.violate(format!(
+                                    "comm {f}: {what} {} failed ({e}) although an eligible pair stayed healthy and the peer lived",
+                                    p.seq
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            if side == 0 {
+                self.flows[f].sends = keep;
+            } else {
+                self.flows[f].recvs = keep;
+            }
+        }
+        // A comm can die with nothing posted: it fails the requests that come later.
+        for side in 0..2 {
+            let fl = &self.flows[f];
+            let (node, comm) = if side == 0 {
+                (fl.from, &fl.send)
+            } else {
+                (1 - fl.from, &fl.recv)
+            };
+            if fl.failed.is_some() || !self.alive(node) {
+                continue;
+            }
+            if let Some(e) = comm.failure() {
+                let may_fail = fl.may_fail;
+                self.flows[f].failed = Some(now);
+                let what = if side == 0 { "send" } else { "receive" };
+                self.note(|| format!("comm {f}: {what} comm failed: {e}"));
+                if !may_fail {
+                    self.violate(format!(
+                        "comm {f}: {what} comm failed ({e}) although an eligible pair stayed healthy and the peer lived"
+                    ));
+                }
+            }
+        }
+        let nic = self.flows[f].send.nic();
+        if nic != self.flows[f].nic_seen {
+            self.flows[f].nic_seen = nic;
+            self.note(|| format!("comm {f}: sender now on NIC {nic}"));
+        }
+    }
+
+    /// Whether NCCL's side has nothing left to wait for.
+    fn settled(&self) -> bool {
+        self.flows.iter().enumerate().all(|(f, fl)| {
+            let ended = !self.alive(fl.from) || !self.alive(1 - fl.from);
+            let all_posted = fl.next >= self.s.comms[f].sizes.len() || fl.failed.is_some() || ended;
+            let live_pending = |side: usize, q: &VecDeque<Posted>| {
+                let node = if side == 0 { fl.from } else { 1 - fl.from };
+                self.alive(node) && !q.is_empty()
+            };
+            all_posted && !live_pending(0, &fl.sends) && !live_pending(1, &fl.recvs)
+        })
+    }
+
+    fn home(&self) -> bool {
+        self.flows
+            .iter()
+            .enumerate()
+            .all(|(f, fl)| fl.failed.is_some() || fl.send.nic() == self.s.comms[f].nic)
+    }
+
+    fn run(&mut self) {
+        if let Err(e) = self.connect() {
+            self.violate(format!("setup: {e}"));
+            return;
+        }
+        self.start = self.now;
+        let healed = check::healed_at(&self.s).map(|t| self.start + t);
+        let last = self
+            .fault_time(self.s.faults.len().saturating_sub(1))
+            .unwrap_or(self.start);
+        let end = last + HANG_BOUND.max(check::failback_bound()) + Duration::from_secs(1);
+        let mut same = 0u32;
+        loop {
+            // The wire first, so that what the faults and the reactors do is stamped now.
+            self.net.lock().advance(self.now);
+            self.apply_faults();
+            self.turn();
+            let post = self.drive_requests();
+            let faults_done = self.next_fault >= self.s.faults.len();
+            if faults_done && self.settled() {
+                match healed {
+                    Some(h) if !self.home() => {
+                        if self.now > h + check::failback_bound() {
+                            for (f, fl) in self.flows.iter().enumerate() {
+                                if fl.failed.is_none() && fl.send.nic() != self.s.comms[f].nic {
+                                    let msg = format!(
+                                        "comm {f}: still on NIC {} {} ms after everything healed, not back on NIC {}",
+                                        fl.send.nic(),
+                                        (self.now - h).as_millis(),
+                                        self.s.comms[f].nic
+                                    );
+                                    self.violations.push(msg);
+                                }
+                            }
+                            break;
+                        }
+                    }
+                    _ => break,
+                }
+            }
+            if self.now > end {
+                self.violate("the run did not settle".into());
+                break;
+            }
+            let next = self.next_time(
+                [post, self.fault_time(self.next_fault)]
+                    .into_iter()
+                    .flatten()
+                    .min(),
+            );
+            if next <= self.now {
+                same += 1;
+                if same > 64 {
+                    // A timer that stays due after its turn would spin the reactor thread.
+                    if !self.spun {
+                        self.spun = true;
+                        self.violate("a reactor timer stays due after 64 turns at one instant: its thread would spin".into());
+                    }
+                    self.now += Duration::from_millis(1);
+                    same = 0;
+                }
+            } else {
+                same = 0;
+                self.now = next;
+            }
+        }
+        // NCCL closes its comms; each reactor confirms in its next turn.
+        let mut closes = Vec::new();
+        for fl in &self.flows {
+            for (node, comm) in [(fl.from, &fl.send), (1 - fl.from, &fl.recv)] {
+                if let Some(d) = &self.nodes[node] {
+                    let done = Arc::new(Done::default());
+                    d.queue().push(Command::CloseComm {
+                        comm: comm.clone(),
+                        done: done.signaller(),
+                    });
+                    closes.push(done);
+                }
+            }
+        }
+        self.turn();
+        if closes.iter().any(|d| !d.wait(Duration::ZERO)) {
+            self.violations
+                .push("a reactor did not confirm a close in its next turn".into());
+        }
+        // NCCL holds nothing pending, so neither may a reactor.
+        for (n, d) in self.nodes.iter().enumerate() {
+            if d.as_ref().is_some_and(|d| d.busy()) && self.settled() {
+                self.violations.push(format!(
+                    "node {n}: the reactor still holds a request NCCL saw finish"
+                ));
+            }
+        }
+        // At the end: every send the receiver acknowledged was received.
+        for (f, fl) in self.flows.iter().enumerate() {
+            if !self.alive(1 - fl.from) {
+                continue;
+            }
+            for (seq, (&s, &r)) in fl.sent_ok.iter().zip(&fl.recv_ok).enumerate() {
+                if s && !r {
+                    let msg = format!("comm {f}: send {seq} completed but its receive never did");
+                    self.violations.push(msg);
+                }
+            }
+        }
+    }
+}
+
+/// Runs seed `seed`; `trace` prints what happens as it happens.
+pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
+    let s = Scenario::generate(seed);
+    let net = Arc::new(Mutex::new(Net::new(Wire::default(), &[s.nics, s.nics])));
+    net.lock().trace = trace;
+    let nodes: Vec<Option<Driven<SimFabric>>> = (0..2)
+        .map(|n| {
+            Driven::new(setup(&s, n), SimFabric::new(net.clone(), n, s.nics))
+                .map(Some)
+                .expect("a simulated reactor starts")
+        })
+        .collect();
+    let mut sim = Sim {
+        state: vec![vec![check::NicState::default(); s.nics]; 2],
+        s: s.clone(),
+        net,
+        base: Instant::now(),
+        now: Duration::ZERO,
+        start: Duration::ZERO,
+        nodes,
+        flows: Vec::new(),
+        next_fault: 0,
+        last_fault: Duration::ZERO,
+        trace,
+        violations: Vec::new(),
+        mems: Vec::new(),
+        spun: false,
+    };
+    sim.run();
+    // The reactors go first: they hold views of the lent memory.
+    for d in sim.nodes.iter_mut() {
+        if let Some(d) = d.take() {
+            d.finish();
+        }
+    }
+    sim.mems.clear();
+    let report = Report {
+        virtual_time: sim.now,
+        failed_comms: sim.flows.iter().filter(|f| f.failed.is_some()).count(),
+        violations: std::mem::take(&mut sim.violations),
+    };
+    (s, report)
+}
+
+/// A seed that broke something: its schedule and what broke.
+pub(crate) struct Failure {
+    pub seed: u64,
+    pub schedule: String,
+    pub broke: Vec<String>,
+}
+
+/// Runs `seeds` with the reactors' logs silenced; returns the seeds that broke an
+/// invariant or panicked.
+fn run_seeds(seeds: impl Iterator<Item = u64>) -> Vec<Failure> {
+    let mut failures = Vec::new();
+    tracing::subscriber::with_default(tracing::subscriber::NoSubscriber::default(), || {
+        for seed in seeds {
+            let broke = match std::panic::catch_unwind(|| run_seed(seed, false)) {
+                Ok((_, r)) => r.violations,
+                Err(p) => vec![format!("panicked: {}", crate::handoff::panic_message(&*p))],
+            };
+            if !broke.is_empty() {
+                failures.push(Failure {
+                    seed,
+                    schedule: Scenario::generate(seed).to_string(),
+                    broke,
+                });
+            }
+        }
+    });
+    failures
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,448 @@
+//! Seeded scenarios: the comms, their messages, and a fault schedule, all from one seed.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::routing::rng::SplitMix64;
+
+/// Bytes of the largest message.
+pub(crate) const MAX_MESSAGE: usize = 256 << 10;
+
+/// Something done to the network at a time (relative to the start of traffic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// Carrier of a NIC (both directions); its node's reactor hears of it.
+    Carrier { node: usize, nic: usize, up: bool },
+    /// A black hole on a NIC's transmit and/or receive side: nothing crosses, no event.
+    Hole {
+        node: usize,
+        nic: usize,
+        tx: bool,
+        rx: bool,
+        on: bool,
+    },
+    /// A brown-out: the NIC's rate divided by `factor` (`None`: restored).
+    Slow {
+        node: usize,
+        nic: usize,
+        factor: Option<u32>,
+    },
+    /// The node's process dies.
+    Kill { node: usize },
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fault {
+    pub at: Duration,
+    pub action: Action,
+}
+
+/// One send comm from `from` to the other node, on NIC `nic` at both ends.
+#[derive(Debug, Clone)]
+pub(crate) struct CommPlan {
+    pub from: usize,
+    pub nic: usize,
+    pub sizes: Vec<usize>,
+    /// Extra room in each receive buffer beyond the message.
+    pub slack: Vec<usize>,
+    /// Message `k` is posted `k * gap` after traffic starts (or when a slot frees).
+    pub gap: Duration,
+    /// Requests in flight per side at most.
+    pub window: usize,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Scenario {
+    pub seed: u64,
+    pub kind: &'static str,
+    pub nics: usize,
+    /// The rail rule is `any` (else `same`: NIC `i` is on rail `i` on both nodes).
+    pub rail_any: bool,
+    pub comms: Vec<CommPlan>,
+    /// Sorted by time.
+    pub faults: Vec<Fault>,
+}
+
+const KINDS: &[&str] = &[
+    "calm",
+    "down-one-side",
+    "down-both-sides",
+    "black-hole",
+    "brown-out",
+    "backup-fails-during-migration",
+    "backup-fails-during-fail-back-watch",
+    "several-nics",
+    "flapping",
+    "killed-peer",
+    "no-eligible-pair",
+];
+
+struct Gen {
+    rng: SplitMix64,
+}
+
+impl Gen {
+    fn below(&mut self, n: usize) -> usize {
+        self.rng.below(n)
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo + 1)
+    }
+    fn ms(&mut self, lo: u64, hi: u64) -> Duration {
+        Duration::from_millis(self.range(lo as usize, hi as usize) as u64)
+    }
+    fn chance(&mut self, percent: usize) -> bool {
+        self.below(100) < percent
+    }
+    fn size(&mut self) -> usize {
+        match self.below(20) {
+            0 => 0,
+            1 => MAX_MESSAGE,
+            // Log-uniform: many small messages, a few large.
+            _ => {
+                let bits = self.range(0, 18);
+                self.range(1 << bits >> 1, (1usize << bits).min(MAX_MESSAGE))
+            }
+        }
+    }
+}
+
+impl Scenario {
+    pub(crate) fn generate(seed: u64) -> Scenario {
+        let mut g = Gen {
+            rng: SplitMix64::new(seed ^ 0x5157_u64.rotate_left(40)),
+        };
+        let nics = g.range(2, 4);
+        let rail_any = g.chance(25);
+        let mut comms = Vec::new();
+        for from in 0..2 {
+            for _ in 0..g.range(1, 4) {
+                let n = g.range(2, 8);
+                let sizes: Vec<usize> = (0..n).map(|_| g.size()).collect();
+                let slack = (0..n)
+                    .map(|_| if g.chance(30) { g.range(1, 64) } else { 0 })
+                    .collect();
+                comms.push(CommPlan {
+                    from,
+                    nic: g.below(nics),
+                    sizes,
+                    slack,
+                    gap: g.ms(5, 300),
+                    window: g.range(1, 4),
+                });
+            }
+        }
+        let kind = if g.chance(4) {
+            KINDS[0]
+        } else {
+            KINDS[g.range(1, KINDS.len() - 1)]
+        };
+        let mut s = Scenario {
+            seed,
+            kind,
+            nics,
+            rail_any,
+            comms,
+            faults: Vec::new(),
+        };
+        s.faults = faults(&mut g, &s);
+        s.faults.sort_by_key(|f| f.at);
+        s
+    }
+}
+
+/// A NIC a comm uses at `node` most of the time, else any.
+fn target(g: &mut Gen, s: &Scenario, node: usize) -> usize {
+    if g.chance(80) {
+        let c = &s.comms[g.below(s.comms.len())];
+        c.nic
+    } else {
+        let _ = node;
+        g.below(s.nics)
+    }
+}
+
+fn carrier(at: Duration, node: usize, nic: usize, up: bool) -> Fault {
+    Fault {
+        at,
+        action: Action::Carrier { node, nic, up },
+    }
+}
+
+fn hole(at: Duration, node: usize, nic: usize, dirs: (bool, bool), on: bool) -> Fault {
+    Fault {
+        at,
+        action: Action::Hole {
+            node,
+            nic,
+            tx: dirs.0,
+            rx: dirs.1,
+            on,
+        },
+    }
+}
+
+/// A NIC outage from `at` for `len` (`None`: for good), by carrier or black hole.
+fn outage(
+    g: &mut Gen,
+    f: &mut Vec<Fault>,
+    at: Duration,
+    len: Option<Duration>,
+    node: usize,
+    nic: usize,
+) {
+    if g.chance(60) {
+        f.push(carrier(at, node, nic, false));
+        if let Some(len) = len {
+            f.push(carrier(at + len, node, nic, true));
+        }
+    } else {
+        let dirs = match g.below(4) {
+            0 => (true, false),
+            1 => (false, true),
+            _ => (true, true),
+        };
+        f.push(hole(at, node, nic, dirs, true));
+        if let Some(len) = len {
+            f.push(hole(at + len, node, nic, dirs, false));
+        }
+    }
+}
+
+fn faults(g: &mut Gen, s: &Scenario) -> Vec<Fault> {
+    let mut f = Vec::new();
+    let node = g.below(2);
+    let t1 = g.ms(20, 1500);
+    match s.kind {
+        "calm" => {}
+        "down-one-side" => {
+            let nic = target(g, s, node);
+            let len = g.ms(50, 2500);
+            f.push(carrier(t1, node, nic, false));
+            f.push(carrier(t1 + len, node, nic, true));
+        }
+        "down-both-sides" => {
+            let nic = target(g, s, node);
+            let skew = g.ms(0, 50);
+            let len = g.ms(100, 2500);
+            f.push(carrier(t1, node, nic, false));
+            f.push(carrier(t1 + skew, 1 - node, nic, false));
+            f.push(carrier(t1 + len, node, nic, true));
+            f.push(carrier(t1 + skew + g.ms(0, 500) + len, 1 - node, nic, true));
+        }
+        "black-hole" => {
+            let nic = target(g, s, node);
+            let dirs = match g.below(3) {
+                0 => (true, false),
+                1 => (false, true),
+                _ => (true, true),
+            };
+            let len = g.ms(100, 3000);
+            f.push(hole(t1, node, nic, dirs, true));
+            f.push(hole(t1 + len, node, nic, dirs, false));
+        }
+        "brown-out" => {
+            let nic = target(g, s, node);
+            let factor = g.range(10, 200) as u32;
+            f.push(Fault {
+                at: t1,
+                action: Action::Slow {
+                    node,
+                    nic,
+                    factor: Some(factor),
+                },
+            });
+            f.push(Fault {
+                at: t1 + g.ms(200, 3000),
+                action: Action::Slow {
+                    node,
+                    nic,
+                    factor: None,
+                },
+            });
+        }
+        "backup-fails-during-migration" => {
+            // The first failure, then another NIC fails just as the first is detected:
+            // at once for a carrier loss, after the completion timeout for a black hole.
+            let nic = target(g, s, node);
+            let silent = g.chance(40);
+            let first_len = g.ms(500, 3000);
+            if silent {
+                f.push(hole(t1, node, nic, (true, true), true));
+                f.push(hole(t1 + first_len, node, nic, (true, true), false));
+            } else {
+                f.push(carrier(t1, node, nic, false));
+                f.push(carrier(t1 + first_len, node, nic, true));
+            }
+            let detect = if silent { g.ms(900, 1300) } else { g.ms(0, 30) };
+            for _ in 0..g.range(1, s.nics - 1) {
+                let other = (nic + g.range(1, s.nics - 1)) % s.nics;
+                let side = if g.chance(70) { node } else { 1 - node };
+                let len = g.ms(100, 1500);
+                outage(g, &mut f, t1 + detect, Some(len), side, other);
+            }
+        }
+        "backup-fails-during-fail-back-watch" => {
+            // The original heals and waits out its fail-back test; meanwhile every other
+            // NIC of the sender fails, so the original is the one pair left.
+            let c = &s.comms[g.below(s.comms.len())];
+            let (node, nic) = (c.from, c.nic);
+            let t2 = t1 + g.ms(200, 1500);
+            f.push(carrier(t1, node, nic, false));
+            f.push(carrier(t2, node, nic, true));
+            let t3 = t2 + g.ms(50, 1500);
+            let len = g.ms(300, 2000);
+            for other in (0..s.nics).filter(|&o| o != nic) {
+                f.push(carrier(t3, node, other, false));
+                f.push(carrier(t3 + len, node, other, true));
+            }
+        }
+        "several-nics" => {
+            let m = g.range(2, s.nics);
+            let first = g.below(s.nics);
+            for k in 0..m {
+                let side = if g.chance(70) { node } else { 1 - node };
+                let at = t1
+                    + if g.chance(50) {
+                        Duration::ZERO
+                    } else {
+                        g.ms(0, 800)
+                    };
+                let len = g.ms(100, 2500);
+                outage(g, &mut f, at, Some(len), side, (first + k) % s.nics);
+            }
+        }
+        "flapping" => {
+            let nic = target(g, s, node);
+            let mut t = t1;
+            for _ in 0..g.range(3, 8) {
+                f.push(carrier(t, node, nic, false));
+                t += g.ms(20, 400);
+                f.push(carrier(t, node, nic, true));
+                t += g.ms(20, 400);
+            }
+        }
+        "killed-peer" => {
+            f.push(Fault {
+                at: g.ms(10, 2500),
+                action: Action::Kill { node },
+            });
+        }
+        "no-eligible-pair" => {
+            let len = if g.chance(50) {
+                None
+            } else {
+                Some(g.ms(3500, 6000))
+            };
+            let by_carrier = g.chance(50);
+            for nic in 0..s.nics {
+                if by_carrier {
+                    f.push(carrier(t1, node, nic, false));
+                    if let Some(len) = len {
+                        f.push(carrier(t1 + len, node, nic, true));
+                    }
+                } else {
+                    f.push(hole(t1, node, nic, (true, true), true));
+                    if let Some(len) = len {
+                        f.push(hole(t1 + len, node, nic, (true, true), false));
+                    }
+                }
+            }
+        }
+        other => unreachable!("unknown kind {other}"),
+    }
+    // Sometimes an unrelated fault on top: a short outage or brown-out elsewhere.
+    if !matches!(s.kind, "calm" | "killed-peer") && g.chance(25) {
+        let side = g.below(2);
+        let nic = g.below(s.nics);
+        let at = g.ms(20, 2500);
+        if g.chance(50) {
+            let len = g.ms(50, 1500);
+            outage(g, &mut f, at, Some(len), side, nic);
+        } else {
+            f.push(Fault {
+                at,
+                action: Action::Slow {
+                    node: side,
+                    nic,
+                    factor: Some(g.range(10, 100) as u32),
+                },
+            });
+            f.push(Fault {
+                at: at + g.ms(100, 2000),
+                action: Action::Slow {
+                    node: side,
+                    nic,
+                    factor: None,
+                },
+            });
+        }
+    }
+    f
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Action::Carrier { node, nic, up } => {
+                write!(
+                    f,
+                    "n{node}e{nic} carrier {}",
+                    if up { "up" } else { "down" }
+                )
+            }
+            Action::Hole {
+                node,
+                nic,
+                tx,
+                rx,
+                on,
+            } => {
+                let dirs = match (tx, rx) {
+                    (true, true) => "both ways",
+                    (true, false) => "outbound",
+                    _ => "inbound",
+                };
+                if on {
+                    write!(f, "n{node}e{nic} black hole ({dirs})")
+                } else {
+                    write!(f, "n{node}e{nic} black hole healed ({dirs})")
+                }
+            }
+            Action::Slow { node, nic, factor } => match factor {
+                Some(x) => write!(f, "n{node}e{nic} brown-out (rate / {x})"),
+                None => write!(f, "n{node}e{nic} rate restored"),
+            },
+            Action::Kill { node } => write!(f, "node {node} killed"),
+        }
+    }
+}
+
+impl fmt::Display for Scenario {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "seed {} ({}): 2 nodes x {} NICs, rail rule {}",
+            self.seed,
+            self.kind,
+            self.nics,
+            if self.rail_any { "any" } else { "same" }
+        )?;
+        for (i, c) in self.comms.iter().enumerate() {
+            writeln!(
+                f,
+                "  comm {i}: node {} -> node {} on NIC {}, window {}, every {} ms, sizes {:?}",
+                c.from,
+                1 - c.from,
+                c.nic,
+                c.window,
+                c.gap.as_millis(),
+                c.sizes
+            )?;
+        }
+        for x in &self.faults {
+            writeln!(f, "  at {:>6} ms: {}", x.at.as_millis(), x.action)?;
+        }
+        Ok(())
+    }
+}
