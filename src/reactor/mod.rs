@@ -1,5 +1,5 @@
-//! The reactor: the one thread per process that owns every socket and drives every
-//! comm's protocol machine.
+//! The reactor: the one thread per process that owns every socket and, through its
+//! [`Engine`], drives every comm's protocol machine.
 //!
 //! It opens every listener and lane itself, through a [`Fabric`] it is given at
 //! [`ReactorHandle::spawn`]; it names no fabric's types and makes no fabric's calls, so
@@ -19,7 +19,7 @@
 //!
 //! Not guaranteed, merely today's behaviour: the reactor busy-polls for
 //! `RAILOVER_SPIN_US` after its last progress while requests are in flight, then parks.
-
+//!
 //! The reactor keeps only I/O: the thread, `epoll`, the fabric's listeners and lanes,
 //! the spin budget and netlink. Everything else (comms, lane machines, handshakes,
 //! failover, timers' work) is the [`crate::engine`]'s; the reactor feeds it readiness,
