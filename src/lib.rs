@@ -7,8 +7,11 @@
 //!   the panic barrier and the one place errors become `ncclResult_t`.
 //! * [`plugin`] — the version-independent facade: contexts, devices, listen/connect/accept,
 //!   memory handles and requests.
-//! * [`reactor`] — the one proxy-progress thread: it owns every socket and drives the
-//!   connection machines; NCCL's threads only queue commands to it.
+//! * [`reactor`] — the one proxy-progress thread: it owns every socket, `epoll` and the
+//!   timers' clock, and feeds readiness and commands to the engine; NCCL's threads only
+//!   queue commands to it.
+//! * [`engine`] — sans-IO: comms, lane machines, handshakes, failover orchestration,
+//!   pacing and metric sampling; it reaches sockets only through the reactor's `Io`.
 //! * [`handoff`] — what `plugin` and `reactor` share: requests whose atomic state `test`
 //!   reads, comms, pending connects and listens, the command queue.
 //! * [`transport`] — the `Fabric` seam the reactor drives lanes through (listen, connect,
@@ -27,6 +30,7 @@
 
 pub mod config;
 pub mod conn;
+pub mod engine;
 pub mod ffi;
 pub mod handoff;
 pub mod plugin;

@@ -15,6 +15,7 @@ const LAYERS: &[&str] = &[
     "plugin",
     "sim",
     "reactor",
+    "engine",
     "handoff",
     "transport",
     "conn",

@@ -33,9 +33,8 @@ impl<F: Fabric> Driven<F> {
         if r.shutdown {
             return;
         }
-        let ready: Vec<Token> = r
-            .lanes
-            .iter()
+        let ready: Vec<Token> = (r.io.lanes.iter().enumerate())
+            .filter(|(_, s)| s.is_some())
             .map(|(k, _)| Token(k))
             .chain(r.listeners.iter().map(|(k, _)| Token(k | LISTENER_BIT)))
             .collect();

@@ -1,4 +1,4 @@
-//! The reactor's failover duties: noticing a dead lane (silence past the completion
+//! The engine's failover duties: noticing a dead lane (silence past the completion
 //! timeout, a socket error, the local carrier going down), asking the router where to
 //! go, probing candidate pairs, opening replacement lanes and replaying on them, and
 //! giving up with a clear error when nothing is left. Policy lives in `routing`; this
@@ -9,16 +9,19 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::conn::health;
-use crate::conn::lane::sample_interval;
+use crate::conn::lane::{sample_interval, Cause};
 use crate::conn::path::{Loss, Moved, Replaced};
+use crate::conn::wire::Purpose;
+use crate::routing::FailReason;
 use crate::routing::{CommId, CommSpec, Event, LaneId, NicId, PeerId};
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
+use crate::telemetry::sampler::{NicNow, Totals};
 use crate::transport::fair::LaneSample;
 
 /// The one lane a comm has, in the router's numbering.
 const LANE: LaneId = LaneId(0);
 
-impl<F: Fabric> Reactor<F> {
+impl Engine {
     /// A send comm was just connected: tell the router about both NIC lists.
     pub(super) fn register_route(
         &mut self,
@@ -64,7 +67,7 @@ impl<F: Fabric> Reactor<F> {
     /// Lane `k` is unusable: let it go and settle whatever depended on it. The one
     /// teardown path, whatever the cause (socket or protocol error, silence, brown-out,
     /// deadline, carrier loss, injected cut).
-    pub(super) fn fail_lane(&mut self, k: usize, cause: Cause, now: Instant) {
+    pub(super) fn fail_lane(&mut self, k: usize, cause: Cause, now: Instant, io: &mut dyn Io) {
         let Some(lane) = self.lanes.get_mut(k) else {
             return;
         };
@@ -84,7 +87,7 @@ impl<F: Fabric> Reactor<F> {
                 _ => false,
             };
         if fence {
-            self.fabric.fence(&mut self.lanes[k].sock);
+            io.fence(k);
         }
         let Cause {
             error,
@@ -123,37 +126,36 @@ impl<F: Fabric> Reactor<F> {
                 }
             }
             Role::Comm(c) => {
-                self.release_lane(k, cut);
+                self.release_lane(k, cut, io);
                 if let (Some(floor), Some(r)) = (brownout, self.comms.get(c).and_then(|m| m.route))
                 {
                     self.router.handle_brownout(r.current, floor);
                 }
-                self.comm_lane_lost(c, k, error, reason, silent, now);
+                self.comm_lane_lost(c, k, (error, reason, silent), now, io);
                 return;
             }
         }
         // After the accounting: whoever sees the socket close may read the counters.
-        self.release_lane(k, cut);
+        self.release_lane(k, cut, io);
     }
 
     /// Lets lane `k` go: closed, or after a cut kept open and never served (as a dead
     /// cable leaves it) until the NIC is restored.
-    fn release_lane(&mut self, k: usize, cut: bool) {
+    fn release_lane(&mut self, k: usize, cut: bool, io: &mut dyn Io) {
         if !cut {
-            self.drop_lane(k);
+            self.drop_lane(k, io);
             return;
         }
         self.fair.forget(k);
         self.leave_gate(k);
-        if let Some(mut lane) = self.lanes.try_remove(k) {
-            let _ = self.poll.registry().deregister(&mut lane.sock);
-            self.graveyard.push(lane.sock);
+        if self.lanes.try_remove(k).is_some() {
+            io.bury(k);
         }
     }
 
     /// Local NIC `i` lost its link (carrier, or an injected `cut`): the router stops
     /// using it and every lane on it fails.
-    fn nic_lost(&mut self, i: usize, cut: bool, now: Instant) {
+    fn nic_lost(&mut self, i: usize, cut: bool, now: Instant, io: &mut dyn Io) {
         self.nic_up[i] = false;
         self.routes_dirty = true;
         self.router.handle_nic_down(NicId(i as u32), now);
@@ -170,7 +172,7 @@ impl<F: Fabric> Reactor<F> {
                 cut,
                 ..Cause::new(error, FailReason::LinkDown)
             };
-            self.fail_lane(k, cause, now);
+            self.fail_lane(k, cause, now, io);
         }
     }
 
@@ -188,10 +190,9 @@ impl<F: Fabric> Reactor<F> {
         &mut self,
         c: usize,
         k: usize,
-        error: ConnError,
-        reason: FailReason,
-        silent: Duration,
+        (error, reason, silent): (ConnError, FailReason, Duration),
         now: Instant,
+        io: &mut dyn Io,
     ) {
         let comm = &mut self.comms[c];
         let peer_gone = matches!(error, ConnError::PeerClosed);
@@ -225,21 +226,21 @@ impl<F: Fabric> Reactor<F> {
                 grace.as_millis()
             ),
             Loss::Fail => {
-                if self.busy(c) || !peer_gone {
+                if self.comm_busy(c) || !peer_gone {
                     tracing::warn!("railover: comm {c} lost its connection: {error}");
                 }
-                self.fail_comm(c, error);
+                self.fail_comm(c, error, io);
             }
         }
     }
 
     /// Whether comm `c` has requests outstanding.
-    fn busy(&self, c: usize) -> bool {
+    fn comm_busy(&self, c: usize) -> bool {
         self.comms[c].machine.pending() > 0
     }
 
     /// Fails every request of comm `c`, now and later.
-    fn fail_comm(&mut self, c: usize, error: ConnError) {
+    fn fail_comm(&mut self, c: usize, error: ConnError, io: &mut dyn Io) {
         let comm = &mut self.comms[c];
         comm.shared.set_failed(error.clone().into());
         comm.machine.handle_lane_lost(error);
@@ -250,14 +251,21 @@ impl<F: Fabric> Reactor<F> {
             self.routes_dirty = true;
         }
         for k in lanes.into_iter().flatten() {
-            self.drop_lane(k);
+            self.drop_lane(k, io);
         }
         self.pump(c);
     }
 
     /// Receive side: the sender opened replacement lane `k`, its attempt `epoch`, for
     /// comm `c`; a stale attempt is refused.
-    pub(super) fn attach_replacement(&mut self, c: usize, k: usize, epoch: u64, now: Instant) {
+    pub(super) fn attach_replacement(
+        &mut self,
+        c: usize,
+        k: usize,
+        epoch: u64,
+        now: Instant,
+        io: &mut dyn Io,
+    ) {
         let comm = &mut self.comms[c];
         let Replaced { outage, old } = match comm.path.handle_replacement(k, epoch, now) {
             Ok(r) => r,
@@ -275,18 +283,11 @@ impl<F: Fabric> Reactor<F> {
             );
         }
         if let Some(old) = old {
-            self.drop_lane(old);
+            self.drop_lane(old, io);
         }
-        let lane = &mut self.lanes[k];
-        lane.role = Role::Comm(c);
-        lane.m.carry();
-        lane.reader.enlarge();
-        lane.writer.push_ctrl(
-            &Welcome {
-                nics: self.wire.clone(),
-            }
-            .encode(delivered),
-        );
+        self.carry(k, c);
+        let welcome = self.welcome(delivered);
+        self.lanes[k].writer.push_ctrl(&welcome);
         self.pump(c);
     }
 
@@ -299,6 +300,7 @@ impl<F: Fabric> Reactor<F> {
         mv: Move,
         delivered: u64,
         now: Instant,
+        io: &mut dyn Io,
     ) -> Result<(), ConnError> {
         let Some(comm) = self.comms.get_mut(c) else {
             return Err(ConnError::Protocol("migration for a closed comm".into()));
@@ -353,26 +355,23 @@ impl<F: Fabric> Reactor<F> {
             }
         }
         if let Some(old) = old {
-            self.drop_lane(old);
+            self.drop_lane(old, io);
         }
-        let lane = &mut self.lanes[k];
-        lane.role = Role::Comm(c);
-        lane.m.carry();
-        lane.reader.enlarge();
-        lane.nic = Some(local);
+        self.carry(k, c);
+        self.lanes[k].nic = Some(local);
         self.routes_dirty = true;
         self.pump(c);
         Ok(())
     }
 
     /// Carries out what the router decided: probes, moves, give-ups; publishes routes.
-    pub(super) fn drive_router(&mut self, now: Instant) {
+    pub(super) fn drive_router(&mut self, now: Instant, io: &mut dyn Io) {
         while let Some(p) = self.router.poll_probe() {
-            self.start_probe(p.pair, p.retry, now);
+            self.start_probe(p.pair, p.retry, now, io);
         }
         while let Some(mv) = self.router.poll_move() {
             self.routes_dirty = true;
-            self.start_migration(mv, now);
+            self.start_migration(mv, now, io);
         }
         while let Some(ev) = self.router.poll_event() {
             match ev {
@@ -413,6 +412,7 @@ impl<F: Fabric> Reactor<F> {
                         self.fail_comm(
                             comm.0,
                             ConnError::Io(format!("no eligible NIC pair left ({ev})")),
+                            io,
                         );
                     }
                 }
@@ -452,6 +452,7 @@ impl<F: Fabric> Reactor<F> {
         role: Role,
         now: Instant,
         limit: Duration,
+        io: &mut dyn Io,
     ) -> Option<usize> {
         let local = pair.local.0 as usize;
         let remote = self
@@ -459,14 +460,12 @@ impl<F: Fabric> Reactor<F> {
             .get(pair.peer.0 as usize)?
             .get(pair.remote.0 as usize)?
             .addr;
-        let stream = match self.fabric.connect(local, remote) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::debug!("railover: cannot open {pair}: {e}");
-                return None;
-            }
-        };
-        let k = self.add_lane(stream, role, now, limit).ok()?;
+        let k = self.lanes.vacant_key();
+        if let Err(e) = io.connect(k, local, remote) {
+            tracing::debug!("railover: cannot open {pair}: {e}");
+            return None;
+        }
+        self.add_lane(k, role, now, limit);
         let lane = &mut self.lanes[k];
         lane.nic = Some(pair.local.0 as usize);
         lane.m.connecting(auth, hello);
@@ -474,7 +473,7 @@ impl<F: Fabric> Reactor<F> {
         Some(k)
     }
 
-    fn start_probe(&mut self, pair: Pair, retry: u32, now: Instant) {
+    fn start_probe(&mut self, pair: Pair, retry: u32, now: Instant, io: &mut dyn Io) {
         // A probe proves the session of any live comm to that peer.
         let hello = self
             .comms
@@ -486,24 +485,27 @@ impl<F: Fabric> Reactor<F> {
             self.probe_failed(pair, now);
             return;
         };
-        let limit = self.probe_deadline(pair.local.0 as usize, retry);
+        let limit = self.probe_deadline(pair.local.0 as usize, retry, io);
         let role = Role::Probe { pair, started: now };
         // The payload (sent after the Proof, see `challenge`) must cross within the
         // deadline: connecting is not enough (a browned-out link still connects).
-        if self.connect_pair(pair, hello, role, now, limit).is_none() {
+        if self
+            .connect_pair(pair, hello, role, now, limit, io)
+            .is_none()
+        {
             self.probe_failed(pair, now);
         }
     }
 
     /// The deadline of a probe through local NIC `nic`: the probe waits behind what the
     /// NIC's lanes have queued in the kernel, at the rate the NIC has been delivering.
-    fn probe_deadline(&self, nic: usize, retry: u32) -> Duration {
+    fn probe_deadline(&self, nic: usize, retry: u32, io: &dyn Io) -> Duration {
         let queued: u64 = self
             .lanes
             .iter()
             .filter(|(_, l)| l.nic == Some(nic) && matches!(l.role, Role::Comm(_)))
-            .map(|(_, l)| {
-                let p = self.fabric.progress(&l.sock);
+            .map(|(k, _)| {
+                let p = io.progress(k);
                 p.sent.saturating_sub(p.acked)
             })
             .sum();
@@ -540,23 +542,23 @@ impl<F: Fabric> Reactor<F> {
         self.router.handle_probe(pair, false, now);
     }
 
-    fn start_migration(&mut self, mv: Move, now: Instant) {
+    fn start_migration(&mut self, mv: Move, now: Instant, io: &mut dyn Io) {
         let c = mv.comm.0;
         let Some(comm) = self.comms.get_mut(c) else {
             return;
         };
         let (epoch, abandoned) = comm.path.handle_move(mv.reason, now);
         if let Some(old) = abandoned {
-            if let Some(l) = self.lanes.get_mut(old) {
-                self.fabric.fence(&mut l.sock);
+            if self.lanes.contains(old) {
+                io.fence(old);
             }
-            self.drop_lane(old);
+            self.drop_lane(old, io);
         }
         let session = self.comms[c].session.clone();
         let hello = self.opener(Purpose::Migrate, &session, epoch);
         let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
         let role = Role::Migrating { comm: c, mv };
-        match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit)) {
+        match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit, io)) {
             Ok(Some(k)) => self.comms[c].path.handle_opening(k),
             _ => {
                 let _ = self
@@ -567,7 +569,7 @@ impl<F: Fabric> Reactor<F> {
     }
 
     /// Applies the NICs' fair shares (see `transport::fair`) to the lanes as pacing caps.
-    fn pace(&mut self, shares: &[LaneSample], now: Instant) {
+    fn pace(&mut self, shares: &[LaneSample], now: Instant, io: &mut dyn Io) {
         if !self.setup.fair_share {
             return;
         }
@@ -579,8 +581,8 @@ impl<F: Fabric> Reactor<F> {
             );
         }
         for (k, cap) in sampled.changes {
-            if let Some(lane) = self.lanes.get_mut(k) {
-                if let Err(e) = self.fabric.set_pacing(&mut lane.sock, cap) {
+            if self.lanes.contains(k) {
+                if let Err(e) = io.set_pacing(k, cap) {
                     tracing::debug!("railover: pacing lane {k}: {e}");
                 }
             }
@@ -590,7 +592,7 @@ impl<F: Fabric> Reactor<F> {
     /// A lane's machine condemned it (silence, brown-out, a deadline). A receiver tells
     /// the sender first: in a one-way failure it still hears us and would otherwise never
     /// notice. Best effort, one small write.
-    pub(super) fn lane_condemned(&mut self, k: usize, cause: Cause, now: Instant) {
+    pub(super) fn lane_condemned(&mut self, k: usize, cause: Cause, now: Instant, io: &mut dyn Io) {
         if let Some(Role::Comm(c)) = self.lanes.get(k).map(|l| &l.role) {
             let c = *c;
             if let Some(silent) = cause.silent {
@@ -601,17 +603,17 @@ impl<F: Fabric> Reactor<F> {
                 let lane = &mut self.lanes[k];
                 lane.writer
                     .push_ctrl(&Header::new(Kind::Stalled, 0, 0).encode());
-                let _ = self.fabric.write(&mut lane.sock, &mut lane.writer);
+                let _ = io.write(k, &mut lane.writer);
             }
         }
-        self.fail_lane(k, cause, now);
+        self.fail_lane(k, cause, now, io);
     }
 
     /// Periodic work: lane timers (silence, keepalives), delivery samples (brown-outs,
     /// fair shares), stranded receivers.
-    pub(super) fn tick(&mut self, now: Instant) {
+    pub(super) fn tick(&mut self, now: Instant, io: &mut dyn Io) {
         self.next_tick = now + sample_interval(self.setup.completion_timeout);
-        self.expire(now);
+        self.expire(now, io);
         let mut dead = Vec::new();
         let mut shares: Vec<LaneSample> = Vec::new();
         for (k, lane) in self.lanes.iter_mut() {
@@ -621,7 +623,7 @@ impl<F: Fabric> Reactor<F> {
             // Delivery progress: what the peer has acknowledged. A large socket buffer
             // can hold every byte in flight, so the userspace queue alone would not show
             // a stuck path.
-            let p = self.fabric.progress(&lane.sock);
+            let p = io.progress(k);
             let waiting = lane.writer.queued_bytes() + p.sent.saturating_sub(p.acked);
             let s = lane.m.handle_sample(now, p.acked, waiting);
             if let Some(nic) = lane.nic {
@@ -634,9 +636,9 @@ impl<F: Fabric> Reactor<F> {
             }
             dead.extend(lane.m.poll_failure().map(|c| (k, c)));
         }
-        self.pace(&shares, now);
+        self.pace(&shares, now, io);
         for (k, cause) in dead {
-            self.lane_condemned(k, cause, now);
+            self.lane_condemned(k, cause, now, io);
         }
         // A receiver whose sender never came back: the peer is gone or has no pair left.
         let nic_up = self.nic_up.iter().any(|&up| up);
@@ -646,7 +648,7 @@ impl<F: Fabric> Reactor<F> {
             .filter_map(|(c, comm)| Some((c, comm.path.handle_timeout(now, nic_up)?)))
             .collect();
         for (c, gone) in abandoned {
-            if self.busy(c) || !matches!(gone.error, ConnError::PeerClosed) {
+            if self.comm_busy(c) || !matches!(gone.error, ConnError::PeerClosed) {
                 tracing::warn!(
                     "railover: comm {c}: no replacement lane arrived in time; failing its receives: {}",
                     gone.error
@@ -655,24 +657,17 @@ impl<F: Fabric> Reactor<F> {
             if gone.path {
                 self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
             }
-            self.fail_comm(c, gone.error);
+            self.fail_comm(c, gone.error, io);
         }
     }
 
-    /// Carrier changes of local NICs, straight from the kernel.
-    pub(super) fn link_events(&mut self, now: Instant) {
-        let Some(w) = self.watcher.as_mut() else {
-            return;
-        };
-        for ev in w.drain() {
-            if let Some(i) = self.setup.nics.iter().position(|n| n.name == ev.ifname) {
-                self.carrier(i, ev.up, now);
-            }
-        }
+    /// The local NIC called `name`, if it is one of ours.
+    pub fn nic_named(&self, name: &str) -> Option<usize> {
+        self.setup.nics.iter().position(|n| n.name == name)
     }
 
     /// Local NIC `i`'s carrier is now `up` (a netlink event, or the simulation's).
-    pub(super) fn carrier(&mut self, i: usize, up: bool, now: Instant) {
+    pub fn carrier(&mut self, i: usize, up: bool, now: Instant, io: &mut dyn Io) {
         if self.nic_up[i] == up {
             return;
         }
@@ -683,7 +678,7 @@ impl<F: Fabric> Reactor<F> {
             self.nic_restored(i, now);
         } else {
             tracing::warn!("railover: NIC {name} lost its link");
-            self.nic_lost(i, false, now);
+            self.nic_lost(i, false, now, io);
         }
     }
 
@@ -740,7 +735,7 @@ impl<F: Fabric> Reactor<F> {
     /// Fault injection: NIC `i` is cut or restored. A cut fails its lanes through the one
     /// teardown path, as a carrier loss would, but keeps their sockets open and silent:
     /// the peer must detect the silence, as with a pulled cable.
-    pub(super) fn inject_link(&mut self, i: usize, up: bool, now: Instant) {
+    pub fn inject_link(&mut self, i: usize, up: bool, now: Instant, io: &mut dyn Io) {
         let Some(down) = self.injected_down.get_mut(i) else {
             return;
         };
@@ -751,13 +746,11 @@ impl<F: Fabric> Reactor<F> {
         let name = &self.setup.nics[i].name;
         if up {
             tracing::warn!("railover: NIC {name} restored (fault injection)");
-            for l in std::mem::take(&mut self.graveyard) {
-                self.fabric.close(l);
-            }
+            io.unbury();
             self.nic_restored(i, now);
         } else {
             tracing::warn!("railover: NIC {name} cut (fault injection)");
-            self.nic_lost(i, true, now);
+            self.nic_lost(i, true, now, io);
         }
     }
 }

@@ -1,0 +1,394 @@
+//! Lanes from their first byte to a comm: accepting under the handshake caps, reading
+//! items into the lane machines, and the handshake dispatch (Hello, Proof, Welcome) that
+//! turns a lane into a comm, a probe's answer or a comm's replacement lane.
+
+use super::*;
+use crate::conn::auth::{AuthError, Secret};
+use crate::conn::lane::Step;
+use crate::conn::path::Timeouts;
+use crate::conn::wire::{Purpose, Welcome};
+
+impl Engine {
+    /// The key the next lane will have: the reactor files an accepted socket under it
+    /// before [`Engine::accepted`].
+    pub fn next_lane(&self) -> usize {
+        self.lanes.vacant_key()
+    }
+
+    /// Whether local NIC `nic` is cut by fault injection (it answers nothing).
+    pub fn nic_cut(&self, nic: usize) -> bool {
+        self.injected_down.get(nic).copied().unwrap_or(false)
+    }
+
+    /// Lane `k` (filed under [`Engine::next_lane`]) was accepted on the reactor's
+    /// listener `listener` (NCCL's listen `id`, or `None` for a failover listener), on
+    /// local NIC `nic`. It enters the handshake caps, possibly evicting older lanes, and
+    /// its Hello is read at once.
+    pub fn accepted(
+        &mut self,
+        k: usize,
+        listener: usize,
+        id: Option<u64>,
+        nic: Option<usize>,
+        now: Instant,
+        io: &mut dyn Io,
+    ) {
+        self.add_lane(k, Role::Handshake { listener: id }, now, PREAUTH_DEADLINE);
+        let (ticket, evict) = self.gate.admit(k, listener);
+        let lane = &mut self.lanes[k];
+        lane.nic = nic;
+        lane.m.listening();
+        lane.ticket = Some(ticket);
+        for (t, old) in evict {
+            self.evict(t, old, now, io);
+        }
+        let st = &self.stats;
+        st.handshakes_pending
+            .store(self.gate.len() as u64, Ordering::Relaxed);
+        st.handshakes_peak
+            .store(self.gate.peak() as u64, Ordering::Relaxed);
+        // A connector writes its Hello at once: reading it now tells a real handshake
+        // from an idle one before the next accept could push it out.
+        self.service_lane(k, now, io);
+    }
+
+    /// Out of descriptors: drops the oldest connection in its handshake, if any.
+    pub fn evict_oldest(&mut self, now: Instant, io: &mut dyn Io) -> bool {
+        let Some((t, old)) = self.gate.oldest() else {
+            return false;
+        };
+        self.evict(t, old, now, io);
+        true
+    }
+
+    /// Drops lane `k`, still in its handshake under `ticket`, to keep the caps.
+    fn evict(&mut self, ticket: u64, k: usize, now: Instant, io: &mut dyn Io) {
+        // The gate already let it go; the lane must still be the one it admitted.
+        match self.lanes.get_mut(k) {
+            Some(l) if l.ticket == Some(ticket) => l.ticket = None,
+            _ => return,
+        }
+        self.stats
+            .rejected_connections
+            .fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .evicted_handshakes
+            .fetch_add(1, Ordering::Relaxed);
+        self.drop_lane(k, io);
+        self.turned_away(
+            "too many connections in their handshake; dropped the oldest",
+            now,
+        );
+    }
+
+    /// Logs a connection turned away before it authenticated: the first of a burst at
+    /// once, the rest as a count every `gate::LOG_INTERVAL`.
+    pub fn turned_away(&mut self, what: &str, now: Instant) {
+        if let Some(line) = self.turned_away.hit(now, what) {
+            tracing::warn!("railover: turned away an incoming connection: {line}");
+        }
+    }
+
+    pub(super) fn add_lane(&mut self, k: usize, role: Role, now: Instant, limit: Duration) {
+        self.arm(now + limit);
+        let entry = self.lanes.vacant_entry();
+        debug_assert_eq!(entry.key(), k, "a lane filed under another key");
+        entry.insert(Lane {
+            reader: FrameReader::default(),
+            writer: FrameWriter::default(),
+            role,
+            m: LaneMachine::new(self.setup.completion_timeout, now, limit),
+            ticket: None,
+            nic: None,
+        });
+    }
+
+    pub(super) fn drop_lane(&mut self, k: usize, io: &mut dyn Io) {
+        self.fair.forget(k);
+        self.leave_gate(k);
+        if self.lanes.try_remove(k).is_some() {
+            io.close(k);
+        }
+    }
+
+    /// Lane `k` no longer counts against the handshake caps.
+    pub(super) fn leave_gate(&mut self, k: usize) {
+        if let Some(t) = self.lanes.get_mut(k).and_then(|l| l.ticket.take()) {
+            self.gate.leave(t);
+            self.stats
+                .handshakes_pending
+                .store(self.gate.len() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Lane `k` is readable (or was left with reading to do): reads everything it has,
+    /// feeding the machines; then queues its output.
+    pub fn service_lane(&mut self, k: usize, now: Instant, io: &mut dyn Io) {
+        loop {
+            let Some(lane) = self.lanes.get_mut(k) else {
+                return;
+            };
+            let before = lane.reader.total_read();
+            let got = io.read(k, &mut lane.reader);
+            if lane.reader.total_read() != before {
+                lane.m.handle_rx(now);
+            }
+            match got {
+                Ok(Some(item)) => {
+                    if let Err(e) = self.inbound(k, item, now, io) {
+                        self.fail_lane(k, Cause::error(e), now, io);
+                        return;
+                    }
+                    if let Some(lane) = self.lanes.get_mut(k) {
+                        lane.sync();
+                    }
+                }
+                Ok(None) => {
+                    if lane.reader.wants_more() {
+                        self.again.push(k);
+                    }
+                    break;
+                }
+                Err(e) => {
+                    let e = match e {
+                        ReadError::Io(e) => io_error(&e),
+                        ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
+                    };
+                    self.fail_lane(k, Cause::error(e), now, io);
+                    return;
+                }
+            }
+        }
+        self.dirty.push(k);
+    }
+
+    /// One item from lane `k`: its machine says what it means, the engine acts on it.
+    fn inbound(
+        &mut self,
+        k: usize,
+        item: Inbound,
+        now: Instant,
+        io: &mut dyn Io,
+    ) -> Result<(), ConnError> {
+        let lane = &mut self.lanes[k];
+        let (step, body) = match &item {
+            Inbound::Frame(h, body) => (
+                lane.m.handle_frame(h, body, self.setup.probe_bytes)?,
+                &body[..],
+            ),
+            Inbound::Data { .. } => (lane.m.handle_payload(false, now)?, &[][..]),
+            Inbound::PayloadDone { .. } => (lane.m.handle_payload(true, now)?, &[][..]),
+            Inbound::Eof => return Err(ConnError::PeerClosed),
+        };
+        match (step, &lane.role) {
+            (Step::Handled, _) => Ok(()),
+            (Step::Discard, _) => {
+                lane.reader.place(None);
+                Ok(())
+            }
+            (Step::Hello, &Role::Handshake { listener }) => self.hello(k, listener, body, now),
+            (Step::Proof, _) => self.proof(k, body, now, io),
+            (Step::ProbeCrossed, _) => {
+                let welcome = Welcome {
+                    nics: self.wire.clone(),
+                };
+                lane.writer.push_ctrl(&welcome.encode(0));
+                lane.role = Role::Closing;
+                Ok(())
+            }
+            (Step::Welcomed { nics, session, .. }, Role::Connecting { pending, nic, to }) => {
+                let (pending, nic, to) = (pending.clone(), *nic, *to);
+                let session = session
+                    .ok_or_else(|| ConnError::Protocol("the handshake agreed no session".into()))?;
+                let shared = self.new_comm(Side::Send, k, nic, session);
+                self.register_route(shared.key, nic, to, nics, now);
+                *pending.result.lock() = Some(Ok(shared));
+                Ok(())
+            }
+            (Step::Welcomed { .. }, &Role::Probe { pair, started }) => {
+                lane.role = Role::Closing;
+                lane.m.linger(now);
+                self.probe_answered(pair, started, now);
+                Ok(())
+            }
+            (Step::Welcomed { delivered, .. }, &Role::Migrating { comm, mv }) => {
+                self.finish_migration(comm, k, mv, delivered, now, io)
+            }
+            (Step::Comm, &Role::Comm(c)) => {
+                self.comm_inbound(c, k, item)?;
+                self.pump(c);
+                Ok(())
+            }
+            (step, role) => Err(ConnError::Protocol(format!(
+                "{step:?} on a lane in {role:?}"
+            ))),
+        }
+    }
+
+    /// Our `Welcome`, acknowledging `delivered` messages.
+    pub(super) fn welcome(&self, delivered: u64) -> Vec<u8> {
+        Welcome {
+            nics: self.wire.clone(),
+        }
+        .encode(delivered)
+    }
+
+    fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<(), ConnError> {
+        let comm = &mut self.comms[c];
+        match item {
+            Inbound::Frame(h, _) => {
+                if comm.machine.handle_frame(&h)? {
+                    comm.path.handle_resumed();
+                }
+            }
+            Inbound::Data { seq, len } => {
+                let dst = comm.machine.handle_data(seq, len)?.map(|p| p.buf.lend());
+                if dst.is_none() {
+                    self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                }
+                self.lanes[k].reader.place(dst);
+            }
+            Inbound::PayloadDone { seq, len } => {
+                self.stats.bytes_received.fetch_add(len, Ordering::Relaxed);
+                self.metrics.message(self.lanes[k].nic, false, len);
+                comm.machine.handle_payload_done(seq, len)?;
+            }
+            Inbound::Eof => return Err(ConnError::PeerClosed),
+        }
+        Ok(())
+    }
+
+    /// The listener side of every handshake: a new comm (NCCL's connect), a probe, or a
+    /// replacement lane for one of our receive comms. A Hello this listener can serve is
+    /// challenged; anything else is refused. Nothing is decided before the Proof.
+    fn hello(
+        &mut self,
+        k: usize,
+        listener: Option<u64>,
+        body: &[u8],
+        now: Instant,
+    ) -> Result<(), ConnError> {
+        let random = fresh_random(&mut self.entropy)?;
+        let token = listener
+            .and_then(|id| self.listeners.get(&id))
+            .map(|s| s.token);
+        let (recv_by_id, comms) = (&self.recv_by_id, &self.comms);
+        let secret = |purpose, id| match purpose {
+            Purpose::Data => token.map(Secret::Token),
+            Purpose::Probe | Purpose::Migrate => recv_by_id
+                .get(&id)
+                .and_then(|&c| comms.get(c))
+                .map(|c| Secret::Session(c.session.clone())),
+        };
+        let lane = &mut self.lanes[k];
+        match lane.m.handle_hello(body, secret, &random, now)? {
+            None => {
+                if let Some(t) = lane.ticket {
+                    self.gate.vouch(t);
+                }
+            }
+            Some(e) => self.refused(k, &e, now),
+        }
+        Ok(())
+    }
+
+    /// The connector's Proof: the lane authenticated (or is refused). Only now does it
+    /// become a comm, a probe's answer, or a comm's replacement lane.
+    fn proof(
+        &mut self,
+        k: usize,
+        body: &[u8],
+        now: Instant,
+        io: &mut dyn Io,
+    ) -> Result<(), ConnError> {
+        let lane = &mut self.lanes[k];
+        let Role::Handshake { listener } = lane.role else {
+            return Err(ConnError::Protocol("unexpected Proof".into()));
+        };
+        let accepted = match lane.m.handle_proof(body, now)? {
+            Ok(a) => a,
+            Err(e) => {
+                self.refused(k, &e, now);
+                return Ok(());
+            }
+        };
+        self.leave_gate(k);
+        match accepted.purpose {
+            Purpose::Data => {
+                let shared = listener.and_then(|id| self.listeners.get(&id)).cloned();
+                let (Some(shared), Some(session)) = (shared, accepted.session) else {
+                    // The NCCL listener closed during the handshake.
+                    self.refuse(k, &AuthError::NotHere(Purpose::Data), now);
+                    return Ok(());
+                };
+                let nic = self.lanes[k].nic.unwrap_or(0);
+                let id = session.id();
+                let comm = self.new_comm(Side::Recv, k, nic, session);
+                self.recv_by_id.insert(id, comm.key);
+                let welcome = self.welcome(0);
+                self.lanes[k].writer.push_ctrl(&welcome);
+                shared.ready.lock().push_back(comm);
+            }
+            // Its payload crosses before the Welcome (see `LaneMachine::handle_proof`).
+            Purpose::Probe => self.lanes[k].role = Role::ProbeSink,
+            Purpose::Migrate => match self.recv_by_id.get(&accepted.comm).copied() {
+                Some(c) => self.attach_replacement(c, k, accepted.epoch, now, io),
+                None => self.refuse(k, &AuthError::NotHere(Purpose::Migrate), now),
+            },
+        }
+        Ok(())
+    }
+
+    /// Refuses a connection that failed to authenticate, and counts it.
+    pub(super) fn refuse(&mut self, k: usize, why: &AuthError, now: Instant) {
+        self.lanes[k].m.refuse(now);
+        self.refused(k, why, now);
+    }
+
+    /// Counts a connection its machine refused; it lingers until the Refuse is out.
+    fn refused(&mut self, k: usize, why: &AuthError, now: Instant) {
+        self.stats
+            .rejected_connections
+            .fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .refused_handshakes
+            .fetch_add(1, Ordering::Relaxed);
+        self.leave_gate(k);
+        self.lanes[k].role = Role::Closing;
+        self.turned_away(&format!("refused its handshake: {why}"), now);
+    }
+
+    fn new_comm(
+        &mut self,
+        side: Side,
+        lane: usize,
+        nic: usize,
+        session: Session,
+    ) -> Arc<CommShared> {
+        let timeouts = Timeouts {
+            completion: self.setup.completion_timeout,
+            probe: self.setup.probe_timeout,
+            giveup: self.setup.router.giveup,
+        };
+        let entry = self.comms.vacant_entry();
+        let key = entry.key();
+        let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic));
+        entry.insert(Comm {
+            shared: shared.clone(),
+            machine: CommMachine::new(side == Side::Send),
+            session,
+            route: None,
+            path: PathMachine::new(side == Side::Send, timeouts, lane),
+        });
+        self.carry(lane, key);
+        shared
+    }
+
+    /// Lane `k` now carries comm `c`.
+    pub(super) fn carry(&mut self, k: usize, c: usize) {
+        let l = &mut self.lanes[k];
+        l.role = Role::Comm(c);
+        l.m.carry();
+        l.reader.enlarge();
+    }
+}

@@ -1,0 +1,605 @@
+//! The engine: everything the reactor does that is not I/O. It owns the comms (their
+//! machines, paths, shared state and routes), every lane's machine and frame codecs and
+//! what the lane carries, the NCCL listeners' secrets, the handshake caps, the router and
+//! its driving, pacing and metric sampling. It owns no socket, no `Poll` and no clock.
+//!
+//! Contract with the reactor (mio style):
+//! * lane keys are the engine's: a lane the reactor accepts is filed under
+//!   [`Engine::next_lane`] and handed over with [`Engine::accepted`]; lanes the engine
+//!   opens itself go through [`Io::connect`] with their key;
+//! * every call that may touch a socket borrows an [`Io`]; the engine calls it in the
+//!   order the effects must happen (a fence before its close, the `Stalled` frame
+//!   before the silent lane is let go, the last acks before the lanes at shutdown);
+//! * time is an argument: [`Engine::poll_timeout`] says when to call
+//!   [`Engine::handle_timeout`] next;
+//! * after feeding commands and readiness, the reactor calls [`Engine::drive`], which
+//!   carries out the router's decisions and flushes what the turn queued.
+
+mod failover;
+pub mod gate;
+mod lanes;
+
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use slab::Slab;
+
+use crate::conn::auth::{self, CommId, Initiator, Session};
+use crate::conn::comm::{CommMachine, Out};
+use crate::conn::lane::{io_error, Cause, LaneMachine, LINGER};
+use crate::conn::path::PathMachine;
+use crate::conn::wire::{Header, Kind, NicAddr};
+use crate::conn::ConnError;
+use crate::handoff::{
+    CommShared, CommandQueue, Error, ListenShared, PendingConnect, Request, Side,
+};
+use crate::routing::rng::SplitMix64;
+use crate::routing::{self, Move, Pair, RoutePublisher, Router, RouterConfig};
+use crate::telemetry::metrics::Telemetry;
+use crate::telemetry::sampler::Sampler;
+use crate::topology::PathType;
+use crate::transport::fair::FairShare;
+use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
+use crate::transport::memory::UserBuf;
+use crate::transport::LaneProgress;
+
+/// One local NIC as the reactor needs it.
+#[derive(Debug, Clone)]
+pub struct LocalNic {
+    pub name: String,
+    pub ip: IpAddr,
+    pub rail: Option<u32>,
+}
+
+/// Everything the reactor is started with.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    pub nics: Vec<LocalNic>,
+    /// `distance[n][x]`: PCIe path type from NIC `n`'s GPU to NIC `x` (None: unknown).
+    pub distance: Vec<Vec<Option<PathType>>>,
+    pub spin: Duration,
+    pub completion_timeout: Duration,
+    pub probe_timeout: Duration,
+    /// Bytes a probe must move across the pair within `probe_timeout`.
+    pub probe_bytes: usize,
+    /// Whether busy lanes of a NIC are paced to even shares.
+    pub fair_share: bool,
+    pub router: RouterConfig,
+    /// Where counters and events are recorded (the reactor batches them).
+    pub telemetry: Arc<Telemetry>,
+    /// Handshake randomness from this seed instead of the OS: only for the deterministic
+    /// simulation, whose runs must replay exactly. `None` in production.
+    pub entropy_seed: Option<u64>,
+}
+
+/// Counters the reactor keeps for telemetry and tests.
+#[derive(Debug, Default)]
+pub struct ReactorStats {
+    /// Connections refused or dropped before a valid handshake (garbage, wrong key,
+    /// deadline, cap).
+    pub rejected_connections: AtomicU64,
+    /// Of those: handshakes that failed to authenticate (wrong key, unknown comm,
+    /// replayed or altered).
+    pub refused_handshakes: AtomicU64,
+    /// Of those: connections dropped to keep the handshake caps.
+    pub evicted_handshakes: AtomicU64,
+    /// Connections in their handshake now, and the most there ever were at once.
+    pub handshakes_pending: AtomicU64,
+    pub handshakes_peak: AtomicU64,
+    /// Lanes closed because the peer broke the protocol.
+    pub protocol_errors: AtomicU64,
+    /// Lanes lost to socket errors or an unexpected close.
+    pub lane_failures: AtomicU64,
+    pub bytes_sent: AtomicU64,
+    pub bytes_received: AtomicU64,
+    /// Comms that failed because no eligible NIC pair remained.
+    pub gave_up: AtomicU64,
+    /// Bytes sent again after a move.
+    pub replayed_bytes: AtomicU64,
+    /// Duplicates the receivers dropped.
+    pub duplicates: AtomicU64,
+    /// Carrier changes seen on local NICs.
+    pub link_events: AtomicU64,
+}
+
+/// The lanes' sockets, as the reactor lends them to one engine call. `k` is always a
+/// key the engine gave the lane; the reactor ignores keys it holds no socket for.
+pub trait Io {
+    /// Opens a lane from local NIC `nic` to `to` and files it under `k` (watched for
+    /// readiness). On an error nothing is filed.
+    fn connect(&mut self, k: usize, nic: usize, to: SocketAddr) -> io::Result<()>;
+    /// [`crate::transport::Fabric::read`] on lane `k`.
+    fn read(&mut self, k: usize, reader: &mut FrameReader) -> Result<Option<Inbound>, ReadError>;
+    /// [`crate::transport::Fabric::write`] on lane `k`.
+    fn write(&mut self, k: usize, writer: &mut FrameWriter) -> io::Result<()>;
+    fn progress(&self, k: usize) -> LaneProgress;
+    fn set_pacing(&mut self, k: usize, rate: Option<u64>) -> io::Result<()>;
+    /// Nothing lane `k` still holds may reach the peer (see `Fabric::fence`).
+    fn fence(&mut self, k: usize);
+    /// Stops watching lane `k` and closes it.
+    fn close(&mut self, k: usize);
+    /// Stops watching lane `k` but keeps it open and unserved, as a cut cable leaves it,
+    /// until [`Io::unbury`].
+    fn bury(&mut self, k: usize);
+    /// Closes every buried lane (an injected cut ended).
+    fn unbury(&mut self);
+}
+
+/// How long our own connect may wait for the listener's `Welcome`.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long an accepted connection has to authenticate. Real handshakes take a round
+/// trip or two: the reactor answers a Hello whether or not NCCL has called `accept`.
+const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
+
+/// A message's buffer and the request NCCL tests.
+#[derive(Debug)]
+pub struct Pending {
+    pub buf: UserBuf,
+    pub req: Arc<Request>,
+}
+
+#[derive(Debug)]
+struct Comm {
+    shared: Arc<CommShared>,
+    machine: CommMachine<Pending>,
+    /// The session secret its first handshake agreed; migrations and probes prove it.
+    session: Session,
+    /// Send side: the comm is registered with the router.
+    route: Option<Route>,
+    /// Its lane, the replacement being opened, attempts, detection and the receiver's
+    /// wait for a replacement.
+    path: PathMachine,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Route {
+    current: Pair,
+}
+
+/// What a lane is for: its one owner.
+#[derive(Debug)]
+enum Role {
+    /// Accepted and not yet authenticated (see `Lane::ticket`). `listener` is the NCCL
+    /// listen id, or `None` for a failover listener.
+    Handshake { listener: Option<u64> },
+    /// Connecting; waiting for the listener's `Welcome`.
+    Connecting {
+        pending: Arc<PendingConnect>,
+        nic: usize,
+        to: SocketAddr,
+    },
+    /// Carrying a comm.
+    Comm(usize),
+    /// Probing a candidate pair for the router, since `started`.
+    Probe { pair: Pair, started: Instant },
+    /// Answering a probe: receiving its payload before the `Welcome`.
+    ProbeSink,
+    /// Opening a comm's replacement lane.
+    Migrating { comm: usize, mv: Move },
+    /// Flushing its last bytes before it closes.
+    Closing,
+}
+
+#[derive(Debug)]
+struct Lane {
+    reader: FrameReader,
+    writer: FrameWriter,
+    role: Role,
+    /// Its handshake, deadline and liveness.
+    m: LaneMachine,
+    /// Its place in the handshake caps (accepted lanes not yet authenticated).
+    ticket: Option<u64>,
+    /// Local NIC index, when the lane's local address is one of ours.
+    nic: Option<usize>,
+}
+
+impl Lane {
+    /// Moves the machine's control frames onto the writer; `true` if there were any.
+    fn sync(&mut self) -> bool {
+        let mut any = false;
+        while let Some(f) = self.m.poll_transmit() {
+            self.writer.push_ctrl(&f);
+            any = true;
+        }
+        any
+    }
+}
+
+/// The reactor's state and decisions, without its sockets.
+pub struct Engine {
+    queue: Arc<CommandQueue>,
+    stats: Arc<ReactorStats>,
+    /// Our NICs as peers see them.
+    wire: Vec<NicAddr>,
+    nic_up: Vec<bool>,
+    lanes: Slab<Lane>,
+    comms: Slab<Comm>,
+    /// NCCL's listeners by listen id (their tokens, their accept queues).
+    listeners: HashMap<u64, Arc<ListenShared>>,
+    /// Lanes with queued output to flush at the end of the turn.
+    dirty: Vec<usize>,
+    /// Lanes that stopped on their per-call budget and must be served again.
+    again: Vec<usize>,
+    next_deadline: Option<Instant>,
+    router: Router,
+    routes: Arc<RoutePublisher>,
+    routes_dirty: bool,
+    /// Remote processes' NIC lists; the index is the router's `PeerId`.
+    peers: Vec<Vec<NicAddr>>,
+    /// Receive comms by id, for migrations and probes.
+    recv_by_id: HashMap<CommId, usize>,
+    /// Accepted connections that have not authenticated yet.
+    gate: gate::Gate,
+    /// Log lines about connections turned away, rate-limited.
+    turned_away: gate::LogLimit,
+    next_tick: Instant,
+    setup: Setup,
+    metrics: Sampler,
+    /// Local NICs cut by fault injection: their lanes are buried until restored.
+    injected_down: Vec<bool>,
+    /// Pacing caps that share each NIC evenly between its backlogged lanes.
+    fair: FairShare,
+    /// Seeded handshake randomness (simulation only); `None`: the OS's.
+    entropy: Option<SplitMix64>,
+}
+
+impl Engine {
+    /// An engine for NICs `setup.nics`, which peers reach at `wire`, index for index;
+    /// comms it creates wake the reactor through `queue`.
+    pub fn new(setup: Setup, queue: Arc<CommandQueue>, wire: Vec<NicAddr>, now: Instant) -> Self {
+        let mut router_cfg = setup.router;
+        if router_cfg.seed == 0 {
+            let mut b = [0u8; 8];
+            let _ = getrandom::getrandom(&mut b);
+            router_cfg.seed = u64::from_le_bytes(b) | 1;
+        }
+        let n = setup.nics.len();
+        Engine {
+            queue,
+            stats: Arc::new(ReactorStats::default()),
+            wire,
+            nic_up: vec![true; n],
+            lanes: Slab::new(),
+            comms: Slab::new(),
+            listeners: HashMap::new(),
+            dirty: Vec::new(),
+            again: Vec::new(),
+            next_deadline: None,
+            router: Router::new(router_cfg),
+            routes: Arc::new(RoutePublisher::new(routing::Routes::default())),
+            routes_dirty: false,
+            peers: Vec::new(),
+            recv_by_id: HashMap::new(),
+            gate: gate::Gate::new(gate::PER_LISTENER, gate::TOTAL),
+            turned_away: gate::LogLimit::new(gate::LOG_INTERVAL),
+            next_tick: now,
+            injected_down: vec![false; n],
+            fair: FairShare::new(),
+            metrics: Sampler::new(n, now),
+            entropy: setup.entropy_seed.map(SplitMix64::new),
+            setup,
+        }
+    }
+
+    pub fn stats(&self) -> &Arc<ReactorStats> {
+        &self.stats
+    }
+
+    pub fn routes(&self) -> &Arc<RoutePublisher> {
+        &self.routes
+    }
+
+    /// Our NICs as peers see them.
+    pub fn wire(&self) -> &[NicAddr] {
+        &self.wire
+    }
+
+    /// Whether any comm has a request outstanding.
+    pub fn busy(&self) -> bool {
+        self.comms.iter().any(|(_, c)| c.machine.pending() > 0)
+    }
+
+    /// Lanes to serve again this turn (their per-call budget ran out).
+    pub fn take_again(&mut self) -> Vec<usize> {
+        std::mem::take(&mut self.again)
+    }
+
+    pub fn has_again(&self) -> bool {
+        !self.again.is_empty()
+    }
+
+    /// The reactor was parked for `idle` without events (for the metrics).
+    pub fn idle(&mut self, idle: Duration) {
+        self.metrics.idle(idle);
+    }
+
+    /// The earliest time a timer (lane deadlines, the periodic tick, the router's) is due.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        [
+            self.next_deadline,
+            Some(self.next_tick),
+            self.router.poll_timeout(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Runs every timer that is due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant, io: &mut dyn Io) {
+        if self.next_deadline.is_some_and(|d| d <= now) {
+            self.expire(now, io);
+        }
+        if now >= self.next_tick {
+            self.tick(now, io);
+            if let Some((n, secs, latest)) = self.turned_away.flush(now) {
+                tracing::warn!("railover: turned away {n} more incoming connections in the last {secs} s (latest: {latest})");
+            }
+        }
+        if self.metrics.due(now) {
+            self.sample_metrics(now);
+        }
+        if self.router.poll_timeout().is_some_and(|d| d <= now) {
+            self.router.handle_timeout(now);
+        }
+    }
+
+    /// The end of every half-turn: the router's decisions, then the turn's output.
+    pub fn drive(&mut self, now: Instant, io: &mut dyn Io) {
+        self.drive_router(now, io);
+        self.flush_dirty(now, io);
+    }
+
+    /// NCCL opened listener `shared`; its Hellos prove its token.
+    pub fn listening(&mut self, shared: Arc<ListenShared>) {
+        self.listeners.insert(shared.id, shared);
+    }
+
+    /// NCCL closed listener `shared`: accepted comms NCCL never took die with it.
+    pub fn close_listen(&mut self, shared: &ListenShared, now: Instant, io: &mut dyn Io) {
+        self.listeners.remove(&shared.id);
+        let orphans: Vec<_> = shared.ready.lock().drain(..).collect();
+        for comm in orphans {
+            self.close_comm(&comm, now, io);
+        }
+    }
+
+    /// Connects from local NIC `nic` to NCCL's listener at `to`, keyed by its `token`.
+    pub fn connect(
+        &mut self,
+        nic: usize,
+        to: SocketAddr,
+        token: &[u8; 16],
+        pending: &Arc<PendingConnect>,
+        now: Instant,
+        io: &mut dyn Io,
+    ) {
+        let result = fresh_random(&mut self.entropy)
+            .map_err(Error::from)
+            .and_then(|random| {
+                let k = self.lanes.vacant_key();
+                io.connect(k, nic, to).map_err(|e| {
+                    tracing::warn!("railover: connect to {to} failed: {e}");
+                    Error::from(e)
+                })?;
+                Ok((k, random))
+            });
+        let (k, random) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                *pending.result.lock() = Some(Err(e));
+                return;
+            }
+        };
+        let (auth, hello) = Initiator::connect(token, self.wire.clone(), &random);
+        let role = Role::Connecting {
+            pending: pending.clone(),
+            nic,
+            to,
+        };
+        self.add_lane(k, role, now, HANDSHAKE_TIMEOUT);
+        let lane = &mut self.lanes[k];
+        lane.nic = Some(nic);
+        lane.m.connecting(auth, hello);
+        self.dirty.push(k);
+    }
+
+    /// A send or receive NCCL posted on `comm`.
+    pub fn post(&mut self, comm: &Arc<CommShared>, side: Side, p: Pending) {
+        let len = p.buf.len() as u64;
+        let Some(c) = self.comm_of(comm) else {
+            let what = match side {
+                Side::Send => "send on a closed comm",
+                Side::Recv => "receive on a closed comm",
+            };
+            return p.req.fail(Error::InvalidArgument(what.into()));
+        };
+        if let Err(p) = self.comms[c].machine.post(side == Side::Send, len, p) {
+            let e = Error::InvalidArgument("send or receive on a comm of the other side".into());
+            return p.req.fail(e);
+        }
+        self.pump(c);
+    }
+
+    fn comm_of(&self, shared: &Arc<CommShared>) -> Option<usize> {
+        self.comms
+            .get(shared.key)
+            .filter(|c| Arc::ptr_eq(&c.shared, shared))
+            .map(|_| shared.key)
+    }
+
+    /// Moves the machine's output onto its lane and its outcomes onto the requests.
+    fn pump(&mut self, c: usize) {
+        let comm = &mut self.comms[c];
+        // Without a lane (failover under way) the machine keeps its queue.
+        if let Some(lane) = comm.path.lane().and_then(|k| self.lanes.get_mut(k)) {
+            while let Some(out) = comm.machine.poll_transmit() {
+                match out {
+                    Out::Frame(h) => lane.writer.push_ctrl(&h.encode()),
+                    Out::Data { seq, len } => {
+                        let p = comm
+                            .machine
+                            .message(seq)
+                            .expect("transmitting a queued message");
+                        lane.writer
+                            .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
+                        lane.writer.push_payload(p.buf.lend(), len as usize);
+                        self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
+                        self.metrics.message(lane.nic, true, len);
+                    }
+                }
+            }
+        }
+        while let Some((p, outcome)) = comm.machine.poll_outcome() {
+            match outcome {
+                Ok(len) => p.req.complete(len),
+                Err(e) => p.req.fail(e.into()),
+            }
+        }
+        if let Some(k) = comm.path.lane() {
+            self.dirty.push(k);
+        }
+    }
+
+    /// NCCL closed `shared`: fail what it still waits for, let its lanes go.
+    pub fn close_comm(&mut self, shared: &Arc<CommShared>, now: Instant, io: &mut dyn Io) {
+        let Some(c) = self.comm_of(shared) else {
+            return;
+        };
+        let comm = self.comms.remove(c);
+        if comm.route.is_some() {
+            self.router.remove_comm(routing::CommId(c));
+            self.routes_dirty = true;
+        }
+        if self.recv_by_id.get(&comm.session.id()) == Some(&c) {
+            self.recv_by_id.remove(&comm.session.id());
+        }
+        let mut m = comm.machine;
+        m.handle_lane_lost(ConnError::PeerClosed);
+        while let Some((p, _)) = m.poll_outcome() {
+            let e = Error::InvalidArgument("comm closed with the request outstanding".into());
+            p.req.fail(e);
+        }
+        if let Some(k) = comm.path.migrating() {
+            self.drop_lane(k, io);
+        }
+        if let Some(k) = comm.path.lane() {
+            let lane = &mut self.lanes[k];
+            if lane.writer.holds_payload() {
+                // NCCL may free its buffers once close returns: never write from them
+                // again. The peer sees the stream end and fails what it still waits for.
+                self.drop_lane(k, io);
+            } else {
+                // Let the last acks and CTS reach the peer, but do not wait for it.
+                lane.role = Role::Closing;
+                lane.m.linger(now);
+                self.arm(now + LINGER);
+                self.dirty.push(k);
+            }
+        }
+    }
+
+    /// Writes out what the turn queued on its lanes; lanes done closing go.
+    fn flush_dirty(&mut self, now: Instant, io: &mut dyn Io) {
+        let mut dirty = std::mem::take(&mut self.dirty);
+        dirty.sort_unstable();
+        dirty.dedup();
+        for k in dirty.drain(..) {
+            let Some(lane) = self.lanes.get_mut(k) else {
+                continue;
+            };
+            lane.sync();
+            if lane.writer.is_empty() {
+                if matches!(lane.role, Role::Closing) {
+                    self.drop_lane(k, io);
+                }
+                continue;
+            }
+            let before = lane.writer.total_written();
+            let res = io.write(k, &mut lane.writer);
+            if lane.writer.total_written() != before {
+                lane.m.handle_tx(now);
+            }
+            match res {
+                Ok(()) => {
+                    if lane.writer.wants_more() {
+                        self.again.push(k);
+                    } else if lane.writer.is_empty() && matches!(lane.role, Role::Closing) {
+                        self.drop_lane(k, io);
+                    }
+                }
+                Err(e) => self.fail_lane(k, Cause::error(io_error(&e)), now, io),
+            }
+        }
+        self.dirty = dirty;
+    }
+
+    /// Runs the lanes' timers that are due: handshakes, probes and migrations that took
+    /// too long, lingering lanes, silence and keepalives.
+    fn expire(&mut self, now: Instant, io: &mut dyn Io) {
+        let mut failed = Vec::new();
+        for (k, lane) in self.lanes.iter_mut() {
+            if lane.m.poll_timeout().is_some_and(|d| d <= now) {
+                lane.m.handle_timeout(now);
+                if lane.sync() {
+                    self.dirty.push(k);
+                }
+                failed.extend(lane.m.poll_failure().map(|c| (k, c)));
+            }
+        }
+        for (k, cause) in failed {
+            self.lane_condemned(k, cause, now, io);
+        }
+        self.next_deadline = self
+            .lanes
+            .iter()
+            .filter_map(|(_, l)| l.m.poll_timeout())
+            .min();
+    }
+
+    /// A lane timer may be due at `at`.
+    fn arm(&mut self, at: Instant) {
+        self.next_deadline = Some(self.next_deadline.map_or(at, |d| d.min(at)));
+    }
+
+    /// Shutdown: closes every comm, hands the last acks to the sockets, then lets every
+    /// lane go and fails connects still in flight.
+    pub fn close_everything(&mut self, now: Instant, io: &mut dyn Io) {
+        let keys: Vec<usize> = self.comms.iter().map(|(k, _)| k).collect();
+        for c in keys {
+            let shared = self.comms[c].shared.clone();
+            self.close_comm(&shared, now, io);
+        }
+        // A close and the shutdown can arrive in one turn: hand the last acks to the
+        // kernel (best effort, no waiting) before the lanes go, or the peer's final
+        // sends, already delivered here, would fail for want of their ack.
+        self.flush_dirty(now, io);
+        let lanes: Vec<usize> = self.lanes.iter().map(|(k, _)| k).collect();
+        for k in lanes {
+            if let Some(Role::Connecting { pending, .. }) = self.lanes.get(k).map(|l| &l.role) {
+                *pending.result.lock() = Some(Err(Error::Internal("plugin finalised".into())));
+            }
+            self.drop_lane(k, io);
+        }
+    }
+}
+
+/// Fresh randomness for one handshake: the OS's, or the simulation's seeded stream.
+fn fresh_random(seeded: &mut Option<SplitMix64>) -> Result<auth::Random, ConnError> {
+    let mut r = [0u8; 64];
+    match seeded {
+        Some(rng) => r
+            .chunks_mut(8)
+            .for_each(|c| c.copy_from_slice(&rng.next_u64().to_le_bytes())),
+        None => getrandom::getrandom(&mut r)
+            .map_err(|e| ConnError::Io(format!("no randomness for a handshake: {e}")))?,
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests;

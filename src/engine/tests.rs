@@ -1,0 +1,283 @@
+//! The engine against an in-memory `Io`: two engines handshake through byte buffers,
+//! and the effects they ask of the sockets come in the order the contract promises.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::io::Read;
+
+use mio::{Poll, Token, Waker};
+use parking_lot::Mutex;
+
+use super::*;
+use crate::telemetry::exporter::ExporterConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Op {
+    Connect(usize),
+    Fence(usize),
+    Close(usize),
+    Bury(usize),
+    Unbury,
+}
+
+/// Lanes as byte buffers: what the engine wrote, what it will read.
+#[derive(Default)]
+struct Mem {
+    open: BTreeSet<usize>,
+    rx: HashMap<usize, Vec<u8>>,
+    tx: HashMap<usize, Vec<u8>>,
+    broken: HashSet<usize>,
+    refuse_connect: bool,
+    ops: Vec<Op>,
+}
+
+/// A socket with nothing more to read would block.
+struct Src<'a>(&'a mut Vec<u8>);
+
+impl Read for Src<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.0.is_empty() {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        let n = buf.len().min(self.0.len());
+        buf[..n].copy_from_slice(&self.0[..n]);
+        self.0.drain(..n);
+        Ok(n)
+    }
+}
+
+impl Io for Mem {
+    fn connect(&mut self, k: usize, _nic: usize, _to: SocketAddr) -> io::Result<()> {
+        if self.refuse_connect {
+            return Err(io::ErrorKind::ConnectionRefused.into());
+        }
+        self.ops.push(Op::Connect(k));
+        self.open.insert(k);
+        Ok(())
+    }
+    fn read(&mut self, k: usize, reader: &mut FrameReader) -> Result<Option<Inbound>, ReadError> {
+        assert!(
+            self.open.contains(&k),
+            "read from lane {k}, which is not open"
+        );
+        if self.broken.contains(&k) {
+            return Err(ReadError::Io(io::ErrorKind::TimedOut.into()));
+        }
+        reader.next(&mut Src(self.rx.entry(k).or_default()))
+    }
+    fn write(&mut self, k: usize, writer: &mut FrameWriter) -> io::Result<()> {
+        assert!(
+            self.open.contains(&k),
+            "write to lane {k}, which is not open"
+        );
+        writer.flush(self.tx.entry(k).or_default())
+    }
+    fn progress(&self, _k: usize) -> LaneProgress {
+        LaneProgress::default()
+    }
+    fn set_pacing(&mut self, _k: usize, _rate: Option<u64>) -> io::Result<()> {
+        Ok(())
+    }
+    fn fence(&mut self, k: usize) {
+        self.ops.push(Op::Fence(k));
+    }
+    fn close(&mut self, k: usize) {
+        assert!(self.open.remove(&k), "closed lane {k} twice");
+        self.ops.push(Op::Close(k));
+    }
+    fn bury(&mut self, k: usize) {
+        assert!(self.open.remove(&k), "buried lane {k}, which is not open");
+        self.ops.push(Op::Bury(k));
+    }
+    fn unbury(&mut self) {
+        self.ops.push(Op::Unbury);
+    }
+}
+
+fn addr(host: u8) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, host], 4000))
+}
+
+fn engine(host: u8, now: Instant) -> Engine {
+    // One waker per poll: each engine has its own.
+    let poll = Poll::new().unwrap();
+    let setup = Setup {
+        nics: vec![LocalNic {
+            name: format!("eth{host}"),
+            ip: addr(host).ip(),
+            rail: Some(0),
+        }],
+        distance: vec![vec![None]],
+        spin: Duration::ZERO,
+        completion_timeout: Duration::from_secs(2),
+        probe_timeout: Duration::from_millis(200),
+        probe_bytes: 4096,
+        fair_share: false,
+        router: RouterConfig::default(),
+        telemetry: Arc::new(Telemetry::start(&ExporterConfig::default(), None)),
+        entropy_seed: Some(u64::from(host)),
+    };
+    let queue = Arc::new(CommandQueue::new(
+        Waker::new(poll.registry(), Token(usize::from(host))).unwrap(),
+    ));
+    let wire = vec![NicAddr {
+        addr: addr(host),
+        rail: Some(0),
+    }];
+    Engine::new(setup, queue, wire, now)
+}
+
+/// Engine `a` (connector, lane `ka`) and `b` (listener, lane `kb`) exchange what they
+/// wrote, a bounded number of rounds.
+fn shuttle(a: (&mut Engine, &mut Mem, usize), b: (&mut Engine, &mut Mem, usize), now: Instant) {
+    let ((ea, ma, ka), (eb, mb, kb)) = (a, b);
+    for _ in 0..8 {
+        let bytes = std::mem::take(ma.tx.entry(ka).or_default());
+        mb.rx.entry(kb).or_default().extend(bytes);
+        eb.service_lane(kb, now, mb);
+        eb.drive(now, mb);
+        let bytes = std::mem::take(mb.tx.entry(kb).or_default());
+        ma.rx.entry(ka).or_default().extend(bytes);
+        ea.service_lane(ka, now, ma);
+        ea.drive(now, ma);
+    }
+}
+
+struct Pair {
+    a: Engine,
+    ma: Mem,
+    b: Engine,
+    mb: Mem,
+    pending: Arc<PendingConnect>,
+    listen: Arc<ListenShared>,
+}
+
+/// `a` connects to `b`'s NCCL listener; both sides' lane is 0.
+fn connected(now: Instant) -> Pair {
+    let (mut a, mut b) = (engine(1, now), engine(2, now));
+    let (mut ma, mut mb) = (Mem::default(), Mem::default());
+    let listen = Arc::new(ListenShared {
+        id: 9,
+        token: [3; 16],
+        ready: Mutex::new(VecDeque::new()),
+        queue: b.queue.clone(),
+    });
+    b.listening(listen.clone());
+    let pending = Arc::new(PendingConnect::default());
+    a.connect(0, addr(2), &[3; 16], &pending, now, &mut ma);
+    a.drive(now, &mut ma);
+    assert_eq!(ma.ops, [Op::Connect(0)]);
+    let kb = b.next_lane();
+    mb.open.insert(kb);
+    b.accepted(kb, 0, Some(9), Some(0), now, &mut mb);
+    shuttle((&mut a, &mut ma, 0), (&mut b, &mut mb, kb), now);
+    Pair {
+        a,
+        ma,
+        b,
+        mb,
+        pending,
+        listen,
+    }
+}
+
+#[test]
+fn a_connect_through_the_io_seam_becomes_a_comm_on_both_sides() {
+    let now = Instant::now();
+    let p = connected(now);
+    let sent = p.pending.result.lock().take();
+    let send = sent.expect("the connect finished").expect("it succeeded");
+    assert_eq!(send.side, Side::Send);
+    assert_eq!(
+        p.listen.ready.lock().len(),
+        1,
+        "the listener has the comm to accept"
+    );
+    assert_eq!(p.a.comms.len(), 1);
+    assert_eq!(p.b.comms.len(), 1);
+    assert_eq!(p.b.stats.rejected_connections.load(Ordering::Relaxed), 0);
+    assert!(
+        p.mb.ops.is_empty(),
+        "the listener closed nothing: {:?}",
+        p.mb.ops
+    );
+}
+
+#[test]
+fn a_send_lane_that_fails_is_fenced_before_it_is_closed() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    p.ma.broken.insert(0);
+    p.a.service_lane(0, now, &mut p.ma);
+    p.a.drive(now, &mut p.ma);
+    let fence = p.ma.ops.iter().position(|&o| o == Op::Fence(0));
+    let close = p.ma.ops.iter().position(|&o| o == Op::Close(0));
+    assert!(
+        matches!((fence, close), (Some(f), Some(c)) if f < c),
+        "fence then close, got {:?}",
+        p.ma.ops
+    );
+    assert_eq!(p.a.stats.lane_failures.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        p.a.comms.len(),
+        1,
+        "the comm survives its lane: it fails over"
+    );
+}
+
+#[test]
+fn an_injected_cut_buries_its_lanes_and_the_restore_closes_them() {
+    let now = Instant::now();
+    let mut a = engine(1, now);
+    let mut io = Mem::default();
+    let pending = Arc::new(PendingConnect::default());
+    a.connect(0, addr(2), &[3; 16], &pending, now, &mut io);
+    a.drive(now, &mut io);
+    a.inject_link(0, false, now, &mut io);
+    assert!(a.nic_cut(0));
+    assert_eq!(io.ops, [Op::Connect(0), Op::Bury(0)], "no fence, no close");
+    assert!(matches!(*pending.result.lock(), Some(Err(_))));
+    a.inject_link(0, true, now, &mut io);
+    assert_eq!(io.ops.last(), Some(&Op::Unbury));
+    assert!(!a.nic_cut(0));
+}
+
+#[test]
+fn a_refused_connect_fails_the_pending_connect_and_keeps_no_lane() {
+    let now = Instant::now();
+    let mut a = engine(1, now);
+    let mut io = Mem {
+        refuse_connect: true,
+        ..Mem::default()
+    };
+    let pending = Arc::new(PendingConnect::default());
+    a.connect(0, addr(2), &[3; 16], &pending, now, &mut io);
+    assert!(matches!(*pending.result.lock(), Some(Err(_))));
+    assert!(a.lanes.is_empty());
+    assert!(io.ops.is_empty());
+}
+
+#[test]
+fn garbage_on_an_accepted_lane_closes_it_and_is_counted() {
+    let now = Instant::now();
+    let mut b = engine(2, now);
+    let mut io = Mem::default();
+    let k = b.next_lane();
+    io.open.insert(k);
+    io.rx.insert(k, vec![0xAB; 64]);
+    b.accepted(k, 0, None, Some(0), now, &mut io);
+    b.drive(now, &mut io);
+    assert_eq!(io.ops, [Op::Close(k)]);
+    assert_eq!(b.stats.rejected_connections.load(Ordering::Relaxed), 1);
+    assert_eq!(b.stats.handshakes_pending.load(Ordering::Relaxed), 0);
+}
+
+fn assert_send_sync<T: Send + Sync>() {}
+
+#[test]
+fn shared_state_is_thread_safe() {
+    assert_send_sync::<CommandQueue>();
+    assert_send_sync::<ReactorStats>();
+    assert_send_sync::<CommShared>();
+    assert_send_sync::<Request>();
+    assert_send_sync::<ListenShared>();
+}
