@@ -238,6 +238,11 @@ impl LaneMachine {
             (Kind::Refuse, Phase::Connecting(Purpose::Data)) => {
                 unexpected("the listener refused the handshake (wrong comm token?)")
             }
+            (Kind::Refuse, Phase::Connecting(Purpose::Migrate)) if h.aux == wire::REFUSE_GONE => {
+                Err(ConnError::Gone(
+                    "it refused the replacement lane: the comm failed or was closed there".into(),
+                ))
+            }
             (Kind::Refuse, Phase::Connecting(Purpose::Migrate)) => {
                 unexpected("the peer refused the replacement lane")
             }
@@ -295,7 +300,7 @@ impl LaneMachine {
                 Ok(None)
             }
             Err(e) => {
-                self.refuse(now);
+                self.refuse(&e, now);
                 Ok(Some(e))
             }
         }
@@ -321,7 +326,7 @@ impl LaneMachine {
                 self.expect_by(now + MAX_PROBE_DEADLINE + LINGER);
             }
             Ok(_) => {}
-            Err(_) => self.refuse(now),
+            Err(e) => self.refuse(e, now),
         }
         if accepted.is_ok() {
             self.auth = None;
@@ -363,11 +368,15 @@ impl LaneMachine {
         }
     }
 
-    /// Turns the lane away: a Refuse, then it lingers until closed.
-    pub fn refuse(&mut self, now: Instant) {
+    /// Turns the lane away: a Refuse, then it lingers until closed. A replacement lane
+    /// for a comm we no longer have is told so, so its sender stops trying.
+    pub fn refuse(&mut self, why: &AuthError, now: Instant) {
         self.auth = None;
         let mut h = Header::new(Kind::Refuse, 0, 0);
-        h.aux = wire::REFUSE_AUTH;
+        h.aux = match why {
+            AuthError::NotHere(Purpose::Migrate) => wire::REFUSE_GONE,
+            _ => wire::REFUSE_AUTH,
+        };
         self.out.push_back(h.encode().to_vec());
         self.linger(now);
     }

@@ -33,6 +33,10 @@ pub enum ConnError {
     /// The peer closed the comm or its process went away.
     #[error("peer closed the connection")]
     PeerClosed,
+    /// The peer no longer has the comm (it failed or was closed there): no replacement
+    /// lane can restore it.
+    #[error("the peer no longer has this comm: {0}")]
+    Gone(String),
     /// The local socket failed.
     #[error("network error: {0}")]
     Io(String),

@@ -261,6 +261,9 @@ pub struct Welcome {
 
 /// Reasons carried in `Refuse.aux`: the handshake failed to authenticate.
 pub const REFUSE_AUTH: u32 = 1;
+/// The comm a replacement lane names no longer exists here: it failed or was closed, so
+/// no later attempt can succeed either.
+pub const REFUSE_GONE: u32 = 2;
 
 const NIC_LEN: usize = 1 + 16 + 2 + 4;
 const MAX_NICS: usize = 64;

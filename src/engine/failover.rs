@@ -118,7 +118,10 @@ impl Engine {
                 );
                 if let Some(comm) = self.comms.get_mut(c) {
                     comm.path.handle_opening_failed();
-                    if comm.route.is_some() {
+                    if matches!(error, ConnError::Gone(_)) {
+                        // The receiver failed or closed the comm: no pair can help.
+                        self.fail_comm(c, error, io);
+                    } else if comm.route.is_some() {
                         let _ = self
                             .router
                             .handle_lane_failure(CommId(c), LANE, reason, now);
@@ -126,6 +129,9 @@ impl Engine {
                 }
             }
             Role::Comm(c) => {
+                if !cut && matches!(error, ConnError::Io(_) | ConnError::Stalled(_)) {
+                    self.tell_sender(c, k, io);
+                }
                 self.release_lane(k, cut, io);
                 if let (Some(floor), Some(r)) = (brownout, self.comms.get(c).and_then(|m| m.route))
                 {
@@ -242,6 +248,10 @@ impl Engine {
     /// Fails every request of comm `c`, now and later.
     fn fail_comm(&mut self, c: usize, error: ConnError, io: &mut dyn Io) {
         let comm = &mut self.comms[c];
+        // A later replacement lane is refused as gone, so its sender fails too.
+        if self.recv_by_id.get(&comm.session.id()) == Some(&c) {
+            self.recv_by_id.remove(&comm.session.id());
+        }
         comm.shared.set_failed(error.clone().into());
         comm.machine.handle_lane_lost(error);
         let lanes = comm.path.handle_failed();
@@ -305,8 +315,13 @@ impl Engine {
         let Some(comm) = self.comms.get_mut(c) else {
             return Err(ConnError::Protocol("migration for a closed comm".into()));
         };
+        // Checked before the switch: a refused replay point leaves the comm as it was.
+        let replayed = comm.machine.replay_from(delivered).map_err(|e| {
+            ConnError::Gone(format!(
+                "its replay point does not match this comm ({e}); it must have failed the comm"
+            ))
+        })?;
         let (moved, old) = comm.path.handle_moved(k, mv.reason, now);
-        let replayed = comm.machine.replay_from(delivered)?;
         self.stats
             .replayed_bytes
             .fetch_add(replayed, Ordering::Relaxed);
@@ -589,24 +604,32 @@ impl Engine {
         }
     }
 
-    /// A lane's machine condemned it (silence, brown-out, a deadline). A receiver tells
-    /// the sender first: in a one-way failure it still hears us and would otherwise never
-    /// notice. Best effort, one small write.
+    /// A lane's machine condemned it (silence, brown-out, a deadline).
     pub(super) fn lane_condemned(&mut self, k: usize, cause: Cause, now: Instant, io: &mut dyn Io) {
-        if let Some(Role::Comm(c)) = self.lanes.get(k).map(|l| &l.role) {
+        if let (Some(Role::Comm(c)), Some(silent)) =
+            (self.lanes.get(k).map(|l| &l.role), cause.silent)
+        {
             let c = *c;
-            if let Some(silent) = cause.silent {
-                self.comms[c].path.handle_silence(silent);
-            }
-            let stalled = matches!(cause.error, ConnError::Stalled(_));
-            if stalled && self.comms[c].shared.side == Side::Recv {
-                let lane = &mut self.lanes[k];
-                lane.writer
-                    .push_ctrl(&Header::new(Kind::Stalled, 0, 0).encode());
-                let _ = io.write(k, &mut lane.writer);
-            }
+            self.comms[c].path.handle_silence(silent);
         }
         self.fail_lane(k, cause, now, io);
+    }
+
+    /// A receiver lets lane `k` of comm `c` go for a path failure: it tells the sender
+    /// first. In a one-way failure the sender still hears us and would otherwise never
+    /// notice; after a short carrier flap it would read only our close and take the comm
+    /// for ended. Best effort, one small write, before the close.
+    fn tell_sender(&mut self, c: usize, k: usize, io: &mut dyn Io) {
+        if self
+            .comms
+            .get(c)
+            .is_some_and(|m| m.shared.side == Side::Recv)
+        {
+            let lane = &mut self.lanes[k];
+            lane.writer
+                .push_ctrl(&Header::new(Kind::Stalled, 0, 0).encode());
+            let _ = io.write(k, &mut lane.writer);
+        }
     }
 
     /// Periodic work: lane timers (silence, keepalives), delivery samples (brown-outs,

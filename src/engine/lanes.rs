@@ -341,7 +341,7 @@ impl Engine {
 
     /// Refuses a connection that failed to authenticate, and counts it.
     pub(super) fn refuse(&mut self, k: usize, why: &AuthError, now: Instant) {
-        self.lanes[k].m.refuse(now);
+        self.lanes[k].m.refuse(why, now);
         self.refused(k, why, now);
     }
 

@@ -28,7 +28,9 @@ impl From<ConnError> for Error {
     fn from(e: ConnError) -> Error {
         match e {
             ConnError::Truncated { .. } => Error::InvalidUsage(e.to_string()),
-            ConnError::Protocol(_) | ConnError::PeerClosed => Error::Remote(e.to_string()),
+            ConnError::Protocol(_) | ConnError::PeerClosed | ConnError::Gone(_) => {
+                Error::Remote(e.to_string())
+            }
             ConnError::Io(_) | ConnError::Stalled(_) => Error::System(e.to_string()),
         }
     }
