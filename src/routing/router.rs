@@ -734,11 +734,17 @@ impl Router {
                         .push_back(Event::TopologyUnknown { nic: c.pair.local });
                 }
             }
+            // Past the give-up window no candidate is probed again: with several failed
+            // candidates whose verdicts expire in turn, one would always be in question
+            // and the lane would wait forever. A probe already under way is waited for.
+            let past = now >= since + self.config.giveup;
             let mut unknown = false;
             for c in &candidates {
                 if let Verdict::Unknown { probing } = c.verdict {
-                    unknown = true;
-                    if !probing {
+                    if probing || !past {
+                        unknown = true;
+                    }
+                    if !probing && !past {
                         self.request_probe(c.pair);
                     }
                 }
@@ -784,7 +790,14 @@ impl Router {
                 .iter()
                 .filter_map(|c| match c.verdict {
                     Verdict::Excluded(e) => Some((c.pair, e)),
-                    _ => None,
+                    // Its last verdict expired after the window: it had failed.
+                    Verdict::Unknown { .. } => Some((
+                        c.pair,
+                        Exclusion::Unhealthy {
+                            failed_probes: self.pairs.get(&c.pair).map_or(0, |p| p.failed_probes),
+                        },
+                    )),
+                    Verdict::Eligible { .. } => None,
                 })
                 .collect();
             self.events.push_back(Event::NoEligiblePair {

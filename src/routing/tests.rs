@@ -1398,3 +1398,49 @@ fn time_going_backwards_is_caught_in_debug_builds() {
     sim.router.handle_timeout(sim.at(ms(1_000)));
     sim.router.handle_timeout(sim.at(ms(999)));
 }
+
+#[test]
+fn probes_that_take_time_do_not_hold_off_the_give_up() {
+    // Every candidate's far end is dead and each probe takes 2 s to fail: the failed
+    // verdicts expire in turn, so some candidate is always in question. The lane must
+    // still give up once the window has passed (and any probe under way has answered).
+    let mut sim = Sim::new(RouterConfig {
+        rail_rule: RailRule::Any,
+        ..config(3)
+    });
+    sim.add(0, rails_spec(3, &[(0, 0)]));
+    sim.auto_probe = false;
+    sim.dead_remote.extend([0, 1, 2]);
+    sim.fail_lane(0, 0, FailReason::Timeout);
+    let giveup = RouterConfig::default().giveup;
+    let probe_time = ms(2000);
+    let mut in_flight: Vec<(Pair, Instant)> = Vec::new();
+    let mut t = Duration::ZERO;
+    while t < giveup + Duration::from_secs(10) {
+        t += ms(50);
+        sim.advance_to(t);
+        let now = sim.now;
+        in_flight.extend(sim.pending_probes.drain(..).map(|p| (p, now)));
+        let (done, rest): (Vec<_>, Vec<_>) = in_flight
+            .into_iter()
+            .partition(|&(_, at)| now >= at + probe_time);
+        in_flight = rest;
+        for (p, _) in done {
+            sim.router.handle_probe(p, false, now);
+        }
+        sim.drive();
+        if sim
+            .events
+            .iter()
+            .any(|e| matches!(e, Event::NoEligiblePair { .. }))
+        {
+            break;
+        }
+    }
+    assert!(
+        t >= giveup && t <= giveup + probe_time + ms(100),
+        "gave up {} ms after the failure, the window is {} ms",
+        t.as_millis(),
+        giveup.as_millis()
+    );
+}
