@@ -734,18 +734,19 @@ impl Router {
                         .push_back(Event::TopologyUnknown { nic: c.pair.local });
                 }
             }
-            // Past the give-up window no candidate is probed again: with several failed
-            // candidates whose verdicts expire in turn, one would always be in question
-            // and the lane would wait forever. A probe already under way is waited for.
+            // Past the give-up window nothing in question holds the lane any more: with
+            // failed candidates whose verdicts expire in turn, or the fail-back watch
+            // probing the original pair again and again, one candidate would always be
+            // in question and the lane would wait forever.
             let past = now >= since + self.config.giveup;
             let mut unknown = false;
             for c in &candidates {
                 if let Verdict::Unknown { probing } = c.verdict {
-                    if probing || !past {
+                    if !past {
                         unknown = true;
-                    }
-                    if !probing && !past {
-                        self.request_probe(c.pair);
+                        if !probing {
+                            self.request_probe(c.pair);
+                        }
                     }
                 }
             }
