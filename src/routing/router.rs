@@ -739,19 +739,29 @@ impl Router {
             // probing the original pair again and again, one candidate would always be
             // in question and the lane would wait forever.
             let past = now >= since + self.config.giveup;
-            let mut unknown = false;
+            // A candidate's first answer is awaited, for a balanced choice; a re-probe of
+            // one that already failed holds the lane only while nothing else is eligible,
+            // or a healthy pair would wait on a sick one's retries.
+            let (mut first, mut retrying) = (false, false);
             for c in &candidates {
                 if let Verdict::Unknown { probing } = c.verdict {
-                    if !past {
-                        unknown = true;
-                        if !probing {
-                            self.request_probe(c.pair);
-                        }
+                    if past {
+                        continue;
+                    }
+                    if !probing {
+                        self.request_probe(c.pair);
+                    }
+                    match self.pairs.get(&c.pair).is_some_and(|p| p.failed_probes > 0) {
+                        true => retrying = true,
+                        false => first = true,
                     }
                 }
             }
-            if unknown {
-                continue; // decide once every candidate has answered
+            let eligible = candidates
+                .iter()
+                .any(|c| matches!(c.verdict, Verdict::Eligible { .. }));
+            if first || (retrying && !eligible) {
+                continue; // decide once the candidates that matter have answered
             }
             if let Some(to) = self.pick(&candidates) {
                 let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];

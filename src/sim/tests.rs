@@ -11,30 +11,9 @@ const SHARDS: u64 = 8;
 /// Defects of the plugin (not of the simulation) that the simulation found and that are
 /// not fixed yet: a name and the texts its broken invariants contain. A seed whose every
 /// broken invariant contains one of these texts is printed as a known failure and does
-/// not fail the run; anything else does. Replay a printed seed to see the defect.
-const KNOWN_FAILURES: &[(&str, &[&str])] = &[
-    // A receiver that loses carrier drops its lane; when the link returns before the
-    // sender's completion timeout, the sender reads the receiver's FIN or RST and fails
-    // the comm as if the peer process had exited. A cable flap under 1 s on the receiving
-    // node ends the comm although every other pair is healthy (P5).
-    (
-        "receiver-carrier-flap-ends-comm",
-        &["(remote error: peer closed the connection) although"],
-    ),
-    // A receive comm gives up ("receive lane lost and not replaced") while its sender
-    // still waits out its give-up window; the sender's later replacement lanes are
-    // answered with a delivered count outside its window ("replay from 4 outside
-    // [2, 2]"), fail as protocol errors, and are retried for good: its requests never
-    // finish and its other comms are moved back and forth (P5, P7).
-    (
-        "sender-hangs-after-receiver-gave-up",
-        &["hangs (its peer comm failed", "the run did not settle"],
-    ),
-    // `close_comm` indexes a lane key the comm still holds after the lane was removed
-    // (`invalid key` in Slab indexing), at NCCL's final close. Mostly after schedules
-    // that leave no pair for seconds, next to the protocol errors above.
-    ("stale-lane-key-at-close", &["panicked: invalid key"]),
-];
+/// not fail the run; anything else does. Replay a printed seed to see the defect. Empty
+/// now: the defects it found are fixed, and their seeds are in [`REGRESSION_SEEDS`].
+const KNOWN_FAILURES: &[(&str, &[&str])] = &[];
 
 fn env_u64(name: &str) -> Option<u64> {
     let v = std::env::var(name).ok()?;
@@ -121,7 +100,8 @@ fn seeds_7() {
 }
 
 /// Seeds that broke an invariant when one of two fixed router bugs was put back (of
-/// 10,000 seeds, 746 caught the first and 310 the second). They run in every shard too;
+/// 10,000 seeds, 746 caught the first and 310 the second), and seeds that showed the
+/// defects the simulation itself found. They run in every shard too;
 /// here they run first and alone, so a regression names its bug. They depend on the
 /// schedule generator: when it changes, pick new ones the same way.
 const REGRESSION_SEEDS: &[(u64, &str)] = &[
@@ -135,6 +115,24 @@ const REGRESSION_SEEDS: &[(u64, &str)] = &[
     (5, "one missed probe ending a comm"),
     (57, "one missed probe ending a comm"),
     (306, "one missed probe ending a comm"),
+    // Defects the simulation found, fixed since. A receiver that lost carrier closed its
+    // lane without a word; after a flap shorter than the sender's timeout, the sender
+    // read the close and took the comm for ended.
+    (440, "receiver carrier flap ended the comm"),
+    (6993, "receiver carrier flap ended the comm"),
+    // A receive comm that had given up still welcomed replacement lanes with a bogus
+    // replay point; the sender retried them for good.
+    (2440, "sender hung after its receiver gave up"),
+    // A refused replay point left the comm on a closed lane: a panic at its close.
+    (2681, "stale lane key at close"),
+    // Past the give-up window, re-probes (and the fail-back watch) kept a lane waiting.
+    (7272, "re-probes held a lane past its give-up window"),
+    (
+        5134,
+        "the fail-back watch held a lane past its give-up window",
+    ),
+    // A healthy candidate waited on a sick one's re-probes until the receiver gave up.
+    (1536, "a healthy pair waited on another's re-probes"),
 ];
 
 #[test]
