@@ -287,14 +287,7 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
     let mut recv = recv;
     let _ = send.wait_exit(Duration::from_secs(30));
     let _ = recv.wait_exit(Duration::from_secs(30));
-    let rs = recv
-        .lines()
-        .iter()
-        .rev()
-        .find_map(|l| match Event::parse(l)? {
-            Event::Summary(s) => Some(s),
-            _ => None,
-        });
+    let rs = Event::last_summary(&recv.lines());
     let log = send.stderr_tail(400);
     let first = |what: &str, base: Option<u128>| {
         log.lines()

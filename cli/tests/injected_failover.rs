@@ -118,15 +118,8 @@ fn an_injected_cut_moves_traffic_and_lifting_it_brings_it_back() {
     send.close_stdin();
     let mut send = send;
     assert!(send.wait_exit(t).is_some(), "sender did not stop");
-    let summary: Summary = recv
-        .lines()
-        .iter()
-        .rev()
-        .find_map(|l| match Event::parse(l)? {
-            Event::Summary(s) => Some(s),
-            _ => None,
-        })
-        .expect("the receiver printed its summary");
+    let summary: Summary =
+        Event::last_summary(&recv.lines()).expect("the receiver printed its summary");
     assert_eq!(summary.bad, 0, "{summary:?}");
     assert_eq!(
         summary.req_errors,

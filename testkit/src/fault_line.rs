@@ -173,6 +173,14 @@ impl Event {
         serde_json::from_str(line).ok()
     }
 
+    /// The last summary among a receiver's `lines`, if it printed one.
+    pub fn last_summary(lines: &[String]) -> Option<Summary> {
+        lines.iter().rev().find_map(|l| match Event::parse(l)? {
+            Event::Summary(s) => Some(s),
+            _ => None,
+        })
+    }
+
     /// One line, without the newline.
     pub fn to_line(&self) -> String {
         serde_json::to_string(self).expect("plain data always encodes")
