@@ -426,6 +426,11 @@ struct Slot {
     req: Option<(Request, u64)>,
 }
 
+/// A lane is done: it ended, or it failed and holds no request any more.
+fn settled(state: State, slots: &[Slot]) -> bool {
+    state == State::Ended || (state == State::Failed && slots.iter().all(|s| s.req.is_none()))
+}
+
 fn describe_devices(ctx: &Ctx) -> Result<i32, Code> {
     let n = ctx.devices()?;
     let names: Vec<String> = (0..n)
@@ -598,10 +603,7 @@ fn receiver(o: &Opts) -> i32 {
             }
         }
         ticker.maybe(&mut per_comm);
-        let settled = lanes.iter().all(|l| {
-            l.state == State::Ended
-                || (l.state == State::Failed && l.slots.iter().all(|s| s.req.is_none()))
-        });
+        let settled = lanes.iter().all(|l| settled(l.state, &l.slots));
         if settled || Instant::now() > give_up {
             break;
         }
@@ -843,10 +845,7 @@ fn sender(o: &Opts) -> i32 {
             say_lanes();
             say_nic_bytes();
         }
-        let settled = lanes.iter().all(|l| {
-            l.state == State::Ended
-                || (l.state == State::Failed && l.slots.iter().all(|s| s.req.is_none()))
-        });
+        let settled = lanes.iter().all(|l| settled(l.state, &l.slots));
         if settled || Instant::now() > give_up {
             break;
         }

@@ -247,11 +247,9 @@ impl Engine {
 
     /// Fails every request of comm `c`, now and later.
     fn fail_comm(&mut self, c: usize, error: ConnError, io: &mut dyn Io) {
-        let comm = &mut self.comms[c];
         // A later replacement lane is refused as gone, so its sender fails too.
-        if self.recv_by_id.get(&comm.session.id()) == Some(&c) {
-            self.recv_by_id.remove(&comm.session.id());
-        }
+        self.forget_recv(c, self.comms[c].session.id());
+        let comm = &mut self.comms[c];
         comm.shared.set_failed(error.clone().into());
         comm.machine.handle_lane_lost(error);
         let lanes = comm.path.handle_failed();

@@ -465,6 +465,13 @@ impl Engine {
         }
     }
 
+    /// Receive comm `c` (session `id`) takes no more replacement lanes or probes.
+    fn forget_recv(&mut self, c: usize, id: auth::CommId) {
+        if self.recv_by_id.get(&id) == Some(&c) {
+            self.recv_by_id.remove(&id);
+        }
+    }
+
     /// NCCL closed `shared`: fail what it still waits for, let its lanes go.
     pub fn close_comm(&mut self, shared: &Arc<CommShared>, now: Instant, io: &mut dyn Io) {
         let Some(c) = self.comm_of(shared) else {
@@ -475,9 +482,7 @@ impl Engine {
             self.router.remove_comm(routing::CommId(c));
             self.routes_dirty = true;
         }
-        if self.recv_by_id.get(&comm.session.id()) == Some(&c) {
-            self.recv_by_id.remove(&comm.session.id());
-        }
+        self.forget_recv(c, comm.session.id());
         let mut m = comm.machine;
         m.handle_lane_lost(ConnError::PeerClosed);
         while let Some((p, _)) = m.poll_outcome() {

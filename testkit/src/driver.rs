@@ -356,6 +356,20 @@ impl Request {
     }
 }
 
+/// The outcome of an `isend`/`irecv` on `buf`: a request, none yet ("call again"), or the
+/// error; the buffer's claim is released unless a request now holds it.
+fn posted(r: c_int, req: *mut c_void, buf: &Buffer) -> Result<Option<Request>, Code> {
+    if r != NCCL_SUCCESS || req.is_null() {
+        buf.busy.store(false, Ordering::Release);
+    }
+    check(r)?;
+    Ok((!req.is_null()).then(|| Request {
+        raw: req,
+        busy: buf.busy.clone(),
+        finished: false,
+    }))
+}
+
 impl SendComm {
     pub fn register(&self, len: usize) -> Result<Buffer, Code> {
         self.0.register(len)
@@ -380,15 +394,7 @@ impl SendComm {
                 &mut req,
             )
         };
-        if r != NCCL_SUCCESS || req.is_null() {
-            buf.busy.store(false, Ordering::Release);
-        }
-        check(r)?;
-        Ok((!req.is_null()).then(|| Request {
-            raw: req,
-            busy: buf.busy.clone(),
-            finished: false,
-        }))
+        posted(r, req, buf)
     }
 
     pub fn close(mut self) -> Result<(), Code> {
@@ -437,15 +443,7 @@ impl RecvComm {
                 &mut req,
             )
         };
-        if r != NCCL_SUCCESS || req.is_null() {
-            buf.busy.store(false, Ordering::Release);
-        }
-        check(r)?;
-        Ok((!req.is_null()).then(|| Request {
-            raw: req,
-            busy: buf.busy.clone(),
-            finished: false,
-        }))
+        posted(r, req, buf)
     }
 
     pub fn close(mut self) -> Result<(), Code> {
