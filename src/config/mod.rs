@@ -132,6 +132,10 @@ pub struct Config {
     /// (`127.100.<i>.1`) instead of the interfaces: a multi-NIC node without root, for the
     /// demo and tests.
     pub loopback_nics: usize,
+    /// `RAILOVER_STRIPES`: how many stripes a send comm is cut into so that, when its NIC
+    /// fails, it spreads over several survivors; `None` (`auto`): one fewer than the NICs,
+    /// so each survivor takes an equal part. 1 moves a failed NIC's comm whole.
+    pub stripes: Option<usize>,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
     /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`, `RAILOVER_GIVEUP_MS`.
     pub router: RouterConfig,
@@ -148,6 +152,7 @@ impl Default for Config {
             probe_bytes: 256 << 10,
             fair_share: true,
             loopback_nics: 0,
+            stripes: None,
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
             router: RouterConfig::default(),
@@ -283,6 +288,16 @@ impl Config {
                 value: v.clone(),
                 accepted: "an integer from 0 (use the interfaces) to 16",
             })? as usize;
+        }
+        if let Some(v) = get("RAILOVER_STRIPES") {
+            cfg.stripes = match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => None,
+                n => Some(parse_u64(n, 1, 64).ok_or(ConfigError {
+                    var: "RAILOVER_STRIPES",
+                    value: v.clone(),
+                    accepted: "auto (one fewer than the NICs) or an integer from 1 to 64",
+                })? as usize),
+            };
         }
         if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
             cfg.router.failback_probes_k = parse_u64(&v, 1, 1000).ok_or(ConfigError {
@@ -441,6 +456,9 @@ mod tests {
             ("RAILOVER_RAILS", "eth0"),
             ("RAILOVER_RAILS", "eth0:0,eth0:1"),
             ("RAILOVER_SYSFS_ROOT", " "),
+            ("RAILOVER_STRIPES", "0"),
+            ("RAILOVER_STRIPES", "65"),
+            ("RAILOVER_STRIPES", "many"),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();
             assert_eq!(err.var, var);
@@ -465,6 +483,12 @@ mod tests {
         assert_eq!(c.log, LogLevel::Info);
         assert_eq!(c.ifname.names, vec!["lo".to_string()]);
         assert!(c.fair_share, "on by default");
+        assert_eq!(c.stripes, None, "auto by default");
+        assert_eq!(cfg(&[("RAILOVER_STRIPES", "3")]).unwrap().stripes, Some(3));
+        assert_eq!(
+            cfg(&[("RAILOVER_STRIPES", " Auto ")]).unwrap().stripes,
+            None
+        );
         assert!(!cfg(&[("RAILOVER_FAIR_SHARE", "OFF")]).unwrap().fair_share);
         let c = cfg(&[
             ("RAILOVER_COMPLETION_TIMEOUT_MS", "250"),

@@ -89,7 +89,7 @@ pub enum AuthError {
     WeakKey,
     #[error("{0} out of order")]
     OutOfOrder(&'static str),
-    #[error("a replacement lane older than the one in use (attempt {offered}, in use {current})")]
+    #[error("a lane attempt already taken (attempt {offered}, newest {current})")]
     Stale { offered: u64, current: u64 },
 }
 

@@ -1,25 +1,38 @@
 //! One comm's data machine, either side, behind one interface: the reactor feeds it the
-//! frames and payloads of the comm's lane and writes what it gives back. No sockets, no
-//! threads, no clock reads.
+//! frames and payloads of the comm's lanes and writes what it gives back. No sockets, no
+//! threads, no clock reads. Lanes are the caller's keys.
 //!
-//! Call order: [`CommMachine::post`] NCCL's requests; feed the lane's items to
+//! Call order: [`CommMachine::post`] NCCL's requests; feed each lane's items to
 //! [`CommMachine::handle_frame`], [`CommMachine::handle_data`] (then place the payload
 //! where it says) and [`CommMachine::handle_payload_done`]; then write
-//! [`CommMachine::poll_transmit`]'s output while the comm has a lane, and settle the
-//! requests [`CommMachine::poll_outcome`] gives.
+//! [`CommMachine::poll_data`]'s output on the lane the caller picks (sender) or
+//! [`CommMachine::poll_control`]'s on every lane (receiver: control frames are small and
+//! idempotent, so whichever lane survives carries them), and settle the requests
+//! [`CommMachine::poll_outcome`] gives.
 
 use super::wire::{Header, Kind};
 use super::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
 };
 
-/// What a comm wants written on its lane.
+/// What a sender wants written on a lane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Out {
     /// A `Data` frame with the payload of message `seq` ([`CommMachine::message`]).
     Data { seq: u64, len: u64 },
-    /// A frame without payload (CTS, ack, truncation notice).
+    /// A frame without payload (a truncation notice).
     Frame(Header),
+}
+
+/// What a frame without payload meant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heard {
+    /// Control that changes nothing beyond the machine (a CTS, a truncation notice).
+    Control,
+    /// The receiver acknowledged progress, so a failover is complete.
+    Progress,
+    /// The sender retired the lane it came on (receiver only).
+    Retire,
 }
 
 /// A comm's machine: the send side or the receive side.
@@ -61,68 +74,87 @@ impl<T> CommMachine<T> {
         Ok(())
     }
 
-    /// A frame without payload from the peer. `Ok(true)`: the receiver acknowledged
-    /// progress, so a failover is complete.
-    pub fn handle_frame(&mut self, h: &Header) -> Result<bool, ConnError> {
+    /// A frame without payload from the peer.
+    pub fn handle_frame(&mut self, h: &Header) -> Result<Heard, ConnError> {
         match (self, h.kind) {
             (_, Kind::Close) => Err(ConnError::PeerClosed),
             (CommMachine::Send(_), Kind::Stalled) => Err(ConnError::Stalled(
                 "the receiver has heard nothing on this lane for the completion timeout".into(),
             )),
-            (CommMachine::Send(m), Kind::Cts) => m.handle_cts(h.seq, h.len).map(|()| false),
-            (CommMachine::Send(m), Kind::Ack) => m.handle_ack(h.seq).map(|()| true),
-            (CommMachine::Recv(m), Kind::Truncated) => {
-                m.handle_truncated(h.seq, h.len).map(|()| false)
+            (CommMachine::Send(m), Kind::Cts) => {
+                m.handle_cts(h.seq, h.len).map(|()| Heard::Control)
             }
+            (CommMachine::Send(m), Kind::Ack) => m.handle_ack(h.seq).map(|()| Heard::Progress),
+            (CommMachine::Recv(m), Kind::Truncated) => {
+                m.handle_truncated(h.seq, h.len).map(|()| Heard::Control)
+            }
+            (CommMachine::Recv(_), Kind::Retire) => Ok(Heard::Retire),
             _ => Err(ConnError::Protocol(format!("unexpected {h:?}"))),
         }
     }
 
-    /// A payload's header: the posted receive it fills, or `None` for a duplicate to
-    /// read and drop.
-    pub fn handle_data(&mut self, seq: u64, len: u64) -> Result<Option<&T>, ConnError> {
+    /// A payload's header on `lane`: the posted receive it fills, or `None` for a
+    /// duplicate to read and drop.
+    pub fn handle_data(
+        &mut self,
+        lane: usize,
+        seq: u64,
+        len: u64,
+    ) -> Result<Option<&T>, ConnError> {
         let CommMachine::Recv(m) = self else {
             return Err(ConnError::Protocol(format!(
                 "unexpected Data {{ seq: {seq}, len: {len} }}"
             )));
         };
-        match m.handle_data(seq, len)? {
+        match m.handle_data(lane, seq, len)? {
             Placement::Deliver { seq, .. } => Ok(m.message(seq)),
             Placement::Discard { .. } => Ok(None),
         }
     }
 
-    /// The payload placed by [`CommMachine::handle_data`] has fully arrived.
-    pub fn handle_payload_done(&mut self, seq: u64, len: u64) -> Result<(), ConnError> {
+    /// The payload `lane` was reading has fully arrived (placed or dropped). Returns the
+    /// other lanes that must drop the rest of their copy of the same message.
+    pub fn handle_payload_done(
+        &mut self,
+        lane: usize,
+        seq: u64,
+        len: u64,
+    ) -> Result<Vec<usize>, ConnError> {
         let CommMachine::Recv(m) = self else {
             return Err(ConnError::Protocol(format!(
                 "unexpected PayloadDone {{ seq: {seq}, len: {len} }}"
             )));
         };
-        if m.message(seq).is_some() && m.delivered() == seq {
-            m.payload_done(seq, len)
-        } else {
-            Ok(()) // a discarded duplicate
-        }
+        m.payload_done(lane, seq, len)
     }
 
-    /// The next thing to write on the comm's lane.
+    /// Sender: the next thing to write on `lane`, which the caller picked for it.
     #[must_use]
-    pub fn poll_transmit(&mut self) -> Option<Out> {
-        match self {
-            CommMachine::Send(m) => m.poll_transmit().map(|t| match t {
-                Transmit::Data { seq, len } => Out::Data { seq, len },
-                Transmit::Truncated { seq, len } => {
-                    Out::Frame(Header::new(Kind::Truncated, seq, len))
-                }
-            }),
-            CommMachine::Recv(m) => m.poll_transmit().map(|c| {
-                Out::Frame(match c {
-                    Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
-                    Control::Ack { delivered } => Header::new(Kind::Ack, delivered, 0),
-                })
-            }),
-        }
+    pub fn poll_data(&mut self, lane: usize) -> Option<Out> {
+        let CommMachine::Send(m) = self else {
+            return None;
+        };
+        m.poll_transmit(lane).map(|t| match t {
+            Transmit::Data { seq, len } => Out::Data { seq, len },
+            Transmit::Truncated { seq, len } => Out::Frame(Header::new(Kind::Truncated, seq, len)),
+        })
+    }
+
+    /// Sender: a message is cleared and waits for a lane.
+    pub fn wants_lane(&self) -> bool {
+        matches!(self, CommMachine::Send(m) if m.wants_lane())
+    }
+
+    /// Receiver: the next control frame, to write on every lane.
+    #[must_use]
+    pub fn poll_control(&mut self) -> Option<Header> {
+        let CommMachine::Recv(m) = self else {
+            return None;
+        };
+        m.poll_transmit().map(|c| match c {
+            Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
+            Control::Ack { delivered } => Header::new(Kind::Ack, delivered, 0),
+        })
     }
 
     /// The token of message `seq` (a send's, for its payload).
@@ -148,6 +180,28 @@ impl<T> CommMachine<T> {
         }
     }
 
+    /// One of the comm's lanes is gone. Sender: what it held unacknowledged is sent again
+    /// on the lanes left (returns those bytes). Receiver: its partial payload is dropped,
+    /// and every waiting receive is announced again on the lanes left.
+    pub fn handle_lane_down(&mut self, lane: usize) -> u64 {
+        match self {
+            CommMachine::Send(m) => m.handle_lane_down(lane),
+            CommMachine::Recv(m) => {
+                m.handle_lane_down(lane);
+                m.reannounce();
+                0
+            }
+        }
+    }
+
+    /// Sender: messages on `lane` not yet acknowledged.
+    pub fn on_lane(&self, lane: usize) -> usize {
+        match self {
+            CommMachine::Send(m) => m.on_lane(lane),
+            CommMachine::Recv(_) => 0,
+        }
+    }
+
     /// The comm is lost: every request fails with `error`, now and later.
     pub fn handle_lane_lost(&mut self, error: ConnError) {
         match self {
@@ -156,21 +210,20 @@ impl<T> CommMachine<T> {
         }
     }
 
-    /// Receiver: a replacement lane arrived; returns how many messages were delivered,
-    /// which the sender replays after.
+    /// Receiver: a lane joined; returns how many messages were delivered, which its
+    /// Welcome reports, and announces every waiting receive again.
     pub fn replay_point(&mut self) -> u64 {
         match self {
-            CommMachine::Recv(m) => m.begin_replay(),
+            CommMachine::Recv(m) => m.reannounce(),
             CommMachine::Send(_) => 0,
         }
     }
 
-    /// Sender: the receiver has `delivered` messages; replay the rest. Returns the bytes
-    /// sent again.
-    pub fn replay_from(&mut self, delivered: u64) -> Result<u64, ConnError> {
+    /// Sender: a new lane was welcomed by a receiver that has `delivered` messages.
+    pub fn handle_welcome(&mut self, delivered: u64) -> Result<(), ConnError> {
         match self {
-            CommMachine::Send(m) => m.begin_replay(delivered),
-            CommMachine::Recv(_) => Ok(0),
+            CommMachine::Send(m) => m.handle_welcome(delivered),
+            CommMachine::Recv(_) => Ok(()),
         }
     }
 }
@@ -188,23 +241,27 @@ mod tests {
         assert_eq!(s.post(true, 4, 'a'), Ok(()));
         assert_eq!(r.post(false, 8, 'b'), Ok(()));
         // CTS from the receiver, then the data, then its ack.
-        let Some(Out::Frame(cts)) = r.poll_transmit() else {
-            panic!("the receiver's CTS first")
-        };
-        assert_eq!(s.handle_frame(&cts), Ok(false));
-        assert_eq!(s.poll_transmit(), Some(Out::Data { seq: 0, len: 4 }));
+        let cts = r.poll_control().expect("the receiver's CTS first");
+        assert!(!s.wants_lane());
+        assert_eq!(s.handle_frame(&cts), Ok(Heard::Control));
+        assert!(s.wants_lane());
+        assert_eq!(s.poll_data(3), Some(Out::Data { seq: 0, len: 4 }));
+        assert_eq!(s.on_lane(3), 1);
         assert_eq!(s.message(0), Some(&'a'));
-        assert_eq!(r.handle_data(0, 4), Ok(Some(&'b')));
-        assert_eq!(r.handle_payload_done(0, 4), Ok(()));
+        assert_eq!(r.handle_data(3, 0, 4), Ok(Some(&'b')));
+        assert_eq!(r.handle_payload_done(3, 0, 4), Ok(vec![]));
         assert_eq!(r.poll_outcome(), Some(('b', Ok(4))));
-        let Some(Out::Frame(ack)) = r.poll_transmit() else {
-            panic!("an ack")
-        };
-        assert_eq!(s.handle_frame(&ack), Ok(true), "progress acknowledged");
+        let ack = r.poll_control().expect("an ack");
+        assert_eq!(s.handle_frame(&ack), Ok(Heard::Progress));
         assert_eq!(s.poll_outcome(), Some(('a', Ok(4))));
         // Frames of the other side are protocol errors; a Close is the peer leaving.
         assert!(matches!(r.handle_frame(&ack), Err(ConnError::Protocol(_))));
-        assert!(matches!(s.handle_data(1, 1), Err(ConnError::Protocol(_))));
+        assert!(matches!(
+            s.handle_data(3, 1, 1),
+            Err(ConnError::Protocol(_))
+        ));
+        assert_eq!(r.poll_data(3), None);
+        assert_eq!(s.poll_control(), None);
         let stalled = Header::new(Kind::Stalled, 0, 0);
         assert!(matches!(
             s.handle_frame(&stalled),
@@ -212,6 +269,12 @@ mod tests {
         ));
         assert!(matches!(
             r.handle_frame(&stalled),
+            Err(ConnError::Protocol(_))
+        ));
+        let retire = Header::new(Kind::Retire, 0, 0);
+        assert_eq!(r.handle_frame(&retire), Ok(Heard::Retire));
+        assert!(matches!(
+            s.handle_frame(&retire),
             Err(ConnError::Protocol(_))
         ));
         let close = Header::new(Kind::Close, 0, 0);

@@ -1,19 +1,31 @@
-//! One comm's path across failures: its lane and the replacement being opened, which
-//! attempt the lane is, when a failure was detected and how long it went unnoticed, and
-//! the receiver's wait for the sender's replacement lane. Lanes are the caller's keys.
-//! No sockets, no clock reads.
+//! One comm's path across failures: the lanes carrying it and the share (stripes) each
+//! carries, the lanes being opened, which attempt each is, when a failure was detected and
+//! how long it went unnoticed, and the receiver's wait for the sender's replacement lane.
+//! Lanes are the caller's keys. No sockets, no clock reads.
 //!
-//! Call order: [`PathMachine::handle_lane_lost`] when the comm's lane is gone says
-//! whether to fail over, wait or fail the comm; a receiver that waits has a deadline in
-//! [`PathMachine::poll_timeout`], and [`PathMachine::handle_timeout`] says when it has
-//! waited long enough. The `handle_*` methods of a move record its outcome.
+//! # Stripes
+//!
+//! A sender's comm is cut into a fixed number of stripes, the router's lanes
+//! ([`LaneId`]), all on the comm's original pair while nothing fails, and so on one lane.
+//! When a pair fails the router moves each stripe on its own, spreading them over every
+//! eligible pair by load; stripes that land on the same pair share one lane. A lane's
+//! share of the comm's messages is its stripe count over the total. A lane whose stripes
+//! all left drains what it holds and is retired.
+//!
+//! Call order: [`PathMachine::handle_lane_lost`] when one of the comm's lanes is gone says
+//! whether to report a failover, carry on, wait or fail the comm; a receiver that waits has
+//! a deadline in [`PathMachine::poll_timeout`], and [`PathMachine::handle_timeout`] says
+//! when it has waited long enough. A sender feeds the router's moves to
+//! [`PathMachine::handle_move`] and the outcome of the lanes it opens to
+//! `handle_opening*`/[`PathMachine::handle_moved`]; [`PathMachine::settle`] says when a
+//! failover or fail-back is complete.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use super::auth::AuthError;
 use super::ConnError;
-use crate::routing::{FailReason, MoveReason};
-
+use crate::routing::{FailReason, LaneId, MoveReason, Pair};
 /// The timeouts a path is judged by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timeouts {
@@ -28,15 +40,16 @@ pub struct Timeouts {
 /// What a lost lane means for its comm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Loss {
-    /// Sender: ask the router for another pair.
-    Failover,
+    /// Sender: report this stripe's pair as failed to the router, which moves every stripe
+    /// on it.
+    Failover(LaneId),
+    /// Other lanes carry the comm, or are being opened: nothing more to do.
+    Carry,
     /// Receiver: wait up to `grace` for the sender's replacement lane; `path` when the
     /// path failed (the sender noticed too) rather than the peer closing the lane.
     Wait { grace: Duration, path: bool },
     /// Nothing to wait for: fail the comm.
     Fail,
-    /// A replacement lane is being opened anyway: its outcome decides.
-    Replacing,
 }
 
 /// How a move ended, for its log line and metric.
@@ -45,21 +58,44 @@ pub enum Moved {
     /// Home again after being away this long.
     Failback { away: Duration },
     /// Moved off a failed pair: what detected it, how long the failure went unnoticed,
-    /// and how long from detection to the new lane.
+    /// how long from detection to traffic flowing again, and how many pairs the comm now
+    /// runs over.
     Failover {
         reason: FailReason,
         detection: Duration,
         resume: Duration,
+        spread: usize,
     },
 }
 
-/// A receiver's lane was replaced.
+/// Where a moved stripe goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placed {
+    /// Onto lane `k`, which already carries the comm on that pair.
+    Joined(usize),
+    /// Onto lane `k`, being opened on that pair.
+    Waiting(usize),
+    /// A lane must be opened on that pair, attempt `epoch`: then
+    /// [`PathMachine::handle_opening`], or report the pair failed if it cannot start.
+    Open { epoch: u64 },
+}
+
+/// A receiver's new lane was taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Replaced {
     /// How long since the failure was detected, and how, if it was.
     pub outage: Option<(Duration, FailReason)>,
-    /// The lane it replaced, to close.
-    pub old: Option<usize>,
+}
+
+/// One lane of the comm, as the path sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Carrier {
+    /// The pair it runs on (sender; a receiver does not know).
+    pub pair: Option<Pair>,
+    /// The stripes it carries (sender).
+    pub stripes: Vec<LaneId>,
+    /// The attempt that opened it.
+    pub epoch: u64,
 }
 
 /// A receiver waiting for the sender's replacement lane.
@@ -100,15 +136,21 @@ pub fn receiver_grace(
 #[derive(Debug)]
 pub struct PathMachine {
     sender: bool,
-    /// The lane carrying the comm, and (sender) the replacement being opened.
-    lane: Option<usize>,
-    migrating: Option<usize>,
+    /// The lanes carrying the comm.
+    lanes: BTreeMap<usize, Carrier>,
+    /// Sender: lanes being opened, with the stripes waiting for them.
+    opening: BTreeMap<usize, Carrier>,
+    /// Sender: stripes whose lane died, waiting for the router to move them.
+    orphans: BTreeSet<LaneId>,
+    /// Sender: a move is under way; the reason of the latest.
+    moving: Option<MoveReason>,
     t: Timeouts,
-    /// The attempt number of the newest replacement lane: the sender counts its
-    /// attempts, the receiver keeps the one in use and refuses older ones.
+    /// The sender's newest attempt number.
     epoch: u64,
-    /// A failure was detected at this time and traffic has not resumed yet.
+    /// A failure was detected at this time and the comm has not settled since.
     detected: Option<(Instant, FailReason)>,
+    /// When traffic flowed again after the failure (a lane joined or was opened).
+    resumed: Option<Instant>,
     /// How long the last failure went unnoticed (silence before a timeout).
     detection: Option<Duration>,
     /// When the comm first left its original pair (for the fail-back's "away" time).
@@ -117,29 +159,76 @@ pub struct PathMachine {
 }
 
 impl PathMachine {
-    /// A comm that starts on `lane`.
+    /// A comm that starts on `lane`, as one stripe until [`PathMachine::route`].
     pub fn new(sender: bool, t: Timeouts, lane: usize) -> PathMachine {
+        let first = Carrier {
+            pair: None,
+            stripes: if sender { vec![LaneId(0)] } else { Vec::new() },
+            epoch: 0,
+        };
         PathMachine {
             sender,
-            lane: Some(lane),
-            migrating: None,
+            lanes: BTreeMap::from([(lane, first)]),
+            opening: BTreeMap::new(),
+            orphans: BTreeSet::new(),
+            moving: None,
             t,
             epoch: 0,
             detected: None,
+            resumed: None,
             detection: None,
             away_since: None,
             stranded: None,
         }
     }
 
-    /// The lane carrying the comm, if it has one.
-    pub fn lane(&self) -> Option<usize> {
-        self.lane
+    /// Sender: the router knows the comm, cut into `stripes` on `pair`.
+    pub fn route(&mut self, pair: Pair, stripes: usize) {
+        if let Some(c) = self.lanes.values_mut().next() {
+            c.pair = Some(pair);
+            c.stripes = (0..stripes.max(1)).map(LaneId).collect();
+        }
     }
 
-    /// The replacement lane being opened, if any.
-    pub fn migrating(&self) -> Option<usize> {
-        self.migrating
+    /// The lanes carrying the comm.
+    pub fn lanes(&self) -> impl Iterator<Item = (usize, &Carrier)> + '_ {
+        self.lanes.iter().map(|(&k, c)| (k, c))
+    }
+
+    /// Lane `k`, if it carries the comm.
+    pub fn carrier(&self, k: usize) -> Option<&Carrier> {
+        self.lanes.get(&k)
+    }
+
+    /// Whether some lane carries the comm.
+    pub fn has_lane(&self) -> bool {
+        !self.lanes.is_empty()
+    }
+
+    /// The lanes being opened.
+    pub fn openings(&self) -> impl Iterator<Item = usize> + '_ {
+        self.opening.keys().copied()
+    }
+
+    /// The distinct pairs the comm's stripes run on now.
+    pub fn spread(&self) -> usize {
+        let pairs: BTreeSet<Pair> = (self.lanes.values())
+            .filter(|c| !c.stripes.is_empty())
+            .filter_map(|c| c.pair)
+            .collect();
+        pairs.len()
+    }
+
+    /// Sender: lanes that carry no stripe while another lane does: once they hold nothing
+    /// unacknowledged they can be retired.
+    pub fn idle(&self) -> Vec<usize> {
+        if !self.lanes.values().any(|c| !c.stripes.is_empty()) {
+            return Vec::new();
+        }
+        (self.lanes.iter())
+            .filter(|(_, c)| c.stripes.is_empty())
+            .map(|(&k, _)| k)
+            .collect()
     }
 
     /// When the current failure was detected, and how.
@@ -158,38 +247,51 @@ impl PathMachine {
         routed: bool,
         now: Instant,
     ) -> Loss {
-        if self.lane == Some(k) {
-            self.lane = None;
-        }
-        if self.migrating.is_some() {
-            return Loss::Replacing;
-        }
+        let carrier = self.lanes.remove(&k);
         let peer_gone = matches!(error, ConnError::PeerClosed);
-        let path_failed = !peer_gone && !matches!(error, ConnError::Protocol(_));
-        let (grace, path, error) = match (self.sender, path_failed) {
-            (true, true) if routed => {
-                self.detected.get_or_insert((now, reason));
-                return Loss::Failover;
-            }
-            (false, true) => {
-                self.detected.get_or_insert((now, reason));
-                let grace = receiver_grace(reason, self.t.completion, self.t.probe, silent);
-                let e = ConnError::Io("receive lane lost and not replaced".into());
-                (grace, true, e)
-            }
+        let protocol = matches!(error, ConnError::Protocol(_));
+        if self.sender {
+            let stripes = carrier.map(|c| c.stripes).unwrap_or_default();
+            self.orphans.extend(stripes.iter().copied());
+            let alive = !self.lanes.is_empty() || !self.opening.is_empty();
+            return match stripes.first() {
+                _ if peer_gone || protocol => Loss::Fail,
+                _ if !routed => {
+                    if alive {
+                        Loss::Carry
+                    } else {
+                        Loss::Fail
+                    }
+                }
+                Some(&s) => {
+                    self.detected.get_or_insert((now, reason));
+                    Loss::Failover(s)
+                }
+                None => Loss::Carry,
+            };
+        }
+        if protocol {
+            return Loss::Fail;
+        }
+        if !self.lanes.is_empty() {
+            return Loss::Carry;
+        }
+        let (grace, path, error) = if !peer_gone {
+            self.detected.get_or_insert((now, reason));
+            let grace = receiver_grace(reason, self.t.completion, self.t.probe, silent);
+            let e = ConnError::Io("receive lane lost and not replaced".into());
+            (grace, true, e)
+        } else {
             // The sender resets a lane it gives up on (a brown-out, silence), and that
             // looks the same as a peer that went away: wait as long as a receiver that
             // noticed first would, then fail with the peer's close.
-            (false, false) if peer_gone => {
-                let grace = receiver_grace(
-                    FailReason::NicError,
-                    self.t.completion,
-                    self.t.probe,
-                    Duration::ZERO,
-                );
-                (grace, false, error.clone())
-            }
-            _ => return Loss::Fail,
+            let grace = receiver_grace(
+                FailReason::NicError,
+                self.t.completion,
+                self.t.probe,
+                Duration::ZERO,
+            );
+            (grace, false, error.clone())
         };
         let s = self.stranded.get_or_insert(Stranded {
             deadline: now + grace,
@@ -228,9 +330,14 @@ impl PathMachine {
     }
 
     /// The comm failed: nothing is awaited any more. Returns the lanes to close.
-    pub fn handle_failed(&mut self) -> [Option<usize>; 2] {
+    pub fn handle_failed(&mut self) -> Vec<usize> {
         self.stranded = None;
-        [self.lane.take(), self.migrating.take()]
+        self.orphans.clear();
+        self.moving = None;
+        let lanes = std::mem::take(&mut self.lanes).into_keys();
+        lanes
+            .chain(std::mem::take(&mut self.opening).into_keys())
+            .collect()
     }
 
     /// The lane fell silent for `silent` before it was failed.
@@ -238,48 +345,94 @@ impl PathMachine {
         self.detection = Some(silent);
     }
 
-    /// Sender: the router moves the comm (`reason`). Returns the new attempt's epoch,
-    /// and the replacement of an earlier attempt, now abandoned, to close.
-    pub fn handle_move(&mut self, reason: MoveReason, now: Instant) -> (u64, Option<usize>) {
+    /// Sender: the router moves `stripe` to `to` (`reason`). Returns where it goes, and a
+    /// lane being opened that no stripe waits for any more, to abandon.
+    pub fn handle_move(
+        &mut self,
+        stripe: LaneId,
+        to: Pair,
+        reason: MoveReason,
+        now: Instant,
+    ) -> (Placed, Option<usize>) {
         if let MoveReason::Failover(r) = reason {
             // Moved because its pair failed under another comm: its outage starts now.
             self.detected.get_or_insert((now, r));
         }
+        self.moving = Some(reason);
+        self.orphans.remove(&stripe);
+        for c in self.lanes.values_mut() {
+            c.stripes.retain(|&s| s != stripe);
+        }
+        let mut abandoned = None;
+        for (&k, c) in self.opening.iter_mut() {
+            let before = c.stripes.len();
+            c.stripes.retain(|&s| s != stripe);
+            if before != c.stripes.len() && c.stripes.is_empty() {
+                abandoned = Some(k);
+            }
+        }
+        if let Some(k) = abandoned {
+            self.opening.remove(&k);
+        }
+        let on = |c: &Carrier| c.pair == Some(to);
+        if let Some((&k, c)) = self.lanes.iter_mut().find(|(_, c)| on(c)) {
+            c.stripes.push(stripe);
+            self.resumed.get_or_insert(now);
+            return (Placed::Joined(k), abandoned);
+        }
+        if let Some((&k, c)) = self.opening.iter_mut().find(|(_, c)| on(c)) {
+            c.stripes.push(stripe);
+            return (Placed::Waiting(k), abandoned);
+        }
+        self.orphans.insert(stripe);
         self.epoch += 1;
-        (self.epoch, self.migrating.take())
+        (Placed::Open { epoch: self.epoch }, abandoned)
     }
 
-    /// Sender: the replacement lane `k` is being opened.
-    pub fn handle_opening(&mut self, k: usize) {
-        self.migrating = Some(k);
+    /// Sender: lane `k` is being opened on `pair` (attempt `epoch`) for `stripe`.
+    pub fn handle_opening(&mut self, k: usize, pair: Pair, stripe: LaneId, epoch: u64) {
+        self.orphans.remove(&stripe);
+        self.opening.insert(
+            k,
+            Carrier {
+                pair: Some(pair),
+                stripes: vec![stripe],
+                epoch,
+            },
+        );
     }
 
-    /// Sender: the replacement lane being opened failed.
-    pub fn handle_opening_failed(&mut self) {
-        self.migrating = None;
+    /// Sender: the lane `k` being opened failed. Returns the stripes that waited for it,
+    /// now waiting for another move.
+    pub fn handle_opening_failed(&mut self, k: usize) -> Vec<LaneId> {
+        let stripes = self
+            .opening
+            .remove(&k)
+            .map(|c| c.stripes)
+            .unwrap_or_default();
+        self.orphans.extend(stripes.iter().copied());
+        stripes
     }
 
-    /// Sender: acknowledged progress on the lane, so any failover is complete.
-    pub fn handle_resumed(&mut self) {
-        self.detected = None;
+    /// Sender: lane `k`, being opened, was welcomed and now carries its stripes.
+    pub fn handle_moved(&mut self, k: usize, now: Instant) -> bool {
+        let Some(c) = self.opening.remove(&k) else {
+            return false;
+        };
+        self.lanes.insert(k, c);
+        self.resumed.get_or_insert(now);
+        true
     }
 
-    /// Sender: replacement lane `k` of a move for `reason` was welcomed and now carries
-    /// the comm. Returns how the move ended, and the lane it replaced, to close.
-    pub fn handle_moved(
-        &mut self,
-        k: usize,
-        reason: MoveReason,
-        now: Instant,
-    ) -> (Moved, Option<usize>) {
-        self.migrating = None;
-        let old = self.lane.replace(k).filter(|&o| o != k);
-        (self.outcome(reason, now), old)
-    }
-
-    fn outcome(&mut self, reason: MoveReason, now: Instant) -> Moved {
+    /// Sender: the move under way is complete (no stripe waits for a lane): how it ended.
+    pub fn settle(&mut self, now: Instant) -> Option<Moved> {
+        if !self.orphans.is_empty() || !self.opening.is_empty() {
+            return None;
+        }
+        let reason = self.moving.take()?;
         let detected = self.detected.take();
-        match reason {
+        let resumed = self.resumed.take().unwrap_or(now);
+        Some(match reason {
             MoveReason::Failback => Moved::Failback {
                 away: self
                     .away_since
@@ -292,33 +445,54 @@ impl PathMachine {
                 Moved::Failover {
                     reason,
                     detection: self.detection.take().unwrap_or_default(),
-                    resume: now.saturating_duration_since(t0),
+                    resume: resumed.saturating_duration_since(t0),
+                    spread: self.spread(),
                 }
             }
+        })
+    }
+
+    /// Sender: acknowledged progress and nothing moving: any failure is behind us.
+    pub fn handle_resumed(&mut self) {
+        if self.moving.is_none() && self.orphans.is_empty() {
+            self.detected = None;
         }
     }
 
-    /// Receiver: the sender opened lane `k`, replacement attempt `epoch`. One older than
-    /// the lane in use (held up in the network while the sender moved on) is refused:
-    /// taking it would retire the live lane for a dead one. Returns the outage it ends,
-    /// if any, and the lane it replaces, to close.
+    /// Lane `k` was retired (its stripes left and it drained): it no longer carries the
+    /// comm. Returns whether other lanes still do.
+    pub fn handle_retired(&mut self, k: usize) -> bool {
+        self.lanes.remove(&k);
+        !self.lanes.is_empty()
+    }
+
+    /// Receiver: the sender opened lane `k`, attempt `epoch`. An attempt already taken (a
+    /// handshake replayed or held up in the network) is refused. Returns the outage it
+    /// ends, if any.
     pub fn handle_replacement(
         &mut self,
         k: usize,
         epoch: u64,
         now: Instant,
     ) -> Result<Replaced, AuthError> {
-        if epoch <= self.epoch {
+        if epoch == 0 || self.lanes.values().any(|c| c.epoch == epoch) {
             return Err(AuthError::Stale {
                 offered: epoch,
                 current: self.epoch,
             });
         }
-        self.epoch = epoch;
+        self.epoch = self.epoch.max(epoch);
         self.stranded = None;
+        self.lanes.insert(
+            k,
+            Carrier {
+                pair: None,
+                stripes: Vec::new(),
+                epoch,
+            },
+        );
         Ok(Replaced {
             outage: (self.detected.take()).map(|(t, r)| (now.saturating_duration_since(t), r)),
-            old: self.lane.replace(k).filter(|&o| o != k),
         })
     }
 }
@@ -326,6 +500,7 @@ impl PathMachine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::routing::{NicId, PeerId};
 
     const MS: Duration = Duration::from_millis(1);
     const T: Timeouts = Timeouts {
@@ -411,7 +586,7 @@ mod tests {
     }
 
     #[test]
-    fn a_replacement_ends_the_wait_and_a_stale_one_is_refused() {
+    fn a_new_lane_ends_the_wait_and_a_repeated_attempt_is_refused() {
         let t0 = Instant::now();
         let mut p = PathMachine::new(false, T, 0);
         p.handle_lane_lost(
@@ -422,31 +597,43 @@ mod tests {
             false,
             t0,
         );
-        assert_eq!(p.lane(), None, "the lost lane is gone");
+        assert!(!p.has_lane(), "the lost lane is gone");
         assert_eq!(
             p.handle_replacement(1, 2, t0 + 300 * MS),
             Ok(Replaced {
                 outage: Some((300 * MS, FailReason::LinkDown)),
-                old: None
             })
         );
         assert_eq!(p.poll_timeout(true), None);
         assert!(matches!(
-            p.handle_replacement(2, 1, t0 + 400 * MS),
-            Err(AuthError::Stale {
-                offered: 1,
-                current: 2
-            })
+            p.handle_replacement(2, 2, t0 + 400 * MS),
+            Err(AuthError::Stale { offered: 2, .. })
         ));
-        assert_eq!(p.lane(), Some(1), "a stale lane displaces nothing");
-        let newer = p.handle_replacement(3, 3, t0 + 500 * MS);
-        assert_eq!(
-            newer,
-            Ok(Replaced {
-                outage: None,
-                old: Some(1)
-            })
+        assert!(
+            p.handle_replacement(2, 0, t0).is_err(),
+            "0 is a comm's first lane"
         );
+        // Lanes of a striped comm join; an older attempt displaces nothing.
+        assert_eq!(
+            p.handle_replacement(3, 1, t0 + 500 * MS),
+            Ok(Replaced { outage: None })
+        );
+        let keys: Vec<usize> = p.lanes().map(|(k, _)| k).collect();
+        assert_eq!(keys, vec![1, 3]);
+        // Losing one of two lanes strands nothing.
+        assert_eq!(
+            p.handle_lane_lost(
+                1,
+                &link_down(),
+                FailReason::LinkDown,
+                Duration::ZERO,
+                false,
+                t0
+            ),
+            Loss::Carry
+        );
+        assert_eq!(p.poll_timeout(true), None);
+        assert!(!p.handle_retired(3), "the last lane retired");
     }
 
     #[test]
@@ -476,97 +663,147 @@ mod tests {
             r.handle_lane_lost(0, &bad, FailReason::Timeout, Duration::ZERO, false, t0),
             Loss::Fail
         );
-        let mut s = PathMachine::new(true, T, 0);
+        let lost = |routed: bool, e: &ConnError| {
+            let mut s = PathMachine::new(true, T, 0);
+            s.route(pair(0), 3);
+            s.handle_lane_lost(0, e, FailReason::NicError, Duration::ZERO, routed, t0)
+        };
+        assert_eq!(lost(true, &link_down()), Loss::Failover(LaneId(0)));
         assert_eq!(
-            s.handle_lane_lost(
-                0,
-                &link_down(),
-                FailReason::NicError,
-                Duration::ZERO,
-                true,
-                t0
-            ),
-            Loss::Failover
-        );
-        assert_eq!(
-            s.handle_lane_lost(
-                0,
-                &link_down(),
-                FailReason::NicError,
-                Duration::ZERO,
-                false,
-                t0
-            ),
+            lost(false, &link_down()),
             Loss::Fail,
             "a comm the router does not know cannot move"
         );
-        assert_eq!(
-            s.handle_lane_lost(
-                0,
-                &ConnError::PeerClosed,
-                FailReason::Timeout,
-                Duration::ZERO,
-                true,
-                t0
-            ),
-            Loss::Fail
-        );
+        assert_eq!(lost(true, &ConnError::PeerClosed), Loss::Fail);
+    }
+
+    fn pair(n: u32) -> Pair {
+        Pair {
+            local: NicId(n),
+            peer: PeerId(0),
+            remote: NicId(n),
+        }
+    }
+
+    fn stripes_of(p: &PathMachine) -> Vec<(usize, usize)> {
+        p.lanes().map(|(k, c)| (k, c.stripes.len())).collect()
     }
 
     #[test]
-    fn a_failover_reports_its_detection_and_resume_times_and_a_failback_its_time_away() {
+    fn a_failed_lanes_stripes_spread_over_the_pairs_the_router_chose() {
         let t0 = Instant::now();
-        let mut s = PathMachine::new(true, T, 0);
-        s.handle_silence(1000 * MS);
-        s.handle_lane_lost(0, &link_down(), FailReason::Timeout, 1000 * MS, true, t0);
         let fo = MoveReason::Failover(FailReason::Timeout);
-        assert_eq!(s.handle_move(fo, t0 + 10 * MS), (1, None));
-        s.handle_opening(1);
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 3);
+        assert_eq!(stripes_of(&s), vec![(0, 3)]);
+        s.handle_silence(1000 * MS);
+        let loss = s.handle_lane_lost(0, &link_down(), FailReason::Timeout, 1000 * MS, true, t0);
+        assert_eq!(loss, Loss::Failover(LaneId(0)));
+        // The router spreads the three stripes over pairs 1, 2, 1.
+        let at = t0 + 10 * MS;
         assert_eq!(
-            s.handle_moved(1, fo, t0 + 250 * MS),
-            (
-                Moved::Failover {
-                    reason: FailReason::Timeout,
-                    detection: 1000 * MS,
-                    resume: 250 * MS
-                },
-                None
-            )
+            s.handle_move(LaneId(0), pair(1), fo, at),
+            (Placed::Open { epoch: 1 }, None)
+        );
+        s.handle_opening(10, pair(1), LaneId(0), 1);
+        assert_eq!(
+            s.handle_move(LaneId(1), pair(2), fo, at),
+            (Placed::Open { epoch: 2 }, None)
+        );
+        s.handle_opening(11, pair(2), LaneId(1), 2);
+        assert_eq!(
+            s.handle_move(LaneId(2), pair(1), fo, at),
+            (Placed::Waiting(10), None)
+        );
+        assert_eq!(s.settle(at), None, "nothing is open yet");
+        assert!(s.handle_moved(10, t0 + 200 * MS));
+        assert_eq!(s.settle(t0 + 200 * MS), None, "stripe 1 still waits");
+        assert!(s.handle_moved(11, t0 + 300 * MS));
+        assert_eq!(
+            s.settle(t0 + 300 * MS),
+            Some(Moved::Failover {
+                reason: FailReason::Timeout,
+                detection: 1000 * MS,
+                resume: 200 * MS,
+                spread: 2
+            })
+        );
+        assert_eq!(stripes_of(&s), vec![(10, 2), (11, 1)]);
+        assert_eq!(s.detected(), None);
+        // Fail-back: every stripe home on one new lane; the backups drain and retire.
+        let fb = MoveReason::Failback;
+        let at = t0 + 5000 * MS;
+        assert_eq!(
+            s.handle_move(LaneId(0), pair(0), fb, at).0,
+            Placed::Open { epoch: 3 }
+        );
+        s.handle_opening(12, pair(0), LaneId(0), 3);
+        assert_eq!(
+            s.handle_move(LaneId(1), pair(0), fb, at).0,
+            Placed::Waiting(12)
         );
         assert_eq!(
-            (s.detected(), s.lane(), s.migrating()),
-            (None, Some(1), None)
+            s.handle_move(LaneId(2), pair(0), fb, at).0,
+            Placed::Waiting(12)
         );
         assert_eq!(
-            s.handle_move(MoveReason::Failback, t0 + 5000 * MS),
-            (2, None)
+            s.idle(),
+            Vec::<usize>::new(),
+            "nobody carries a stripe yet: keep both"
         );
-        s.handle_opening(2);
+        assert!(s.handle_moved(12, t0 + 5100 * MS));
         assert_eq!(
-            s.handle_moved(2, MoveReason::Failback, t0 + 5100 * MS),
-            (Moved::Failback { away: 5100 * MS }, Some(1))
+            s.settle(t0 + 5100 * MS),
+            Some(Moved::Failback { away: 5100 * MS })
         );
-        // Moved by a failure under another comm: its outage starts with the move.
+        assert_eq!(s.idle(), vec![10, 11]);
+        assert!(s.handle_retired(10));
+        assert!(s.handle_retired(11));
+        assert_eq!(stripes_of(&s), vec![(12, 3)]);
+        assert_eq!(s.spread(), 1);
+    }
+
+    #[test]
+    fn a_stripe_joins_a_lane_already_on_its_new_pair() {
+        let t0 = Instant::now();
         let link = MoveReason::Failover(FailReason::LinkDown);
-        s.handle_move(link, t0 + 6000 * MS);
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 2);
+        s.handle_lane_lost(
+            0,
+            &link_down(),
+            FailReason::LinkDown,
+            Duration::ZERO,
+            true,
+            t0,
+        );
+        s.handle_move(LaneId(0), pair(1), link, t0);
+        s.handle_opening(5, pair(1), LaneId(0), 1);
+        s.handle_moved(5, t0 + 40 * MS);
+        assert_eq!(s.settle(t0 + 40 * MS), None, "stripe 1 has no lane yet");
         assert_eq!(
-            s.handle_moved(3, link, t0 + 6040 * MS).0,
-            Moved::Failover {
+            s.handle_move(LaneId(1), pair(1), link, t0 + 50 * MS),
+            (Placed::Joined(5), None)
+        );
+        assert_eq!(
+            s.settle(t0 + 50 * MS),
+            Some(Moved::Failover {
                 reason: FailReason::LinkDown,
                 detection: Duration::ZERO,
-                resume: 40 * MS
-            }
+                resume: 40 * MS,
+                spread: 1
+            })
         );
+        assert_eq!(stripes_of(&s), vec![(5, 2)]);
     }
 
     #[test]
-    fn a_lane_lost_during_a_move_leaves_the_decision_to_the_replacement() {
+    fn an_opening_no_stripe_waits_for_is_abandoned_and_a_failed_one_orphans_its_stripes() {
         let t0 = Instant::now();
+        let fo = MoveReason::Failover(FailReason::NicError);
         let mut s = PathMachine::new(true, T, 0);
-        let fb = MoveReason::Failback;
-        s.handle_move(fb, t0);
-        s.handle_opening(1);
-        let loss = s.handle_lane_lost(
+        s.route(pair(0), 2);
+        s.handle_lane_lost(
             0,
             &link_down(),
             FailReason::NicError,
@@ -574,12 +811,66 @@ mod tests {
             true,
             t0,
         );
-        assert_eq!(loss, Loss::Replacing);
-        assert_eq!(s.lane(), None);
-        // A newer move abandons the attempt under way; a failed attempt clears it.
-        assert_eq!(s.handle_move(fb, t0).1, Some(1));
-        s.handle_opening(2);
-        s.handle_opening_failed();
-        assert_eq!(s.handle_failed(), [None, None]);
+        s.handle_move(LaneId(0), pair(1), fo, t0);
+        s.handle_opening(7, pair(1), LaneId(0), 1);
+        s.handle_move(LaneId(1), pair(1), fo, t0);
+        assert_eq!(s.handle_opening_failed(7), vec![LaneId(0), LaneId(1)]);
+        assert_eq!(s.settle(t0), None, "both stripes wait for a move");
+        s.handle_move(LaneId(0), pair(2), fo, t0);
+        s.handle_opening(8, pair(2), LaneId(0), 2);
+        s.handle_move(LaneId(1), pair(3), fo, t0);
+        s.handle_opening(9, pair(3), LaneId(1), 3);
+        // The router moves stripe 1 on before its lane opened: that opening is abandoned.
+        assert_eq!(
+            s.handle_move(LaneId(1), pair(2), fo, t0),
+            (Placed::Waiting(8), Some(9))
+        );
+        let open: Vec<usize> = s.openings().collect();
+        assert_eq!(open, vec![8]);
+        s.handle_moved(8, t0 + 90 * MS);
+        assert!(matches!(
+            s.settle(t0 + 90 * MS),
+            Some(Moved::Failover { spread: 1, .. })
+        ));
+        assert_eq!(s.handle_failed(), vec![8]);
+    }
+
+    #[test]
+    fn losing_a_lane_while_another_carries_on_reports_its_stripes_only() {
+        let t0 = Instant::now();
+        let fo = MoveReason::Failover(FailReason::LinkDown);
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 2);
+        s.handle_move(LaneId(1), pair(1), fo, t0);
+        s.handle_opening(4, pair(1), LaneId(1), 1);
+        s.handle_moved(4, t0);
+        assert_eq!(stripes_of(&s), vec![(0, 1), (4, 1)]);
+        assert_eq!(
+            s.handle_lane_lost(
+                4,
+                &link_down(),
+                FailReason::LinkDown,
+                Duration::ZERO,
+                true,
+                t0
+            ),
+            Loss::Failover(LaneId(1))
+        );
+        assert!(s.has_lane(), "lane 0 carries on");
+        // A lane without stripes (draining) that dies needs no move.
+        s.handle_move(LaneId(0), pair(2), fo, t0);
+        s.handle_opening(6, pair(2), LaneId(0), 2);
+        s.handle_moved(6, t0);
+        assert_eq!(
+            s.handle_lane_lost(
+                0,
+                &link_down(),
+                FailReason::LinkDown,
+                Duration::ZERO,
+                true,
+                t0
+            ),
+            Loss::Carry
+        );
     }
 }

@@ -1,10 +1,18 @@
 //! The receiving half of a comm.
 //!
 //! Call order: `post` for each receive NCCL posts; for each inbound `Data` header call
-//! `handle_data` and, once the payload is in place, `payload_done`; then drain
-//! `poll_transmit` (CTS and acks to send) and `poll_event` (completed receives).
+//! `handle_data` with the lane it came on and, once the payload is in place,
+//! `payload_done`; then drain `poll_transmit` (CTS and acks to send) and `poll_event`
+//! (completed receives, in order).
+//!
+//! A striped comm's messages arrive over several lanes, so message `n + 1` may be done
+//! before message `n`, and after a lane dies the sender sends again what it held: the same
+//! message may then be arriving on two lanes at once. Both copies are the same bytes; the
+//! first to finish completes the receive, and the other lane must stop writing into its
+//! buffer at once ([`RecvMachine::payload_done`] names those lanes), because NCCL may reuse
+//! a completed receive's buffer.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use super::{ConnError, Stats};
 
@@ -45,17 +53,20 @@ struct Posted<T> {
     seq: u64,
     capacity: u64,
     token: T,
+    /// Settled, waiting for the receives before it: its length, or why it failed.
+    done: Option<Result<u64, ConnError>>,
 }
 
-/// Receiver-side bookkeeping of one comm.
+/// Receiver-side bookkeeping of one comm. Lanes are the caller's keys.
 #[derive(Debug)]
 pub struct RecvMachine<T> {
+    /// Posted and not yet reported, in sequence order from `delivered` on.
     posted: VecDeque<Posted<T>>,
     next_seq: u64,
-    /// Next sequence number to deliver.
+    /// Next sequence number to report: everything below it is in place.
     delivered: u64,
-    /// A `Deliver` handed out and not yet finished.
-    in_progress: Option<u64>,
+    /// The message each lane is writing a payload of.
+    writing: BTreeMap<usize, u64>,
     ctrl: VecDeque<Control>,
     ack_owed: bool,
     events: VecDeque<RecvEvent<T>>,
@@ -69,7 +80,7 @@ impl<T> Default for RecvMachine<T> {
             posted: VecDeque::new(),
             next_seq: 0,
             delivered: 0,
-            in_progress: None,
+            writing: BTreeMap::new(),
             ctrl: VecDeque::new(),
             ack_owed: false,
             events: VecDeque::new(),
@@ -93,39 +104,41 @@ impl<T> RecvMachine<T> {
                 seq,
                 capacity,
                 token,
+                done: None,
             });
             self.ctrl.push_back(Control::Cts { seq, capacity });
         }
         seq
     }
 
-    /// A `Data{seq, len}` header arrived.
-    pub fn handle_data(&mut self, seq: u64, len: u64) -> Result<Placement, ConnError> {
-        if self.in_progress.is_some() {
+    fn slot(&mut self, seq: u64) -> Option<&mut Posted<T>> {
+        let i = usize::try_from(seq.checked_sub(self.delivered)?).ok()?;
+        self.posted.get_mut(i)
+    }
+
+    /// A `Data{seq, len}` header arrived on `lane`.
+    pub fn handle_data(&mut self, lane: usize, seq: u64, len: u64) -> Result<Placement, ConnError> {
+        if self.writing.contains_key(&lane) {
             return Err(ConnError::Protocol("data header inside a payload".into()));
         }
         if seq < self.delivered {
             self.stats.duplicates += 1;
             return Ok(Placement::Discard { len });
         }
-        if seq > self.delivered {
-            return Err(ConnError::Protocol(format!(
-                "data {seq}, expected {}",
-                self.delivered
-            )));
-        }
         let p = self
-            .posted
-            .front()
-            .filter(|p| p.seq == seq)
+            .slot(seq)
             .ok_or_else(|| ConnError::Protocol(format!("data {seq} without a posted receive")))?;
+        if p.done.is_some() {
+            self.stats.duplicates += 1;
+            return Ok(Placement::Discard { len });
+        }
         if len > p.capacity {
             return Err(ConnError::Protocol(format!(
                 "data {seq} of {len} bytes exceeds the announced {}",
                 p.capacity
             )));
         }
-        self.in_progress = Some(seq);
+        self.writing.insert(lane, seq);
         Ok(Placement::Deliver { seq, len })
     }
 
@@ -134,50 +147,88 @@ impl<T> RecvMachine<T> {
         self.posted.iter().find(|p| p.seq == seq).map(|p| &p.token)
     }
 
-    /// The payload of the `Deliver` in progress is entirely in its buffer.
-    pub fn payload_done(&mut self, seq: u64, len: u64) -> Result<(), ConnError> {
-        if self.in_progress != Some(seq) {
-            return Err(ConnError::Protocol(format!(
-                "payload {seq} was not expected"
-            )));
+    /// A payload of message `seq` read on `lane` has ended: placed by `Deliver`, or
+    /// dropped. Returns the other lanes that were writing the same message: it is
+    /// complete, so they must drop the rest of their copy instead of writing it.
+    pub fn payload_done(
+        &mut self,
+        lane: usize,
+        seq: u64,
+        len: u64,
+    ) -> Result<Vec<usize>, ConnError> {
+        if self.writing.get(&lane) != Some(&seq) {
+            let settled = seq < self.delivered || self.slot(seq).is_some_and(|p| p.done.is_some());
+            return if settled {
+                Ok(Vec::new()) // a dropped duplicate
+            } else {
+                Err(ConnError::Protocol(format!(
+                    "payload {seq} was not expected"
+                )))
+            };
         }
-        self.in_progress = None;
+        self.writing.remove(&lane);
         let p = self
-            .posted
-            .pop_front()
-            .expect("in-progress receive is at the front");
-        self.delivered = seq + 1;
-        self.ack_owed = true;
-        self.stats.messages += 1;
-        self.stats.bytes += len;
-        self.events.push_back(RecvEvent::Completed {
-            seq,
-            len,
-            token: p.token,
-        });
-        Ok(())
+            .slot(seq)
+            .expect("a payload being written has its receive");
+        p.done = Some(Ok(len));
+        let others: Vec<usize> = (self.writing.iter())
+            .filter(|&(_, &s)| s == seq)
+            .map(|(&l, _)| l)
+            .collect();
+        for l in &others {
+            self.writing.remove(l);
+        }
+        self.advance();
+        Ok(others)
+    }
+
+    /// Reports the settled receives at the front, in order.
+    fn advance(&mut self) {
+        while self.posted.front().is_some_and(|p| p.done.is_some()) {
+            let p = self.posted.pop_front().expect("front checked");
+            self.delivered = p.seq + 1;
+            self.ack_owed = true;
+            match p.done.expect("front checked") {
+                Ok(len) => {
+                    self.stats.messages += 1;
+                    self.stats.bytes += len;
+                    self.events.push_back(RecvEvent::Completed {
+                        seq: p.seq,
+                        len,
+                        token: p.token,
+                    });
+                }
+                Err(error) => self.events.push_back(RecvEvent::Failed {
+                    seq: p.seq,
+                    token: p.token,
+                    error,
+                }),
+            }
+        }
     }
 
     /// The sender's message `seq` of `len` bytes did not fit: that receive fails with a
-    /// usage error and the comm moves on to the next one.
+    /// usage error and the comm moves on. A repeated notice changes nothing.
     pub fn handle_truncated(&mut self, seq: u64, len: u64) -> Result<(), ConnError> {
-        match self.posted.front() {
-            Some(p) if p.seq == seq && seq == self.delivered && self.in_progress.is_none() => {
-                let capacity = p.capacity;
-                let p = self.posted.pop_front().expect("front checked");
-                self.delivered = seq + 1;
-                self.ack_owed = true;
-                self.events.push_back(RecvEvent::Failed {
-                    seq,
-                    token: p.token,
-                    error: ConnError::Truncated { len, capacity },
-                });
-                Ok(())
-            }
-            _ => Err(ConnError::Protocol(format!(
-                "truncation notice for {seq} out of order"
-            ))),
+        if seq < self.delivered {
+            return Ok(());
         }
+        if self.writing.values().any(|&s| s == seq) {
+            return Err(ConnError::Protocol(format!(
+                "truncation notice for {seq} while its payload arrives"
+            )));
+        }
+        let p = self.slot(seq).ok_or_else(|| {
+            ConnError::Protocol(format!(
+                "truncation notice for {seq} without a posted receive"
+            ))
+        })?;
+        if p.done.is_none() {
+            let capacity = p.capacity;
+            p.done = Some(Err(ConnError::Truncated { len, capacity }));
+            self.advance();
+        }
+        Ok(())
     }
 
     #[must_use]
@@ -202,14 +253,14 @@ impl<T> RecvMachine<T> {
         self.events.pop_front()
     }
 
-    /// A new lane replaces the old one: a partly received message will arrive again in
-    /// full, and the sender needs a fresh CTS for every receive still waiting. Returns the
-    /// number of messages delivered so far, which the new lane's handshake reports.
-    pub fn begin_replay(&mut self) -> u64 {
-        self.in_progress = None;
+    /// The comm's lanes changed (one joined, one died): what the sender knows may have
+    /// been lost with a lane, so announce again every receive still waiting, and where
+    /// delivery stands. Returns the number of messages delivered so far, which a new
+    /// lane's handshake reports.
+    pub fn reannounce(&mut self) -> u64 {
         self.ctrl.clear();
-        self.ack_owed = false;
-        for p in &self.posted {
+        self.ack_owed = true;
+        for p in self.posted.iter().filter(|p| p.done.is_none()) {
             self.ctrl.push_back(Control::Cts {
                 seq: p.seq,
                 capacity: p.capacity,
@@ -218,9 +269,14 @@ impl<T> RecvMachine<T> {
         self.delivered
     }
 
-    /// The lane is gone and will not be replaced: every posted receive fails.
+    /// Lane `lane` is gone: a payload it was writing will come again in full.
+    pub fn handle_lane_down(&mut self, lane: usize) {
+        self.writing.remove(&lane);
+    }
+
+    /// The comm is lost and will not be restored: every posted receive fails.
     pub fn handle_lane_lost(&mut self, error: ConnError) {
-        self.in_progress = None;
+        self.writing.clear();
         self.delivered = self.next_seq;
         while let Some(p) = self.posted.pop_front() {
             self.events.push_back(RecvEvent::Failed {
@@ -250,6 +306,10 @@ mod tests {
         std::iter::from_fn(|| m.poll_transmit()).collect()
     }
 
+    fn events<T>(m: &mut RecvMachine<T>) -> Vec<RecvEvent<T>> {
+        std::iter::from_fn(|| m.poll_event()).collect()
+    }
+
     #[test]
     fn post_announces_cts_in_order() {
         let mut m = RecvMachine::default();
@@ -276,12 +336,12 @@ mod tests {
         m.post(100, 'a');
         let _ = ctrl(&mut m);
         assert_eq!(
-            m.handle_data(0, 40).unwrap(),
+            m.handle_data(0, 0, 40).unwrap(),
             Placement::Deliver { seq: 0, len: 40 }
         );
         assert_eq!(m.message(0), Some(&'a'));
         assert!(m.poll_event().is_none());
-        m.payload_done(0, 40).unwrap();
+        assert!(m.payload_done(0, 0, 40).unwrap().is_empty());
         assert_eq!(
             m.poll_event(),
             Some(RecvEvent::Completed {
@@ -301,8 +361,8 @@ mod tests {
         }
         let _ = ctrl(&mut m);
         for i in 0..3 {
-            m.handle_data(i, 8).unwrap();
-            m.payload_done(i, 8).unwrap();
+            m.handle_data(0, i, 8).unwrap();
+            m.payload_done(0, i, 8).unwrap();
         }
         assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 3 }]);
     }
@@ -313,31 +373,98 @@ mod tests {
         m.post(0, 0);
         m.post(crate::conn::wire::MAX_DATA, 1);
         assert_eq!(
-            m.handle_data(0, 0).unwrap(),
+            m.handle_data(0, 0, 0).unwrap(),
             Placement::Deliver { seq: 0, len: 0 }
         );
-        m.payload_done(0, 0).unwrap();
+        m.payload_done(0, 0, 0).unwrap();
         let max = crate::conn::wire::MAX_DATA;
         assert_eq!(
-            m.handle_data(1, max).unwrap(),
+            m.handle_data(0, 1, max).unwrap(),
             Placement::Deliver { seq: 1, len: max }
         );
-        m.payload_done(1, max).unwrap();
+        m.payload_done(0, 1, max).unwrap();
         assert_eq!(m.stats.bytes, max);
         assert_eq!(m.delivered(), 2);
     }
 
     #[test]
-    fn out_of_order_oversized_or_unposted_data_is_a_protocol_error() {
+    fn unposted_oversized_or_nested_data_is_a_protocol_error() {
         let mut m = RecvMachine::default();
-        assert!(m.handle_data(0, 1).is_err(), "no receive posted");
+        assert!(m.handle_data(0, 0, 1).is_err(), "no receive posted");
         m.post(10, ());
         m.post(10, ());
-        assert!(m.handle_data(1, 1).is_err(), "gap");
-        assert!(m.handle_data(0, 11).is_err(), "larger than announced");
-        m.handle_data(0, 10).unwrap();
-        assert!(m.handle_data(1, 1).is_err(), "header inside a payload");
-        assert!(m.payload_done(1, 1).is_err(), "wrong payload");
+        assert!(m.handle_data(0, 2, 1).is_err(), "beyond what is posted");
+        assert!(m.handle_data(0, 0, 11).is_err(), "larger than announced");
+        m.handle_data(0, 0, 10).unwrap();
+        assert!(m.handle_data(0, 1, 1).is_err(), "header inside a payload");
+        assert!(m.payload_done(0, 1, 1).is_err(), "wrong payload");
+    }
+
+    #[test]
+    fn messages_of_a_striped_comm_finish_out_of_order_and_complete_in_order() {
+        let mut m = RecvMachine::default();
+        for i in 0..3 {
+            m.post(10, i);
+        }
+        let _ = ctrl(&mut m);
+        m.handle_data(1, 0, 10).unwrap();
+        m.handle_data(2, 1, 10).unwrap();
+        m.handle_data(3, 2, 10).unwrap();
+        m.payload_done(3, 2, 10).unwrap();
+        m.payload_done(2, 1, 10).unwrap();
+        assert!(events(&mut m).is_empty(), "message 0 is still arriving");
+        assert_eq!(ctrl(&mut m), vec![]);
+        m.payload_done(1, 0, 10).unwrap();
+        let seqs: Vec<u64> = events(&mut m)
+            .iter()
+            .map(|e| match e {
+                RecvEvent::Completed { seq, .. } => *seq,
+                RecvEvent::Failed { .. } => panic!("{e:?}"),
+            })
+            .collect();
+        assert_eq!(seqs, vec![0, 1, 2]);
+        assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 3 }]);
+    }
+
+    #[test]
+    fn the_first_copy_to_finish_wins_and_the_other_lane_stops_writing() {
+        let mut m = RecvMachine::default();
+        m.post(10, 'a');
+        m.post(10, 'b');
+        // Lane 1 is writing message 0 when the sender, which took lane 1 for dead,
+        // sends it again on lane 2.
+        m.handle_data(1, 0, 10).unwrap();
+        assert_eq!(
+            m.handle_data(2, 0, 10).unwrap(),
+            Placement::Deliver { seq: 0, len: 10 }
+        );
+        assert_eq!(m.payload_done(2, 0, 10).unwrap(), vec![1]);
+        assert_eq!(events(&mut m).len(), 1);
+        // Lane 1's copy ends as a drop; a third copy is a duplicate.
+        assert!(m.payload_done(1, 0, 10).unwrap().is_empty());
+        assert_eq!(
+            m.handle_data(1, 0, 10).unwrap(),
+            Placement::Discard { len: 10 }
+        );
+        assert_eq!(m.stats.duplicates, 1);
+        // Lane 1 is free for the next message.
+        m.handle_data(1, 1, 4).unwrap();
+        m.payload_done(1, 1, 4).unwrap();
+        assert_eq!(m.delivered(), 2);
+    }
+
+    #[test]
+    fn a_copy_that_arrives_after_completion_out_of_order_is_dropped() {
+        let mut m = RecvMachine::default();
+        m.post(10, 'a');
+        m.post(10, 'b');
+        m.handle_data(1, 1, 10).unwrap();
+        m.payload_done(1, 1, 10).unwrap();
+        assert_eq!(
+            m.handle_data(2, 1, 10).unwrap(),
+            Placement::Discard { len: 10 }
+        );
+        assert!(m.payload_done(2, 1, 10).unwrap().is_empty());
     }
 
     #[test]
@@ -359,23 +486,29 @@ mod tests {
             })
         );
         assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 1 }]);
-        m.handle_data(1, 10).unwrap();
-        m.payload_done(1, 10).unwrap();
+        m.handle_truncated(0, 11).unwrap();
+        assert!(
+            m.poll_event().is_none(),
+            "a repeated notice changes nothing"
+        );
+        m.handle_data(0, 1, 10).unwrap();
+        m.payload_done(0, 1, 10).unwrap();
         assert!(m.handle_truncated(5, 1).is_err());
     }
 
     #[test]
-    fn replay_drops_duplicates_and_reannounces_waiting_receives() {
+    fn a_lane_change_reannounces_waiting_receives_and_drops_its_partial_copy() {
         let mut m = RecvMachine::default();
         for i in 0..3 {
             m.post(100, i);
         }
         let _ = ctrl(&mut m);
-        m.handle_data(0, 100).unwrap();
-        m.payload_done(0, 100).unwrap();
-        // Message 1 was half received when the lane died.
-        m.handle_data(1, 100).unwrap();
-        assert_eq!(m.begin_replay(), 1);
+        m.handle_data(0, 0, 100).unwrap();
+        m.payload_done(0, 0, 100).unwrap();
+        // Message 1 was half received when lane 0 died.
+        m.handle_data(0, 1, 100).unwrap();
+        m.handle_lane_down(0);
+        assert_eq!(m.reannounce(), 1);
         assert_eq!(
             ctrl(&mut m),
             vec![
@@ -386,25 +519,27 @@ mod tests {
                 Control::Cts {
                     seq: 2,
                     capacity: 100
-                }
+                },
+                Control::Ack { delivered: 1 }
             ]
         );
         // A sender replaying from further back: the overlap is discarded and counted.
         assert_eq!(
-            m.handle_data(0, 100).unwrap(),
+            m.handle_data(5, 0, 100).unwrap(),
             Placement::Discard { len: 100 }
         );
         assert_eq!(m.stats.duplicates, 1);
+        m.payload_done(5, 0, 100).unwrap();
         assert_eq!(
-            m.handle_data(1, 100).unwrap(),
+            m.handle_data(5, 1, 100).unwrap(),
             Placement::Deliver { seq: 1, len: 100 }
         );
-        m.payload_done(1, 100).unwrap();
+        m.payload_done(5, 1, 100).unwrap();
         assert_eq!(m.delivered(), 2);
     }
 
     #[test]
-    fn lost_lane_fails_every_receive() {
+    fn lost_comm_fails_every_receive() {
         let mut m = RecvMachine::default();
         m.post(1, 'a');
         m.post(1, 'b');

@@ -15,8 +15,9 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 /// The first two bytes of every frame.
 pub const MAGIC: [u8; 2] = *b"RO";
 /// Version of this format; a peer speaking another one is refused. 2: authenticated
-/// handshake (`Challenge`, `Proof`), no token on the wire.
-pub const VERSION: u8 = 2;
+/// handshake (`Challenge`, `Proof`), no token on the wire. 3: striped comms (a comm runs
+/// over several lanes at once; `Retire` ends one of them).
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
 pub const MAX_BODY: u64 = 4096;
@@ -52,11 +53,15 @@ pub enum Kind {
     Challenge,
     /// Connector → listener: its proof of the key, over the whole handshake.
     Proof,
+    /// Sender → receiver: this lane carries nothing more for its comm (its share moved to
+    /// other lanes and all it carried was acknowledged); the receiver lets it go without
+    /// waiting for a replacement.
+    Retire,
 }
 
 impl Kind {
     /// Every kind, in wire-code order.
-    pub const ALL: [Kind; 12] = [
+    pub const ALL: [Kind; 13] = [
         Kind::Hello,
         Kind::Welcome,
         Kind::Refuse,
@@ -69,6 +74,7 @@ impl Kind {
         Kind::Stalled,
         Kind::Challenge,
         Kind::Proof,
+        Kind::Retire,
     ];
 
     fn code(self) -> u8 {
@@ -85,6 +91,7 @@ impl Kind {
             Kind::Stalled => 10,
             Kind::Challenge => 11,
             Kind::Proof => 12,
+            Kind::Retire => 13,
         }
     }
 
@@ -102,6 +109,7 @@ impl Kind {
             10 => Kind::Stalled,
             11 => Kind::Challenge,
             12 => Kind::Proof,
+            13 => Kind::Retire,
             _ => return None,
         })
     }
@@ -230,9 +238,8 @@ pub struct Hello {
     pub nonce: [u8; 32],
     /// Ephemeral X25519 public key (`Data`); zero otherwise.
     pub eph: [u8; 32],
-    /// A migration's attempt number, rising with each replacement lane the sender
-    /// opens: the receiver takes a replacement only if it is newer than the lane in use,
-    /// so one delayed in the network cannot displace a later one. Zero otherwise.
+    /// A migration's attempt number, rising with each lane the sender opens for the
+    /// comm: the receiver refuses one it has already taken. Zero otherwise.
     pub epoch: u64,
     pub nics: Vec<NicAddr>,
 }
@@ -444,7 +451,7 @@ mod tests {
         let codes: Vec<u8> = Kind::ALL.iter().map(|k| k.code()).collect();
         assert_eq!(
             codes,
-            (1..=12).collect::<Vec<u8>>(),
+            (1..=13).collect::<Vec<u8>>(),
             "ALL lists every kind once"
         );
         for kind in Kind::ALL {

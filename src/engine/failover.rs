@@ -10,16 +10,13 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::conn::health;
 use crate::conn::lane::{sample_interval, Cause};
-use crate::conn::path::{Loss, Moved, Replaced};
+use crate::conn::path::{Loss, Moved, Placed, Replaced};
 use crate::conn::wire::Purpose;
 use crate::routing::FailReason;
-use crate::routing::{CommId, CommSpec, Event, LaneId, NicId, PeerId};
+use crate::routing::{CommId, CommSpec, Event, NicId, PeerId};
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
 use crate::telemetry::sampler::{NicNow, Totals};
 use crate::transport::fair::LaneSample;
-
-/// The one lane a comm has, in the router's numbering.
-const LANE: LaneId = LaneId(0);
 
 impl Engine {
     /// A send comm was just connected: tell the router about both NIC lists.
@@ -49,19 +46,32 @@ impl Engine {
         let distance = self.setup.distance.get(nic).map_or(&[][..], |d| &d[..]);
         let (local, remote) = (NicId(nic as u32), NicId(remote_idx as u32));
         let peer = PeerId(peer as u32);
-        let spec = CommSpec::one_lane(peer, &rails, distance, &remotes, (local, remote));
+        let mut spec = CommSpec::one_lane(peer, &rails, distance, &remotes, (local, remote));
+        let stripes = self.stripes();
+        spec.lanes = vec![(local, remote); stripes];
         match self.router.add_comm(CommId(c), spec, now) {
             Ok(()) => {
-                let current = Pair {
+                let original = Pair {
                     local,
                     peer,
                     remote,
                 };
-                self.comms[c].route = Some(Route { current });
+                let comm = &mut self.comms[c];
+                comm.route = Some(Route { peer });
+                comm.path.route(original, stripes);
                 self.routes_dirty = true;
             }
             Err(e) => tracing::warn!("railover: comm {c} cannot fail over: {e}"),
         }
+    }
+
+    /// How many stripes a send comm is cut into: enough that a failed NIC's comm spreads
+    /// over every other NIC.
+    fn stripes(&self) -> usize {
+        self.setup
+            .stripes
+            .unwrap_or(self.setup.nics.len().saturating_sub(1))
+            .max(1)
     }
 
     /// Lane `k` is unusable: let it go and settle whatever depended on it. The one
@@ -112,19 +122,14 @@ impl Engine {
             }
             Role::Probe { pair, .. } => self.probe_failed(pair, now),
             Role::Migrating { comm: c, mv } => {
-                tracing::warn!(
-                    "railover: comm {c}: replacement lane {} failed: {error}",
-                    mv.to
-                );
+                tracing::warn!("railover: comm {c}: new lane on {} failed: {error}", mv.to);
                 if let Some(comm) = self.comms.get_mut(c) {
-                    comm.path.handle_opening_failed();
+                    let stripes = comm.path.handle_opening_failed(k);
                     if matches!(error, ConnError::Gone(_)) {
                         // The receiver failed or closed the comm: no pair can help.
                         self.fail_comm(c, error, io);
-                    } else if comm.route.is_some() {
-                        let _ = self
-                            .router
-                            .handle_lane_failure(CommId(c), LANE, reason, now);
+                    } else if let (Some(_), Some(&s)) = (comm.route, stripes.first()) {
+                        let _ = self.router.handle_lane_failure(CommId(c), s, reason, now);
                     }
                 }
             }
@@ -133,11 +138,18 @@ impl Engine {
                     self.tell_sender(c, k, io);
                 }
                 self.release_lane(k, cut, io);
-                if let (Some(floor), Some(r)) = (brownout, self.comms.get(c).and_then(|m| m.route))
-                {
-                    self.router.handle_brownout(r.current, floor);
+                let comm = &mut self.comms[c];
+                let pair = comm.path.carrier(k).and_then(|l| l.pair);
+                if let (Some(floor), Some(pair)) = (brownout, pair) {
+                    self.router.handle_brownout(pair, floor);
                 }
-                self.comm_lane_lost(c, k, (error, reason, silent), now, io);
+                // What the lane held goes out again on the lanes left.
+                let again = comm.machine.handle_lane_down(k);
+                comm.replayed += again;
+                self.stats
+                    .replayed_bytes
+                    .fetch_add(again, Ordering::Relaxed);
+                self.comm_lane_lost(c, k, pair, (error, reason, silent), now, io);
                 return;
             }
         }
@@ -196,6 +208,7 @@ impl Engine {
         &mut self,
         c: usize,
         k: usize,
+        pair: Option<Pair>,
         (error, reason, silent): (ConnError, FailReason, Duration),
         now: Instant,
         io: &mut dyn Io,
@@ -209,22 +222,21 @@ impl Engine {
         }
         let routed = comm.route.is_some();
         match comm.path.handle_lane_lost(k, &error, reason, silent, routed, now) {
-            Loss::Replacing => {}
-            Loss::Failover => {
+            Loss::Carry => self.pump(c),
+            Loss::Failover(stripe) => {
                 tracing::warn!(
                     "railover: comm {c}: lane on {} failed ({}): {error}",
-                    comm.route
-                        .map(|r| r.current.to_string())
-                        .unwrap_or_default(),
+                    pair.map(|p| p.to_string()).unwrap_or_default(),
                     reason.as_str()
                 );
                 if let Err(e) = self
                     .router
-                    .handle_lane_failure(CommId(c), LANE, reason, now)
+                    .handle_lane_failure(CommId(c), stripe, reason, now)
                 {
                     tracing::warn!("railover: comm {c}: router refused the failure report: {e}");
                 }
                 self.routes_dirty = true;
+                self.pump(c);
             }
             Loss::Wait { path: true, .. } => tracing::warn!("railover: comm {c}: receive lane failed ({}): {error}; waiting for the sender's replacement lane", reason.as_str()),
             Loss::Wait { grace, .. } => tracing::info!(
@@ -258,7 +270,7 @@ impl Engine {
             self.router.remove_comm(CommId(c));
             self.routes_dirty = true;
         }
-        for k in lanes.into_iter().flatten() {
+        for k in lanes {
             self.drop_lane(k, io);
         }
         self.pump(c);
@@ -275,7 +287,7 @@ impl Engine {
         io: &mut dyn Io,
     ) {
         let comm = &mut self.comms[c];
-        let Replaced { outage, old } = match comm.path.handle_replacement(k, epoch, now) {
+        let Replaced { outage } = match comm.path.handle_replacement(k, epoch, now) {
             Ok(r) => r,
             Err(e) => return self.refuse(k, &e, now),
         };
@@ -290,17 +302,15 @@ impl Engine {
                 reason.as_str()
             );
         }
-        if let Some(old) = old {
-            self.drop_lane(old, io);
-        }
+        let _ = io;
         self.carry(k, c);
         let welcome = self.welcome(delivered);
         self.lanes[k].writer.push_ctrl(&welcome);
         self.pump(c);
     }
 
-    /// Send side: the replacement lane `k` was accepted; the receiver has `delivered`
-    /// messages. Switch to it and replay from there.
+    /// Send side: lane `k`, opened for some of comm `c`'s stripes, was accepted; the
+    /// receiver has `delivered` messages. It carries its share from now on.
     pub(super) fn finish_migration(
         &mut self,
         c: usize,
@@ -310,26 +320,44 @@ impl Engine {
         now: Instant,
         io: &mut dyn Io,
     ) -> Result<(), ConnError> {
+        let _ = io;
         let Some(comm) = self.comms.get_mut(c) else {
             return Err(ConnError::Protocol("migration for a closed comm".into()));
         };
-        // Checked before the switch: a refused replay point leaves the comm as it was.
-        let replayed = comm.machine.replay_from(delivered).map_err(|e| {
+        // Checked before the lane joins: a refused replay point leaves the comm as it was.
+        comm.machine.handle_welcome(delivered).map_err(|e| {
             ConnError::Gone(format!(
                 "its replay point does not match this comm ({e}); it must have failed the comm"
             ))
         })?;
-        let (moved, old) = comm.path.handle_moved(k, mv.reason, now);
-        self.stats
-            .replayed_bytes
-            .fetch_add(replayed, Ordering::Relaxed);
-        if let Some(r) = comm.route.as_mut() {
-            r.current = mv.to;
-        }
+        comm.path.handle_moved(k, now);
         let local = mv.to.local.0 as usize;
-        let lazily = comm.shared.moved_to(local);
-        let (fl, fr) = self.pair_names(mv.from);
-        let (tl, tr) = self.pair_names(mv.to);
+        comm.lazily += comm.shared.moved_to(local);
+        self.carry(k, c);
+        self.lanes[k].nic = Some(local);
+        self.routes_dirty = true;
+        self.settled(c, mv.from, now);
+        self.pump(c);
+        Ok(())
+    }
+
+    /// If comm `c`'s move (off `from`) is complete, logs and records how it ended.
+    fn settled(&mut self, c: usize, from: Pair, now: Instant) {
+        let comm = &mut self.comms[c];
+        let Some(moved) = comm.path.settle(now) else {
+            return;
+        };
+        let replayed = std::mem::take(&mut comm.replayed);
+        // The pair carrying most of the comm names where it went.
+        let to = (comm.path.lanes())
+            .filter_map(|(_, l)| l.pair.map(|p| (l.stripes.len(), p)))
+            .max_by_key(|&(n, p)| (n, std::cmp::Reverse(p)))
+            .map_or(from, |(_, p)| p);
+        comm.lazily += comm.shared.moved_to(to.local.0 as usize);
+        let lazily = std::mem::take(&mut comm.lazily);
+        self.draining.push(c);
+        let (fl, fr) = self.pair_names(from);
+        let (tl, tr) = self.pair_names(to);
         let from = NicPair {
             local: &fl,
             remote: &fr,
@@ -354,6 +382,7 @@ impl Engine {
                 reason,
                 detection,
                 resume,
+                spread,
             } => {
                 let f = Failover {
                     comm: c as u64,
@@ -364,17 +393,11 @@ impl Engine {
                     resume,
                 };
                 t.record_failover(&f);
-                tracing::warn!("{f} replayed={replayed}B registered_on_backup={lazily}");
+                tracing::warn!(
+                    "{f} spread_over={spread} replayed={replayed}B registered_on_backup={lazily}"
+                );
             }
         }
-        if let Some(old) = old {
-            self.drop_lane(old, io);
-        }
-        self.carry(k, c);
-        self.lanes[k].nic = Some(local);
-        self.routes_dirty = true;
-        self.pump(c);
-        Ok(())
     }
 
     /// Carries out what the router decided: probes, moves, give-ups; publishes routes.
@@ -390,9 +413,18 @@ impl Engine {
             match ev {
                 Event::NoEligiblePair {
                     comm,
+                    lane,
                     ref exclusions,
-                    ..
                 } => {
+                    if self.comms.get(comm.0).is_some_and(|c| c.path.has_lane()) {
+                        // One stripe is stranded; its share goes over the lanes the comm
+                        // still has, and it moves if a pair becomes eligible.
+                        tracing::warn!(
+                            "railover: {ev}; comm {} carries on over its other lanes",
+                            comm.0
+                        );
+                        continue;
+                    }
                     let since = self
                         .comms
                         .get(comm.0)
@@ -400,12 +432,7 @@ impl Engine {
                         .map_or(0, |(t, _)| now.saturating_duration_since(t).as_millis());
                     tracing::warn!("railover: giving up {since} ms after the failure: {ev}");
                     self.stats.gave_up.fetch_add(1, Ordering::Relaxed);
-                    if let Some(cur) = self
-                        .comms
-                        .get(comm.0)
-                        .and_then(|c| c.route)
-                        .map(|r| r.current)
-                    {
+                    if let Some(cur) = self.router.current_pair(comm, lane) {
                         let (l, r) = self.pair_names(cur);
                         let reason = self.comms[comm.0]
                             .path
@@ -491,7 +518,7 @@ impl Engine {
         let hello = self
             .comms
             .iter()
-            .find(|(_, c)| c.route.is_some_and(|r| r.current.peer == pair.peer))
+            .find(|(_, c)| c.route.is_some_and(|r| r.peer == pair.peer))
             .map(|(_, c)| c.session.clone());
         let hello = hello.and_then(|session| self.opener(Purpose::Probe, &session, 0).ok());
         let Some(hello) = hello else {
@@ -555,28 +582,41 @@ impl Engine {
         self.router.handle_probe(pair, false, now);
     }
 
+    /// Carries out the router's move of one stripe of a comm: onto a lane the comm already
+    /// has on that pair, onto one being opened there, or onto a new lane.
     fn start_migration(&mut self, mv: Move, now: Instant, io: &mut dyn Io) {
         let c = mv.comm.0;
         let Some(comm) = self.comms.get_mut(c) else {
             return;
         };
-        let (epoch, abandoned) = comm.path.handle_move(mv.reason, now);
+        let (placed, abandoned) = comm.path.handle_move(mv.lane, mv.to, mv.reason, now);
         if let Some(old) = abandoned {
             if self.lanes.contains(old) {
                 io.fence(old);
             }
             self.drop_lane(old, io);
         }
+        // The stripe left a lane, which may now have nothing to carry.
+        self.draining.push(c);
+        let epoch = match placed {
+            Placed::Waiting(_) => return,
+            Placed::Joined(_) => {
+                self.settled(c, mv.from, now);
+                self.pump(c);
+                return;
+            }
+            Placed::Open { epoch } => epoch,
+        };
         let session = self.comms[c].session.clone();
         let hello = self.opener(Purpose::Migrate, &session, epoch);
         let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
         let role = Role::Migrating { comm: c, mv };
         match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit, io)) {
-            Ok(Some(k)) => self.comms[c].path.handle_opening(k),
+            Ok(Some(k)) => self.comms[c].path.handle_opening(k, mv.to, mv.lane, epoch),
             _ => {
                 let _ = self
                     .router
-                    .handle_lane_failure(CommId(c), LANE, FailReason::Probe, now);
+                    .handle_lane_failure(CommId(c), mv.lane, FailReason::Probe, now);
             }
         }
     }
@@ -638,9 +678,13 @@ impl Engine {
         let mut dead = Vec::new();
         let mut shares: Vec<LaneSample> = Vec::new();
         for (k, lane) in self.lanes.iter_mut() {
-            let Role::Comm(_) = lane.role else {
+            let Role::Comm(c) = lane.role else {
                 continue;
             };
+            // A lane's pacing share is the stripes it carries of its comm.
+            let weight = (self.comms.get(c))
+                .and_then(|m| m.path.carrier(k))
+                .map_or(1, |l| l.stripes.len().max(1) as u32);
             // Delivery progress: what the peer has acknowledged. A large socket buffer
             // can hold every byte in flight, so the userspace queue alone would not show
             // a stuck path.
@@ -653,6 +697,7 @@ impl Engine {
                     nic,
                     bytes: s.moved,
                     backlogged: s.backlogged,
+                    weight,
                 });
             }
             dead.extend(lane.m.poll_failure().map(|c| (k, c)));

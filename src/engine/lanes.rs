@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::conn::auth::{AuthError, Secret};
+use crate::conn::comm::Heard;
 use crate::conn::lane::Step;
 use crate::conn::path::Timeouts;
 use crate::conn::wire::{Purpose, Welcome};
@@ -215,7 +216,14 @@ impl Engine {
                 self.finish_migration(comm, k, mv, delivered, now, io)
             }
             (Step::Comm, &Role::Comm(c)) => {
-                self.comm_inbound(c, k, item)?;
+                if self.comm_inbound(c, k, item)? {
+                    // Retired by the sender: its share moved to the comm's other lanes.
+                    let lane = &mut self.lanes[k];
+                    lane.role = Role::Closing;
+                    lane.m.linger(now);
+                    self.arm(now + LINGER);
+                    self.comms[c].machine.handle_lane_down(k);
+                }
                 self.pump(c);
                 Ok(())
             }
@@ -233,16 +241,23 @@ impl Engine {
         .encode(delivered)
     }
 
-    fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<(), ConnError> {
+    /// One item of comm `c` from its lane `k`; `Ok(true)`: the sender retired the lane.
+    fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<bool, ConnError> {
         let comm = &mut self.comms[c];
         match item {
-            Inbound::Frame(h, _) => {
-                if comm.machine.handle_frame(&h)? {
-                    comm.path.handle_resumed();
+            Inbound::Frame(h, _) => match comm.machine.handle_frame(&h)? {
+                Heard::Control => {}
+                Heard::Progress => comm.path.handle_resumed(),
+                Heard::Retire => {
+                    if comm.path.carrier(k).is_none() || !comm.path.handle_retired(k) {
+                        // Its last lane: as if the sender had closed it.
+                        return Err(ConnError::PeerClosed);
+                    }
+                    return Ok(true);
                 }
-            }
+            },
             Inbound::Data { seq, len } => {
-                let dst = comm.machine.handle_data(seq, len)?.map(|p| p.buf.lend());
+                let dst = comm.machine.handle_data(k, seq, len)?.map(|p| p.buf.lend());
                 if dst.is_none() {
                     self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
                 }
@@ -251,11 +266,16 @@ impl Engine {
             Inbound::PayloadDone { seq, len } => {
                 self.stats.bytes_received.fetch_add(len, Ordering::Relaxed);
                 self.metrics.message(self.lanes[k].nic, false, len);
-                comm.machine.handle_payload_done(seq, len)?;
+                for other in comm.machine.handle_payload_done(k, seq, len)? {
+                    // The message is complete: the other copy must not write into it.
+                    if let Some(l) = self.lanes.get_mut(other) {
+                        l.reader.discard_rest();
+                    }
+                }
             }
             Inbound::Eof => return Err(ConnError::PeerClosed),
         }
-        Ok(())
+        Ok(false)
     }
 
     /// The listener side of every handshake: a new comm (NCCL's connect), a probe, or a
@@ -379,6 +399,9 @@ impl Engine {
             session,
             route: None,
             path: PathMachine::new(side == Side::Send, timeouts, lane),
+            turn: 0,
+            replayed: 0,
+            lazily: 0,
         });
         self.carry(lane, key);
         shared

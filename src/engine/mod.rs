@@ -38,7 +38,7 @@ use crate::handoff::{
     CommShared, CommandQueue, Error, ListenShared, PendingConnect, Request, Side,
 };
 use crate::routing::rng::SplitMix64;
-use crate::routing::{self, Move, Pair, RoutePublisher, Router, RouterConfig};
+use crate::routing::{self, Move, Pair, PeerId, RoutePublisher, Router, RouterConfig};
 use crate::telemetry::metrics::Telemetry;
 use crate::telemetry::sampler::Sampler;
 use crate::topology::PathType;
@@ -68,6 +68,9 @@ pub struct Setup {
     pub probe_bytes: usize,
     /// Whether busy lanes of a NIC are paced to even shares.
     pub fair_share: bool,
+    /// How many stripes a send comm is cut into, so that a failed NIC's comms spread over
+    /// every survivor (see `conn::path`); `None`: one fewer than the NICs.
+    pub stripes: Option<usize>,
     pub router: RouterConfig,
     /// Where counters and events are recorded (the reactor batches them).
     pub telemetry: Arc<Telemetry>,
@@ -150,14 +153,21 @@ struct Comm {
     session: Session,
     /// Send side: the comm is registered with the router.
     route: Option<Route>,
-    /// Its lane, the replacement being opened, attempts, detection and the receiver's
-    /// wait for a replacement.
+    /// Its lanes and their stripes, the lanes being opened, attempts, detection and the
+    /// receiver's wait for a replacement.
     path: PathMachine,
+    /// Send side: messages handed out so far, to share them over the lanes by stripes.
+    turn: u64,
+    /// Bytes sent again, and memory regions registered on a backup NIC, since the comm
+    /// last settled: for the failover's log line.
+    replayed: u64,
+    lazily: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Route {
-    current: Pair,
+    /// The node at the other end, in the router's numbering.
+    peer: PeerId,
 }
 
 /// What a lane is for: its one owner.
@@ -178,7 +188,7 @@ enum Role {
     Probe { pair: Pair, started: Instant },
     /// Answering a probe: receiving its payload before the `Welcome`.
     ProbeSink,
-    /// Opening a comm's replacement lane.
+    /// Opening a lane for a comm's stripes (the first move that asked for it).
     Migrating { comm: usize, mv: Move },
     /// Flushing its last bytes before it closes.
     Closing,
@@ -245,6 +255,8 @@ pub struct Engine {
     fair: FairShare,
     /// Seeded handshake randomness (simulation only); `None`: the OS's.
     entropy: Option<SplitMix64>,
+    /// Send comms with a lane whose stripes all left: retired once it drained.
+    draining: Vec<usize>,
 }
 
 impl Engine {
@@ -281,6 +293,7 @@ impl Engine {
             fair: FairShare::new(),
             metrics: Sampler::new(n, now),
             entropy: setup.entropy_seed.map(SplitMix64::new),
+            draining: Vec::new(),
             setup,
         }
     }
@@ -348,9 +361,11 @@ impl Engine {
         }
     }
 
-    /// The end of every half-turn: the router's decisions, then the turn's output.
+    /// The end of every half-turn: the router's decisions, lanes that drained, then the
+    /// turn's output.
     pub fn drive(&mut self, now: Instant, io: &mut dyn Io) {
         self.drive_router(now, io);
+        self.retire_drained(now);
         self.flush_dirty(now, io);
     }
 
@@ -432,25 +447,61 @@ impl Engine {
             .map(|_| shared.key)
     }
 
-    /// Moves the machine's output onto its lane and its outcomes onto the requests.
+    /// Moves the machine's output onto its lanes and its outcomes onto the requests. A
+    /// sender shares its messages over its lanes in proportion to their stripes; a
+    /// receiver's control frames go on every lane.
     fn pump(&mut self, c: usize) {
         let comm = &mut self.comms[c];
-        // Without a lane (failover under way) the machine keeps its queue.
-        if let Some(lane) = comm.path.lane().and_then(|k| self.lanes.get_mut(k)) {
-            while let Some(out) = comm.machine.poll_transmit() {
-                match out {
-                    Out::Frame(h) => lane.writer.push_ctrl(&h.encode()),
-                    Out::Data { seq, len } => {
-                        let p = comm
-                            .machine
-                            .message(seq)
-                            .expect("transmitting a queued message");
-                        lane.writer
-                            .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
-                        lane.writer.push_payload(p.buf.lend(), len as usize);
-                        self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
-                        self.metrics.message(lane.nic, true, len);
-                    }
+        let lanes = &mut self.lanes;
+        // Lanes by share: each stripe is one slot, so a lane with two stripes takes two
+        // messages in three when another has one. Without a lane (failover under way) the
+        // machine keeps its queue.
+        let mut slots: Vec<usize> = Vec::new();
+        for (k, carrier) in comm.path.lanes() {
+            if lanes.contains(k) {
+                slots.extend(std::iter::repeat(k).take(carrier.stripes.len()));
+            }
+        }
+        if slots.is_empty() {
+            // Only lanes without stripes (draining, or the new lane not yet welcomed):
+            // they still carry the comm.
+            slots.extend(
+                comm.path
+                    .lanes()
+                    .map(|(k, _)| k)
+                    .filter(|&k| lanes.contains(k)),
+            );
+        }
+        let sender = comm.shared.side == Side::Send;
+        while sender && !slots.is_empty() && comm.machine.wants_lane() {
+            let k = slots[(comm.turn % slots.len() as u64) as usize];
+            comm.turn = comm.turn.wrapping_add(1);
+            let Some(out) = comm.machine.poll_data(k) else {
+                break;
+            };
+            let lane = &mut lanes[k];
+            match out {
+                Out::Frame(h) => lane.writer.push_ctrl(&h.encode()),
+                Out::Data { seq, len } => {
+                    let p = comm
+                        .machine
+                        .message(seq)
+                        .expect("transmitting a queued message");
+                    lane.writer
+                        .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
+                    lane.writer.push_payload(p.buf.lend(), len as usize);
+                    self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
+                    self.metrics.message(lane.nic, true, len);
+                }
+            }
+            self.dirty.push(k);
+        }
+        while let Some(h) = comm.machine.poll_control() {
+            let frame = h.encode();
+            for (k, _) in comm.path.lanes() {
+                if let Some(lane) = lanes.get_mut(k) {
+                    lane.writer.push_ctrl(&frame);
+                    self.dirty.push(k);
                 }
             }
         }
@@ -460,8 +511,42 @@ impl Engine {
                 Err(e) => p.req.fail(e.into()),
             }
         }
-        if let Some(k) = comm.path.lane() {
-            self.dirty.push(k);
+    }
+
+    /// Retires the lanes of draining comms that carry no stripe and hold nothing the
+    /// receiver has not acknowledged: a `Retire` tells the receiver to let the lane go.
+    fn retire_drained(&mut self, now: Instant) {
+        if self.draining.is_empty() {
+            return;
+        }
+        let mut draining = std::mem::take(&mut self.draining);
+        draining.sort_unstable();
+        draining.dedup();
+        let mut retired = false;
+        for c in draining {
+            let Some(comm) = self.comms.get_mut(c) else {
+                continue;
+            };
+            for k in comm.path.idle() {
+                let Some(lane) = self.lanes.get_mut(k) else {
+                    comm.path.handle_retired(k);
+                    continue;
+                };
+                if comm.machine.on_lane(k) > 0 || lane.writer.holds_payload() {
+                    self.draining.push(c);
+                    continue;
+                }
+                comm.path.handle_retired(k);
+                lane.writer
+                    .push_ctrl(&Header::new(Kind::Retire, 0, 0).encode());
+                lane.role = Role::Closing;
+                lane.m.linger(now);
+                self.dirty.push(k);
+                retired = true;
+            }
+        }
+        if retired {
+            self.arm(now + LINGER);
         }
     }
 
@@ -489,11 +574,13 @@ impl Engine {
             let e = Error::InvalidArgument("comm closed with the request outstanding".into());
             p.req.fail(e);
         }
-        if let Some(k) = comm.path.migrating() {
+        for k in comm.path.openings() {
             self.drop_lane(k, io);
         }
-        if let Some(k) = comm.path.lane() {
-            let lane = &mut self.lanes[k];
+        for (k, _) in comm.path.lanes() {
+            let Some(lane) = self.lanes.get_mut(k) else {
+                continue;
+            };
             if lane.writer.holds_payload() {
                 // NCCL may free its buffers once close returns: never write from them
                 // again. The peer sees the stream end and fails what it still waits for.

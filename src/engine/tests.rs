@@ -112,6 +112,7 @@ fn engine(host: u8, now: Instant) -> Engine {
         probe_timeout: Duration::from_millis(200),
         probe_bytes: 4096,
         fair_share: false,
+        stripes: None,
         router: RouterConfig::default(),
         telemetry: Arc::new(Telemetry::start(&ExporterConfig::default(), None)),
         entropy_seed: Some(u64::from(host)),

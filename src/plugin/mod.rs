@@ -101,6 +101,7 @@ impl Runtime {
             probe_timeout: config.probe_timeout,
             probe_bytes: config.probe_bytes,
             fair_share: config.fair_share,
+            stripes: config.stripes,
             router: config.router,
             telemetry: Arc::new(Telemetry::start_with_nics(
                 &metrics_cfg,

@@ -66,6 +66,7 @@ fn setup(s: &Scenario, node: usize) -> Setup {
         probe_timeout: Duration::from_millis(200),
         probe_bytes: 64 << 10,
         fair_share: false,
+        stripes: None,
         router: RouterConfig {
             rail_rule: if s.rail_any {
                 RailRule::Any

@@ -48,6 +48,10 @@ pub struct LaneSample {
     pub bytes: u64,
     /// Whether the lane had data waiting through the whole interval.
     pub backlogged: bool,
+    /// Its share relative to the NIC's other lanes (a striped comm's lane carries the
+    /// stripes it has): backlogged lanes are capped in proportion, so that comms, not
+    /// lanes, get even rates.
+    pub weight: u32,
 }
 
 /// A pacing change for one lane: `Some(bytes/s)` caps it, `None` lifts the cap.
@@ -133,13 +137,16 @@ impl FairShare {
         if secs <= 0.0 {
             return out;
         }
-        let mut per_nic: HashMap<usize, (f64, usize)> = HashMap::new();
+        let mut per_nic: HashMap<usize, (f64, usize, u64)> = HashMap::new();
         for l in lanes {
             let e = per_nic.entry(l.nic).or_default();
             e.0 += l.bytes as f64 / secs;
             e.1 += usize::from(l.backlogged);
+            if l.backlogged {
+                e.2 += u64::from(l.weight.max(1));
+            }
         }
-        for (&nic, &(rate, backlogged)) in &per_nic {
+        for (&nic, &(rate, backlogged, _)) in &per_nic {
             let n = self.nics.entry(nic).or_insert(Nic {
                 rate,
                 capacity: 0.0,
@@ -177,10 +184,10 @@ impl FairShare {
         }
         self.nics.retain(|n, _| per_nic.contains_key(n));
         for l in lanes {
-            let (_, backlogged) = per_nic[&l.nic];
+            let (_, _, weights) = per_nic[&l.nic];
             let nic = self.nics[&l.nic];
             let want = if l.backlogged && matches!(nic.phase, Phase::Capped { .. }) {
-                let share = nic.capacity * HEADROOM / backlogged as f64;
+                let share = nic.capacity * HEADROOM * f64::from(l.weight.max(1)) / weights as f64;
                 Some((share as u64).max(1))
             } else {
                 None
@@ -228,6 +235,7 @@ mod tests {
             nic,
             bytes,
             backlogged,
+            weight: 1,
         }
     }
 
@@ -261,6 +269,22 @@ mod tests {
         }
         // The caps leave room: two incumbents at their caps use less than the NIC.
         assert!(2.0 * f.cap(1).unwrap() as f64 <= 12_500_000.0 * 0.8);
+    }
+
+    #[test]
+    fn a_lane_carrying_more_of_its_comm_gets_a_larger_cap() {
+        let mut f = FairShare::new();
+        // A survivor NIC: its own comm's lane (3 stripes) and one stripe of a failed NIC's
+        // comm. Capped per stripe, both comms run at the same rate.
+        let own = LaneSample {
+            weight: 3,
+            ..lane(1, 0, 900_000, true)
+        };
+        let moved = lane(2, 0, 300_000, true);
+        step(&mut f, &[own, moved]);
+        let (a, b) = (f.cap(1).unwrap() as f64, f.cap(2).unwrap() as f64);
+        assert!((a / b - 3.0).abs() < 1e-3, "{a} vs {b}");
+        assert!((a + b - 12_000_000.0 * HEADROOM).abs() < 4.0);
     }
 
     #[test]

@@ -211,6 +211,14 @@ impl FrameReader {
         }
     }
 
+    /// The rest of the payload being read is dropped instead of placed: another lane
+    /// completed the same message and its buffer is no longer ours to write.
+    pub fn discard_rest(&mut self) {
+        if let State::Payload { ref mut dst, .. } = self.state {
+            *dst = None;
+        }
+    }
+
     /// The last `next` stopped on its budget, not on `WouldBlock`: call it again soon.
     pub fn wants_more(&self) -> bool {
         self.more
@@ -523,6 +531,53 @@ mod tests {
                 "{got:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_payload_told_to_discard_midway_writes_nothing_more() {
+        let payload = vec![0xabu8; 100_000];
+        let mut wire = Header::new(Kind::Data, 1, payload.len() as u64)
+            .encode()
+            .to_vec();
+        wire.extend_from_slice(&payload);
+        let mut sock = Trickle {
+            data: wire,
+            pos: 0,
+            chunk: 30_000,
+            block_next: false,
+        };
+        let mut r = FrameReader::default();
+        r.enlarge();
+        let dst = heap_buf(&vec![0u8; payload.len()]);
+        let mut done = None;
+        for _ in 0..1000 {
+            match r.next(&mut sock).unwrap() {
+                Some(Inbound::Data { .. }) => r.place(Some(dst.lend())),
+                // After the first read into the buffer, the message completes elsewhere.
+                None if sock.pos > 0 => r.discard_rest(),
+                None => {}
+                Some(Inbound::PayloadDone { seq, len }) => {
+                    done = Some((seq, len));
+                    break;
+                }
+                Some(other) => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(
+            done,
+            Some((1, 100_000)),
+            "the payload is still consumed in full"
+        );
+        let written = dst
+            .lend()
+            .slice(0, dst.len())
+            .iter()
+            .filter(|&&b| b == 0xab)
+            .count();
+        assert!(
+            written > 0 && written < payload.len(),
+            "{written} bytes written"
+        );
     }
 
     #[test]

@@ -116,6 +116,7 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_COMPLETION_TIMEOUT_MS", "5", "5");
   bad_value("RAILOVER_RAILS", "lo", "lo");
   bad_value("RAILOVER_METRICS_ADDR", "everywhere", "everywhere");
+  bad_value("RAILOVER_STRIPES", "many", "many");
   bad_value("LOCAL_RANK", "first", "first");
 
   /* Not UTF-8: an error for every variable, shown with U+FFFD for the bad bytes. Some
@@ -129,7 +130,8 @@ int main(int argc, char** argv) {
       "RAILOVER_RAIL_RULE",        "RAILOVER_DISTANCE_LIMIT",
       "RAILOVER_RAILS",            "RAILOVER_SYSFS_ROOT",
       "RAILOVER_METRICS_PORT",     "RAILOVER_METRICS_ADDR",
-      "RAILOVER_GIVEUP_MS",        "LOCAL_RANK",
+      "RAILOVER_GIVEUP_MS",        "RAILOVER_STRIPES",
+      "LOCAL_RANK",
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
     bad_value(vars[i], "lo\xff\xfe", "lo\xef\xbf\xbd");
