@@ -454,28 +454,33 @@ impl Engine {
         let comm = &mut self.comms[c];
         let lanes = &mut self.lanes;
         // Lanes by share: each stripe is one slot, so a lane with two stripes takes two
-        // messages in three when another has one. Without a lane (failover under way) the
-        // machine keeps its queue.
-        let mut slots: Vec<usize> = Vec::new();
-        for (k, carrier) in comm.path.lanes() {
-            if lanes.contains(k) {
-                slots.extend(std::iter::repeat(k).take(carrier.stripes.len()));
-            }
-        }
-        if slots.is_empty() {
-            // Only lanes without stripes (draining, or the new lane not yet welcomed):
-            // they still carry the comm.
-            slots.extend(
-                comm.path
-                    .lanes()
-                    .map(|(k, _)| k)
-                    .filter(|&k| lanes.contains(k)),
-            );
-        }
+        // messages in three when another has one. Only lanes without stripes (draining,
+        // or the comm is between moves) still carry it, one slot each. Without a lane
+        // (failover under way) the machine keeps its queue.
+        let live = |k: &usize| lanes.contains(*k);
+        let striped: usize = (comm.path.lanes())
+            .filter(|(k, _)| live(k))
+            .map(|(_, l)| l.stripes.len())
+            .sum();
+        let weight = |stripes: usize| if striped == 0 { 1 } else { stripes };
+        let slots: usize = (comm.path.lanes())
+            .filter(|(k, _)| live(k))
+            .map(|(_, l)| weight(l.stripes.len()))
+            .sum();
         let sender = comm.shared.side == Side::Send;
-        while sender && !slots.is_empty() && comm.machine.wants_lane() {
-            let k = slots[(comm.turn % slots.len() as u64) as usize];
+        while sender && slots > 0 && comm.machine.wants_lane() {
+            let mut at = (comm.turn % slots as u64) as usize;
             comm.turn = comm.turn.wrapping_add(1);
+            let k = (comm.path.lanes())
+                .filter(|(k, _)| lanes.contains(*k))
+                .find(|(_, l)| {
+                    let w = weight(l.stripes.len());
+                    let here = at < w;
+                    at = at.saturating_sub(w);
+                    here
+                })
+                .map(|(k, _)| k)
+                .expect("a slot below the total is some lane's");
             let Some(out) = comm.machine.poll_data(k) else {
                 break;
             };
