@@ -115,6 +115,8 @@ fn record_all(t: &Telemetry, nic: &str) {
         reason: FailReason::LinkDown,
         candidates: 2,
     });
+    // 7 only: the Prometheus test checks the buckets up to 4 for its own observation.
+    t.record_comm_spread(7);
     t.record_probe_failures(nic, 3);
     t.record_replayed(4096);
     t.record_duplicates(2);
@@ -415,11 +417,85 @@ fn dashboard_queries_use_only_exported_metrics() {
         "histogram_quantile(0.5, sum by (le) (rate(railover_failover_seconds_bucket",
         "histogram_quantile(0.99, sum by (le) (rate(railover_failover_seconds_bucket",
         "railover_lanes",
+        "sum by (le) (increase(railover_comm_spread_bucket",
         "railover_replayed_bytes_total",
         "railover_failbacks_total",
     ] {
         assert!(all.contains(needed), "no panel query contains {needed:?}");
     }
+}
+
+/// The panel titled `title`.
+fn panel(d: &serde_json::Value, title: &str) -> serde_json::Value {
+    d["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["title"] == title)
+        .unwrap_or_else(|| panic!("no panel {title:?}"))
+        .clone()
+}
+
+/// The two panels that show where a failed NIC's load went read exported metrics of the
+/// right kind and labels, and are drawn so that the spread shows.
+#[test]
+fn spread_panels_plot_lanes_per_nic_and_the_spread_histogram() {
+    let d = dashboard();
+
+    let lanes = panel(&d, "Lanes per NIC");
+    let targets = lanes["targets"].as_array().unwrap();
+    let lanes_target = targets
+        .iter()
+        .find(|t| railover_names(t["expr"].as_str().unwrap()).contains("railover_lanes"))
+        .expect("a target plots railover_lanes");
+    let expr = lanes_target["expr"].as_str().unwrap();
+    assert!(expr.contains("by (instance, nic)"), "{expr}");
+    let spec = metrics::spec("railover_lanes").unwrap();
+    assert_eq!(
+        (spec.kind, spec.labels),
+        (metrics::MetricKind::Gauge, &["nic"][..])
+    );
+    let stacking = &lanes["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"];
+    assert_eq!(stacking, "normal", "lanes per NIC must be stacked");
+    // The paced lanes are a subset of the lanes: stacking them on top would count twice.
+    for t in targets
+        .iter()
+        .filter(|t| railover_names(t["expr"].as_str().unwrap()).contains("railover_paced_lanes"))
+    {
+        let r = t["refId"].as_str().unwrap();
+        let unstacked = lanes["fieldConfig"]["overrides"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|o| o["matcher"]["id"] == "byFrameRefID" && o["matcher"]["options"] == r)
+            .flat_map(|o| o["properties"].as_array().unwrap())
+            .any(|p| p["id"] == "custom.stacking" && p["value"]["mode"] == "none");
+        assert!(
+            unstacked,
+            "paced lanes (refId {r}) are stacked on the lanes"
+        );
+    }
+
+    let spread = panel(&d, "Comm spread at failover");
+    let targets = spread["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 1);
+    let expr = targets[0]["expr"].as_str().unwrap();
+    assert!(
+        expr.starts_with("sum by (le) (increase(railover_comm_spread_bucket{"),
+        "{expr}"
+    );
+    let spec = metrics::spec("railover_comm_spread_bucket").unwrap();
+    assert_eq!(spec.name, metrics::COMM_SPREAD);
+    assert_eq!(spec.kind, metrics::MetricKind::Histogram);
+    assert_eq!(spec.buckets(), Some(metrics::SPREAD_BUCKETS));
+    assert_eq!(
+        metrics::SPREAD_BUCKETS.first(),
+        Some(&1.0),
+        "a bar of its own for comms moved whole onto one pair"
+    );
+    // Grafana turns cumulative buckets into per-bucket counts only in heatmap format.
+    assert_eq!(targets[0]["format"], "heatmap");
+    assert_eq!(targets[0]["legendFormat"], "{{le}}");
 }
 
 #[test]
@@ -985,6 +1061,29 @@ fn prometheus_scrapes_the_endpoint_and_runs_the_dashboard_queries() {
     assert_eq!(later, first + 5000.0);
     let up = prom_query(web, r#"up{job="railover"}"#).unwrap();
     assert_eq!(first_value(&up), Some(1.0));
+
+    // A comm spread over 3 pairs shows in the spread panel's buckets 3 and up, not below.
+    // (Other tests of this binary observe 7 only.)
+    t.record_comm_spread(3);
+    let spread_query = |le: &str| {
+        let q = format!(
+            "{} or vector(0)",
+            panel(&dashboard(), "Comm spread at failover")["targets"][0]["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$__range", "1h")
+                .replace("$job", "railover")
+                .replace("$instance", ".*")
+                .replace("sum by (le) (", "sum(") // one bucket at a time
+                .replace("_bucket{", &format!("_bucket{{le=\"{le}\","))
+        );
+        first_value(&prom_query(web, &q)?)
+    };
+    let at3 = poll_until(Duration::from_secs(30), "the spread in Prometheus", || {
+        spread_query("3").filter(|&v| v > 0.0)
+    });
+    assert!(at3 > 0.0);
+    assert_eq!(spread_query("2"), Some(0.0));
 
     // Every dashboard query, with Grafana's variables filled in, is valid PromQL that
     // Prometheus evaluates (prom_query asserts status success).

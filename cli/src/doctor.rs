@@ -1,4 +1,7 @@
 //! `railover doctor`: what this node looks like to railover, and what is misconfigured.
+//! For each NIC it also shows the spread railover would use if that NIC failed: the
+//! survivors its comms would be striped over and the share of bandwidth a collective keeps
+//! (`report::Spread`).
 //!
 //! The only place in the topology work that reads the environment:
 //! * `RAILOVER_SYSFS_ROOT` (default `/sys`; `--sysfs-root` overrides): where to discover;

@@ -55,7 +55,56 @@ fn dgx_is_healthy_and_lists_backups() {
         t.contains("excluded: mlx5_4 by distance limit PHB: its path is SYS"),
         "{t}"
     );
+    assert!(
+        t.contains(
+            "if it fails: comms spread over 3 survivors (mlx5_1, mlx5_2, mlx5_3); a collective \
+             keeps 3/4 (75%) of its bandwidth"
+        ),
+        "{t}"
+    );
     assert!(t.contains("healthy"), "{t}");
+}
+
+#[test]
+fn spread_follows_the_distance_limit_in_text_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    machines::dgx_h100(dir.path()).unwrap();
+    for (limit, k, kept) in [("PIX", 1, 0.5), ("PHB", 3, 0.75), ("SYS", 7, 0.875)] {
+        let o = doctor(
+            dir.path(),
+            &["--json"],
+            &[("RAILOVER_DISTANCE_LIMIT", limit)],
+        );
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        for n in v["nics"].as_array().unwrap() {
+            let s = &n["spread"];
+            assert_eq!(s["count"], k, "{limit} {n}");
+            assert_eq!(s["survivors"].as_array().unwrap().len(), k, "{limit} {n}");
+            assert_eq!(s["nics"], 8);
+            assert_eq!(s["kept_fraction"], kept, "{limit} {n}");
+            // The survivors are exactly the eligible backups (all ports are up).
+            let eligible: Vec<&serde_json::Value> = n["backups"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|c| c["excluded_by"].is_null())
+                .map(|c| &c["name"])
+                .collect();
+            let survivors: Vec<&serde_json::Value> =
+                s["survivors"].as_array().unwrap().iter().collect();
+            assert_eq!(survivors, eligible, "{limit} {n}");
+        }
+    }
+    let o = doctor(dir.path(), &[], &[("RAILOVER_DISTANCE_LIMIT", "SYS")]);
+    let t = text(&o);
+    assert!(
+        t.contains(
+            "spread: a failed NIC's comms go to 7 survivors or more (fewest: mlx5_0); a collective \
+             keeps 7/8 (87.5%) of its bandwidth or more"
+        ),
+        "{t}"
+    );
 }
 
 #[test]
@@ -102,9 +151,29 @@ fn dual_socket_needs_sys_and_says_the_limit_is_too_strict() {
         "{t}"
     );
     assert!(t.contains("UNHEALTHY"), "{t}");
-    // With SYS it is healthy.
+    assert!(
+        t.contains(
+            "if it fails: no survivor to spread its comms over (no other NIC passes the rail \
+             rule and the distance limit): they fail"
+        ),
+        "{t}"
+    );
+    assert!(t.contains("spread: if mlx5_0 fails, no survivor"), "{t}");
+    let o = doctor(dir.path(), &["--json"], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["nics"][1]["spread"]["count"], 0);
+    assert_eq!(v["nics"][1]["spread"]["kept_fraction"], 0.0);
+    // With SYS it is healthy, and each NIC's comms would go to the other.
     let o = doctor(dir.path(), &[], &[("RAILOVER_DISTANCE_LIMIT", "SYS")]);
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(0), "{t}");
+    assert!(
+        t.contains(
+            "if it fails: comms spread over 1 survivor (mlx5_0); a collective keeps 1/2 (50%)"
+        ),
+        "{t}"
+    );
 }
 
 #[test]
@@ -126,6 +195,9 @@ fn warnings_for_down_ports_and_mixed_speeds() {
     assert!(kinds.contains(&"mixed_speeds"), "{kinds:?}");
     assert!(!kinds.contains(&"mixed_link_layers"), "{kinds:?}");
     assert_eq!(v["nics"][1]["state"], "down");
+    // eth1 is still an allowed backup of eth0 (exit 0), but a down one takes no comms.
+    assert_eq!(v["nics"][0]["spread"]["count"], 0);
+    assert_eq!(v["nics"][0]["spread"]["down_now"][0], "eth1");
 }
 
 #[test]

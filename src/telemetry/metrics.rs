@@ -15,6 +15,7 @@
 //! give-up ([`Failover`], [`Failback`] and [`GiveUp`] implement `Display`), so the log and
 //! the counters cannot disagree about what happened.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
@@ -24,7 +25,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use parking_lot::Mutex;
 
 use super::exporter::{Exporter, ExporterConfig};
-use crate::routing::{FailReason, LaneStatus, Routes};
+use crate::routing::{CommRoutes, FailReason, LaneStatus, Pair, Routes};
 
 /// `railover_bytes_total{nic,direction}`.
 pub const BYTES_TOTAL: &str = "railover_bytes_total";
@@ -68,6 +69,8 @@ pub const HANDSHAKES_PENDING: &str = "railover_handshakes_pending";
 pub const PROTOCOL_ERRORS_TOTAL: &str = "railover_protocol_errors_total";
 /// `railover_lane_failures_total`.
 pub const LANE_FAILURES_TOTAL: &str = "railover_lane_failures_total";
+/// `railover_comm_spread` (histogram).
+pub const COMM_SPREAD: &str = "railover_comm_spread";
 
 /// Histogram bucket bounds, in seconds, for [`FAILOVER_SECONDS`] and [`DETECTION_SECONDS`]:
 /// fine below the default 1 s completion timeout (P1), coarse up to NCCL's own ~30 s.
@@ -75,6 +78,11 @@ pub const DURATION_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0,
     30.0, 60.0,
 ];
+
+/// Histogram bucket bounds, in NIC pairs, for [`COMM_SPREAD`]: 1 is a comm moved whole onto
+/// one survivor (NCCL's native failover), N−1 a comm spread over every survivor of an
+/// N-NIC node, for nodes of up to 17 NICs.
+pub const SPREAD_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0];
 
 /// A Prometheus metric type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,6 +113,18 @@ pub struct MetricSpec {
     pub unit: &'static str,
     /// One sentence, used as the `# HELP` text and in `docs/metrics.md`.
     pub help: &'static str,
+}
+
+impl MetricSpec {
+    /// A histogram's bucket bounds: [`SPREAD_BUCKETS`] for [`COMM_SPREAD`],
+    /// [`DURATION_BUCKETS`] for the others. `None` for counters and gauges.
+    pub fn buckets(&self) -> Option<&'static [f64]> {
+        match (self.kind, self.name) {
+            (MetricKind::Histogram, COMM_SPREAD) => Some(SPREAD_BUCKETS),
+            (MetricKind::Histogram, _) => Some(DURATION_BUCKETS),
+            _ => None,
+        }
+    }
 }
 
 /// Every metric railover exports. `docs/metrics.md` holds [`markdown_table`] of it, and the
@@ -172,6 +192,13 @@ pub const METRICS: &[MetricSpec] = &[
         labels: &[],
         unit: "seconds",
         help: "Time from a lane's last progress to the failure being detected (completion timeout or NIC error).",
+    },
+    MetricSpec {
+        name: COMM_SPREAD,
+        kind: MetricKind::Histogram,
+        labels: &[],
+        unit: "pairs",
+        help: "Distinct NIC pairs a comm runs over once its failover completes: 1 when moved whole onto one survivor, N-1 when spread over every survivor of N NICs.",
     },
     MetricSpec {
         name: REPLAYED_BYTES_TOTAL,
@@ -365,6 +392,18 @@ pub fn comms_without_backup(routes: &Routes) -> u64 {
         .iter()
         .filter(|c| c.lanes.iter().any(|l| l.status == LaneStatus::Stranded))
         .count() as u64
+}
+
+/// The distinct NIC pairs a comm's running lanes are on in a route snapshot: the value for
+/// [`Telemetry::record_comm_spread`] once none of its lanes is
+/// [`Moving`](LaneStatus::Moving) any more.
+pub fn comm_pairs(comm: &CommRoutes) -> usize {
+    comm.lanes
+        .iter()
+        .filter(|l| l.status == LaneStatus::Active)
+        .map(|l| l.current)
+        .collect::<BTreeSet<Pair>>()
+        .len()
 }
 
 /// A NIC pair as logs show it: `local->remote`. The remote side may carry the peer's name
@@ -594,6 +633,19 @@ impl Telemetry {
         metrics::counter!(FAILBACKS_TOTAL, "nic" => f.to.local.to_owned()).increment(1);
     }
 
+    /// A comm's failover completed and the comm now runs over `pairs` distinct NIC pairs
+    /// (local NIC, remote NIC), counting every lane of the comm, moved or not: observes
+    /// [`COMM_SPREAD`]. Call it once per comm per failover, when the last of its moved
+    /// lanes runs again (not per lane, and not on fail-back). 1 means the comm's failed
+    /// share went whole onto one pair; N−1 on an N-NIC node, that it is striped over every
+    /// survivor. 0 (nothing left to run on) is a give-up, counted by
+    /// [`record_give_up`](Self::record_give_up), and is not observed here.
+    pub fn record_comm_spread(&self, pairs: usize) {
+        if pairs > 0 {
+            metrics::histogram!(COMM_SPREAD).record(pairs as f64);
+        }
+    }
+
     /// A failed lane found no eligible backup pair (counts [`NO_ELIGIBLE_PAIR_TOTAL`]). Keep
     /// [`set_comms_without_backup`](Self::set_comms_without_backup) current as well.
     pub fn record_give_up(&self, _g: &GiveUp<'_>) {
@@ -737,11 +789,13 @@ fn handle() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
         let mut builder = PrometheusBuilder::new();
-        for m in METRICS.iter().filter(|m| m.kind == MetricKind::Histogram) {
-            builder = builder
-                .set_buckets_for_metric(Matcher::Full(m.name.to_owned()), DURATION_BUCKETS)
-                // Only an empty bucket list is refused, and DURATION_BUCKETS is not empty.
-                .expect("non-empty buckets");
+        for m in METRICS {
+            if let Some(buckets) = m.buckets() {
+                builder = builder
+                    .set_buckets_for_metric(Matcher::Full(m.name.to_owned()), buckets)
+                    // Only an empty bucket list is refused, and neither list is empty.
+                    .expect("non-empty buckets");
+            }
         }
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
@@ -891,6 +945,58 @@ mod tests {
     }
 
     #[test]
+    fn comm_pairs_counts_distinct_pairs_of_running_lanes() {
+        use crate::routing::{CommId, LaneId, LaneRoute, NicId, PeerId};
+        let pair = |l, r| Pair {
+            local: NicId(l),
+            peer: PeerId(1),
+            remote: NicId(r),
+        };
+        let lane = |i, current, status| LaneRoute {
+            lane: LaneId(i),
+            original: pair(0, 0),
+            current,
+            status,
+        };
+        // NIC 0 failed; its four lanes went to pairs 1, 2, 3 and 1 again; one more waits.
+        let mut comm = CommRoutes {
+            comm: CommId(4),
+            peer: PeerId(1),
+            lanes: vec![
+                lane(0, pair(1, 1), LaneStatus::Active),
+                lane(1, pair(2, 2), LaneStatus::Active),
+                lane(2, pair(3, 3), LaneStatus::Active),
+                lane(3, pair(1, 1), LaneStatus::Active),
+                lane(4, pair(0, 0), LaneStatus::Moving),
+            ],
+        };
+        assert_eq!(comm_pairs(&comm), 3);
+        // Same local NIC, another remote NIC: another pair.
+        comm.lanes[4] = lane(4, pair(1, 2), LaneStatus::Active);
+        assert_eq!(comm_pairs(&comm), 4);
+        for l in &mut comm.lanes {
+            l.status = LaneStatus::Stranded;
+        }
+        assert_eq!(comm_pairs(&comm), 0);
+    }
+
+    #[test]
+    fn only_histograms_have_buckets_and_spread_counts_pairs() {
+        for m in METRICS {
+            let b = m.buckets();
+            assert_eq!(b.is_some(), m.kind == MetricKind::Histogram, "{}", m.name);
+            if let Some(b) = b {
+                assert!(b.windows(2).all(|w| w[0] < w[1]), "{}", m.name);
+            }
+        }
+        assert_eq!(spec(COMM_SPREAD).unwrap().buckets(), Some(SPREAD_BUCKETS));
+        assert_eq!(
+            spec(FAILOVER_SECONDS).unwrap().buckets(),
+            Some(DURATION_BUCKETS)
+        );
+    }
+
+    #[test]
     fn telemetry_is_shared_across_threads() {
         fn assert_send_sync<T: Send + Sync>() {}
         assert_send_sync::<Telemetry>();
@@ -987,5 +1093,39 @@ mod tests {
             text.contains(r#"railover_failover_seconds_bucket{le="0.005"}"#),
             "{text}"
         );
+    }
+
+    #[test]
+    fn comm_spread_renders_on_pair_buckets() {
+        let t = Telemetry::start(&ExporterConfig::off(), None);
+        // Other tests of this binary share the registry: compare before and after.
+        let bucket = |text: &str, le: &str| -> f64 {
+            let series = format!("railover_comm_spread_bucket{{le=\"{le}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(series.as_str()))
+                .unwrap_or_else(|| panic!("no {series}in\n{text}"))
+                .parse()
+                .unwrap()
+        };
+        let before = t.render();
+        for pairs in [1, 3, 7, 0] {
+            t.record_comm_spread(pairs);
+        }
+        let after = t.render();
+        assert!(
+            after.contains("# TYPE railover_comm_spread histogram"),
+            "{after}"
+        );
+        for (le, added) in [
+            ("1", 1.0),
+            ("2", 1.0),
+            ("3", 2.0),
+            ("6", 2.0),
+            ("8", 3.0),
+            ("+Inf", 3.0),
+        ] {
+            assert_eq!(bucket(&after, le) - bucket(&before, le), added, "le={le}");
+        }
+        assert!(!after.contains(r#"railover_comm_spread_bucket{le="0.005"}"#));
     }
 }

@@ -77,6 +77,85 @@ pub struct NicEntry {
     pub backup_reference: String,
     /// All other NICs: eligible first, in preference order, then the excluded ones.
     pub backups: Vec<Candidate>,
+    /// Where its comms would go if it failed.
+    pub spread: Spread,
+}
+
+/// Where a NIC's comms go if it fails. railover stripes each of them over every eligible
+/// survivor, so that the survivors end up equally loaded (DESIGN.md P3).
+///
+/// `kept_fraction` is the share of its bandwidth a network-bound collective keeps, under
+/// the model of `railover sim`: equal NICs, equally loaded, paced by the busiest NIC. The
+/// failed NIC's share split over `k` survivors leaves each carrying (k+1)/k shares, so the
+/// collective keeps k/(k+1): (N−1)/N when all N−1 other NICs are eligible, 1/2 when one is
+/// (as with a comm moved whole onto one survivor), 0 when none is (its comms fail).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Spread {
+    /// The survivors its comms would be striped over: the backups the rail rule and the
+    /// distance limit allow (`backup::pair_eligibility`, as the router applies it) whose
+    /// port is not down now, in the router's preference order.
+    pub survivors: Vec<String>,
+    /// Allowed backups left out because their port is down now, as the router leaves out a
+    /// NIC without carrier.
+    pub down_now: Vec<String>,
+    /// `k`: how many survivors.
+    pub count: usize,
+    /// The node's NIC count `N`, this one included.
+    pub nics: usize,
+    /// k/(k+1); 0 when k is 0.
+    pub kept_fraction: f64,
+}
+
+impl Spread {
+    /// The spread of a NIC of `topo` whose backup candidates are `backups` (as
+    /// [`Topology::backup_candidates`] lists them).
+    pub fn of(topo: &Topology, backups: &[Candidate]) -> Spread {
+        let (up, down): (Vec<&Candidate>, Vec<&Candidate>) = backups
+            .iter()
+            .filter(|c| c.eligible())
+            .partition(|c| topo.nic(c.nic).state != LinkState::Down);
+        let names = |v: Vec<&Candidate>| v.into_iter().map(|c| c.name.clone()).collect();
+        let count = up.len();
+        Spread {
+            survivors: names(up),
+            down_now: names(down),
+            count,
+            nics: topo.nics().len(),
+            kept_fraction: if count == 0 {
+                0.0
+            } else {
+                count as f64 / (count + 1) as f64
+            },
+        }
+    }
+
+    /// "comms spread over 3 survivors (mlx5_1, mlx5_2, mlx5_3); a collective keeps 3/4
+    /// (75%) of its bandwidth", or why there is nowhere to go.
+    pub fn describe(&self) -> String {
+        let down = if self.down_now.is_empty() {
+            String::new()
+        } else {
+            format!("; not counted, down now: {}", self.down_now.join(", "))
+        };
+        if self.count == 0 {
+            let why = if self.nics <= 1 {
+                "it is the only NIC"
+            } else if self.down_now.is_empty() {
+                "no other NIC passes the rail rule and the distance limit"
+            } else {
+                "every allowed backup is down now"
+            };
+            return format!("no survivor to spread its comms over ({why}): they fail{down}");
+        }
+        let k = self.count;
+        format!(
+            "comms spread over {k} survivor{} ({}); a collective keeps {k}/{} ({}) of its bandwidth{down}",
+            if k == 1 { "" } else { "s" },
+            self.survivors.join(", "),
+            k + 1,
+            fmt_percent(self.kept_fraction)
+        )
+    }
 }
 
 /// The GPU nearest to a NIC.
@@ -145,6 +224,7 @@ impl DoctorReport {
                 Device::Nic(n) => topo.nic(n).name.clone(),
             };
             let backups = topo.backup_candidates(id, rail_rule, distance_limit);
+            let spread = Spread::of(topo, &backups);
 
             if nic.state == LinkState::Down {
                 warnings.push(Warning {
@@ -224,6 +304,7 @@ impl DoctorReport {
                 nearest_gpu: nearest,
                 backup_reference,
                 backups,
+                spread,
             });
         }
 
@@ -410,6 +491,38 @@ impl DoctorReport {
                     let _ = writeln!(o, "      excluded: {} by {e}", c.name);
                 }
             }
+            let _ = writeln!(o, "      if it fails: {}", n.spread.describe());
+        }
+
+        // The NIC whose failure costs most (the first of equals).
+        if let Some(worst) = self
+            .nics
+            .iter()
+            .min_by(|a, b| a.spread.kept_fraction.total_cmp(&b.spread.kept_fraction))
+        {
+            let (k, n) = (worst.spread.count, self.nics.len());
+            let _ = if k == 0 {
+                writeln!(
+                    o,
+                    "\nspread: if {} fails, {}",
+                    worst.name,
+                    worst.spread.describe()
+                )
+            } else {
+                writeln!(
+                    o,
+                    "\nspread: a failed NIC's comms go to {k} survivor{} or more (fewest: {}); a \
+                     collective keeps {k}/{} ({}) of its bandwidth or more ({}/{n} ({}) with all {} \
+                     other NICs eligible)",
+                    if k == 1 { "" } else { "s" },
+                    worst.name,
+                    k + 1,
+                    fmt_percent(worst.spread.kept_fraction),
+                    n - 1,
+                    fmt_percent((n - 1) as f64 / n as f64),
+                    n - 1
+                )
+            };
         }
 
         let _ = writeln!(o, "\nWarnings ({})", self.warnings.len());
@@ -459,6 +572,16 @@ fn fmt_gbps(x: f64) -> String {
         format!("{x:.0}")
     } else {
         format!("{x:.1}")
+    }
+}
+
+/// 75%, 87.5%, 66.7%.
+fn fmt_percent(x: f64) -> String {
+    let tenths = (x * 1000.0).round();
+    if tenths % 10.0 == 0.0 {
+        format!("{:.0}%", tenths / 10.0)
+    } else {
+        format!("{:.1}%", tenths / 10.0)
     }
 }
 

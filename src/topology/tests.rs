@@ -423,3 +423,188 @@ fn empty_root_is_an_empty_topology() {
     let t = Topology::discover(dir.path()).unwrap();
     assert!(t.nics().is_empty() && t.gpus().is_empty());
 }
+
+/// The spread of `name`'s comms if it fails, under `rule` and `limit`.
+fn spread(t: &Topology, name: &str, rule: RailRule, limit: PathType) -> report::Spread {
+    report::Spread::of(t, &t.backup_candidates(nic(t, name), rule, limit))
+}
+
+fn survivors(s: &report::Spread) -> Vec<&str> {
+    s.survivors.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn spread_over_every_allowed_survivor_by_distance_limit() {
+    let (_d, t) = dgx();
+    for (limit, want) in [
+        (PathType::Pix, &["mlx5_1"][..]),
+        // No cascaded switches on this machine: PXB admits what PIX does.
+        (PathType::Pxb, &["mlx5_1"][..]),
+        (PathType::Phb, &["mlx5_1", "mlx5_2", "mlx5_3"][..]),
+        (
+            PathType::Sys,
+            &[
+                "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_4", "mlx5_5", "mlx5_6", "mlx5_7",
+            ][..],
+        ),
+    ] {
+        let s = spread(&t, "mlx5_0", RailRule::Same, limit);
+        assert_eq!(survivors(&s), want, "{limit}");
+        let k = want.len();
+        assert_eq!((s.count, s.nics), (k, 8), "{limit}");
+        assert_eq!(s.kept_fraction, k as f64 / (k + 1) as f64, "{limit}");
+        assert!(s.down_now.is_empty());
+    }
+    // On the other socket, the survivors are that socket's NICs.
+    let s = spread(&t, "mlx5_5", RailRule::Same, PathType::Phb);
+    assert_eq!(survivors(&s), ["mlx5_4", "mlx5_6", "mlx5_7"]);
+    assert_eq!(
+        s.describe(),
+        "comms spread over 3 survivors (mlx5_4, mlx5_6, mlx5_7); a collective keeps 3/4 (75%) \
+         of its bandwidth"
+    );
+    let s = spread(&t, "mlx5_5", RailRule::Any, PathType::Sys);
+    assert!(
+        s.describe().contains("keeps 7/8 (87.5%)"),
+        "{}",
+        s.describe()
+    );
+}
+
+#[test]
+fn spread_from_the_topology_xml_matches_sysfs() {
+    let (_d, live) = dgx();
+    let xml = Topology::from_xml(
+        include_str!("../../tests/fixtures/topology/dgx-h100.xml"),
+        "dgx-h100.xml",
+    )
+    .unwrap();
+    assert_eq!(xml.nics().len(), 8);
+    for limit in PathType::ALL {
+        for n in live.nics() {
+            let a = spread(&live, &n.name, RailRule::Same, limit);
+            let b = spread(&xml, &n.name, RailRule::Same, limit);
+            assert_eq!(a, b, "{} {limit}", n.name);
+            assert!(a.count >= 1, "{} {limit}", n.name);
+        }
+    }
+}
+
+#[test]
+fn a_survivor_down_now_is_not_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let b = machines::dgx_h100(dir.path()).unwrap();
+    b.set("class/infiniband/mlx5_2/ports/1/state", "1: DOWN")
+        .unwrap();
+    let t = Topology::discover(dir.path()).unwrap();
+    assert_eq!(t.nic(nic(&t, "mlx5_2")).state, LinkState::Down);
+    let s = spread(&t, "mlx5_0", RailRule::Same, PathType::Phb);
+    assert_eq!(survivors(&s), ["mlx5_1", "mlx5_3"]);
+    assert_eq!(s.down_now, ["mlx5_2"]);
+    assert_eq!(s.count, 2);
+    assert_eq!(s.kept_fraction, 2.0 / 3.0);
+    assert!(
+        s.describe()
+            .ends_with("keeps 2/3 (66.7%) of its bandwidth; not counted, down now: mlx5_2"),
+        "{}",
+        s.describe()
+    );
+    // With PIX its only backup is mlx5_1; down too, nothing is left.
+    b.set("class/infiniband/mlx5_1/ports/1/state", "1: DOWN")
+        .unwrap();
+    let t = Topology::discover(dir.path()).unwrap();
+    let s = spread(&t, "mlx5_0", RailRule::Same, PathType::Pix);
+    assert_eq!((s.count, s.kept_fraction), (0, 0.0));
+    assert_eq!(
+        s.describe(),
+        "no survivor to spread its comms over (every allowed backup is down now): they fail; \
+         not counted, down now: mlx5_1"
+    );
+}
+
+#[test]
+fn no_spread_where_the_rules_leave_no_survivor() {
+    // Two sockets, one NIC each: only SYS lets them back each other up.
+    let dir = tempfile::tempdir().unwrap();
+    machines::dual_socket(dir.path()).unwrap();
+    let t = Topology::discover(dir.path()).unwrap();
+    let s = spread(&t, "mlx5_0", RailRule::Same, PathType::Phb);
+    assert_eq!((s.count, s.nics, s.kept_fraction), (0, 2, 0.0));
+    assert!(s.survivors.is_empty() && s.down_now.is_empty());
+    assert_eq!(
+        s.describe(),
+        "no survivor to spread its comms over (no other NIC passes the rail rule and the \
+         distance limit): they fail"
+    );
+    let s = spread(&t, "mlx5_0", RailRule::Same, PathType::Sys);
+    assert_eq!(survivors(&s), ["mlx5_1"]);
+    assert_eq!(s.kept_fraction, 0.5);
+    assert!(s
+        .describe()
+        .starts_with("comms spread over 1 survivor (mlx5_1);"));
+
+    // Rule same and a survivor without a rail: excluded; rule any takes it.
+    let xml = r#"<system version="1">
+      <cpu numaid="0">
+        <pci busid="0000:01:00.0" link_speed="16.0 GT/s PCIe" link_width="16">
+          <pci busid="0000:03:00.0" class="0x030200" vendor="0x10de" link_speed="16.0 GT/s PCIe" link_width="16"><gpu dev="0"/></pci>
+          <pci busid="0000:04:00.0" link_speed="16.0 GT/s PCIe" link_width="16"><nic><net name="eth0" speed="100000"/></nic></pci>
+        </pci>
+        <nic><net name="veth0" speed="10000"/></nic>
+      </cpu>
+    </system>"#;
+    let t = Topology::from_xml(xml, "inline").unwrap();
+    assert_eq!(spread(&t, "eth0", RailRule::Same, PathType::Sys).count, 0);
+    assert_eq!(
+        survivors(&spread(&t, "eth0", RailRule::Any, PathType::Sys)),
+        ["veth0"]
+    );
+
+    // A lone NIC.
+    let dir = tempfile::tempdir().unwrap();
+    let b = SysfsBuilder::new(dir.path()).unwrap();
+    b.eth_nic(
+        "eth0",
+        &["0000:00:01.0", "0000:01:00.0"],
+        PciOpts::new(4, 16, 0),
+        &NetdevOpts::ethernet(100_000, "aa:bb:cc:dd:ee:ff"),
+    )
+    .unwrap();
+    let t = Topology::discover(dir.path()).unwrap();
+    let s = spread(&t, "eth0", RailRule::Any, PathType::Sys);
+    assert_eq!((s.count, s.nics), (0, 1));
+    assert!(
+        s.describe().contains("(it is the only NIC)"),
+        "{}",
+        s.describe()
+    );
+}
+
+#[test]
+fn the_report_carries_each_nics_spread() {
+    let (_d, t) = dgx();
+    let settings = report::DoctorSettings::default();
+    let r = report::DoctorReport::build(&t, settings);
+    for n in &r.nics {
+        assert_eq!(
+            n.spread,
+            spread(&t, &n.name, settings.rail_rule, settings.distance_limit)
+        );
+    }
+    let text = r.render_text();
+    assert!(
+        text.contains(
+            "      if it fails: comms spread over 3 survivors (mlx5_1, mlx5_2, mlx5_3); a \
+             collective keeps 3/4 (75%) of its bandwidth\n"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("spread: a failed NIC's comms go to 3 survivors or more (fewest: mlx5_0)"),
+        "{text}"
+    );
+    let v = serde_json::to_value(&r).unwrap();
+    assert_eq!(v["nics"][7]["spread"]["count"], 3);
+    assert_eq!(v["nics"][7]["spread"]["kept_fraction"], 0.75);
+    assert_eq!(v["nics"][7]["spread"]["survivors"][0], "mlx5_6");
+}
