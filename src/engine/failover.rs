@@ -354,6 +354,7 @@ impl Engine {
             .max_by_key(|&(n, p)| (n, std::cmp::Reverse(p)))
             .map_or(from, |(_, p)| p);
         comm.lazily += comm.shared.moved_to(to.local.0 as usize);
+        comm.shared.spread_over(comm.path.spread());
         let lazily = std::mem::take(&mut comm.lazily);
         self.draining.push(c);
         let (fl, fr) = self.pair_names(from);
@@ -393,6 +394,7 @@ impl Engine {
                     resume,
                 };
                 t.record_failover(&f);
+                t.record_comm_spread(spread);
                 tracing::warn!(
                     "{f} spread_over={spread} replayed={replayed}B registered_on_backup={lazily}"
                 );

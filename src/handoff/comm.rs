@@ -38,8 +38,10 @@ pub struct CommShared {
     /// Set once the comm can no longer carry data; later requests fail with it.
     failed: Mutex<Option<Error>>,
     closed: AtomicBool,
-    /// The local NIC the comm's lane uses now (the reactor moves it on failover).
+    /// The local NIC that carries most of the comm now (the reactor moves it on failover).
     nic: AtomicUsize,
+    /// How many NIC pairs the comm's stripes run over (1 unless a failover spread it).
+    spread: AtomicUsize,
     /// Registrations made on this comm, so a move to another NIC can register them there.
     regions: Mutex<Vec<Weak<MemoryRegion>>>,
 }
@@ -54,13 +56,25 @@ impl CommShared {
             failed: Mutex::new(None),
             closed: AtomicBool::new(false),
             nic: AtomicUsize::new(nic),
+            spread: AtomicUsize::new(1),
             regions: Mutex::new(Vec::new()),
         }
     }
 
-    /// The local NIC the comm uses now.
+    /// The local NIC that carries most of the comm now.
     pub fn nic(&self) -> usize {
         self.nic.load(Ordering::Acquire)
+    }
+
+    /// How many NIC pairs the comm runs over now: 1 on its own pair, more while a
+    /// failover has it striped over several survivors.
+    pub fn spread(&self) -> usize {
+        self.spread.load(Ordering::Acquire)
+    }
+
+    /// Reactor side: the comm's stripes settled over `pairs` pairs.
+    pub(crate) fn spread_over(&self, pairs: usize) {
+        self.spread.store(pairs.max(1), Ordering::Release);
     }
 
     /// Reactor side: the comm now runs on local NIC `nic`. Registrations follow it lazily,

@@ -111,6 +111,9 @@ struct Flow {
     failed: Option<Time>,
     may_fail: bool,
     nic_seen: usize,
+    /// The pairs the sender runs over, as last seen, and the most it ever ran over.
+    spread_seen: usize,
+    max_spread: usize,
 }
 
 /// One run of one seed.
@@ -140,6 +143,8 @@ pub(crate) struct Report {
     pub virtual_time: Duration,
     pub failed_comms: usize,
     pub violations: Vec<String>,
+    /// The most pairs any comm's stripes ran over at once.
+    pub max_spread: usize,
 }
 
 impl Sim {
@@ -273,6 +278,8 @@ impl Sim {
             self.flows.push(Flow {
                 from: c.from,
                 nic_seen: send.nic(),
+                spread_seen: 1,
+                max_spread: 1,
                 send,
                 recv,
                 next: 0,
@@ -511,10 +518,13 @@ impl Sim {
                 }
             }
         }
-        let nic = self.flows[f].send.nic();
-        if nic != self.flows[f].nic_seen {
-            self.flows[f].nic_seen = nic;
-            self.note(|| format!("comm {f}: sender now on NIC {nic}"));
+        let (nic, spread) = (self.flows[f].send.nic(), self.flows[f].send.spread());
+        let fl = &mut self.flows[f];
+        if (nic, spread) != (fl.nic_seen, fl.spread_seen) {
+            fl.nic_seen = nic;
+            fl.spread_seen = spread;
+            fl.max_spread = fl.max_spread.max(spread);
+            self.note(|| format!("comm {f}: sender now on NIC {nic}, over {spread} pair(s)"));
         }
     }
 
@@ -535,7 +545,13 @@ impl Sim {
         self.flows
             .iter()
             .enumerate()
-            .all(|(f, fl)| fl.failed.is_some() || fl.send.nic() == self.s.comms[f].nic)
+            .all(|(f, fl)| fl.failed.is_some() || self.at_home(f))
+    }
+
+    /// Comm `f` runs on its original NIC alone, on one pair.
+    fn at_home(&self, f: usize) -> bool {
+        let send = &self.flows[f].send;
+        send.nic() == self.s.comms[f].nic && send.spread() == 1
     }
 
     fn run(&mut self) {
@@ -562,10 +578,11 @@ impl Sim {
                     Some(h) if !self.home() => {
                         if self.now > h + check::failback_bound() {
                             for (f, fl) in self.flows.iter().enumerate() {
-                                if fl.failed.is_none() && fl.send.nic() != self.s.comms[f].nic {
+                                if fl.failed.is_none() && !self.at_home(f) {
                                     let msg = format!(
-                                        "comm {f}: still on NIC {} {} ms after everything healed, not back on NIC {}",
+                                        "comm {f}: still on NIC {} (over {} pair(s)) {} ms after everything healed, not back on NIC {} alone",
                                         fl.send.nic(),
+                                        fl.send.spread(),
                                         (self.now - h).as_millis(),
                                         self.s.comms[f].nic
                                     );
@@ -685,6 +702,7 @@ pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
     let report = Report {
         virtual_time: sim.now,
         failed_comms: sim.flows.iter().filter(|f| f.failed.is_some()).count(),
+        max_spread: sim.flows.iter().map(|f| f.max_spread).max().unwrap_or(1),
         violations: std::mem::take(&mut sim.violations),
     };
     (s, report)

@@ -152,6 +152,25 @@ fn regression_seeds() {
     }
 }
 
+/// Striping happens: a failed NIC's comm is spread over more than one pair (over three
+/// on four-NIC nodes), and the home check above brings every one back to a single pair.
+/// With comms moved whole (`stripes: Some(1)`) every spread here would be 1.
+#[test]
+fn failed_comms_are_striped_over_several_pairs() {
+    if env_u64("RAILOVER_SIM_SEED").is_some() {
+        return;
+    }
+    let quiet = tracing::subscriber::NoSubscriber::default();
+    let spreads: Vec<usize> = tracing::subscriber::with_default(quiet, || {
+        (0..200).map(|s| run_seed(s, false).1.max_spread).collect()
+    });
+    let striped = spreads.iter().filter(|&&m| m >= 2).count();
+    let widest = spreads.iter().copied().max().unwrap_or(0);
+    eprintln!("{striped} of 200 seeds striped a comm; widest spread {widest} pairs");
+    assert!(striped >= 20, "only {striped} of 200 seeds striped a comm");
+    assert!(widest >= 3, "no comm was spread over three pairs");
+}
+
 /// `RAILOVER_SIM_SEED=<n>`: that seed alone, traced.
 #[test]
 fn replay() {
