@@ -20,9 +20,18 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-/// Caps sit this much above the even share, so that the sum of the caps exceeds the
-/// NIC's capacity and the capacity estimate can still grow when the link gets faster.
+/// Caps of lanes below their share sit this much above it, so that they have room to
+/// grow into and the sum of the caps exceeds the NIC's capacity (the capacity estimate
+/// can still grow when the link gets faster).
 pub const HEADROOM: f64 = 1.15;
+/// While some lane of the NIC is below its share, caps of lanes that reach theirs sit
+/// only this much above it: what they leave is the room the starved lanes grow into.
+/// With every lane at `HEADROOM`, the incumbents would keep 15 % more than their share
+/// and a lane moved onto the NIC would settle well below its own (a striped comm runs at
+/// the pace of its slowest lane). With no lane starved, all get `HEADROOM`.
+pub const AT_SHARE_HEADROOM: f64 = 1.02;
+/// A lane delivering at least this fraction of its share counts as reaching it.
+pub const REACHED: f64 = 0.9;
 /// Per sample, the capacity estimate forgets this fraction of itself, so a NIC that
 /// became slower is judged by what it does now within some seconds.
 pub const DECAY: f64 = 0.995;
@@ -183,11 +192,26 @@ impl FairShare {
             };
         }
         self.nics.retain(|n, _| per_nic.contains_key(n));
-        for l in lanes {
+        let share_of = |l: &LaneSample, capacity: f64| {
             let (_, _, weights) = per_nic[&l.nic];
+            capacity * f64::from(l.weight.max(1)) / weights.max(1) as f64
+        };
+        let starved: HashSet<usize> = (lanes.iter())
+            .filter(|l| l.backlogged)
+            .filter(|l| (l.bytes as f64 / secs) < REACHED * share_of(l, self.nics[&l.nic].capacity))
+            .map(|l| l.nic)
+            .collect();
+        for l in lanes {
             let nic = self.nics[&l.nic];
             let want = if l.backlogged && matches!(nic.phase, Phase::Capped { .. }) {
-                let share = nic.capacity * HEADROOM * f64::from(l.weight.max(1)) / weights as f64;
+                let share = share_of(l, nic.capacity);
+                let reached = (l.bytes as f64 / secs) >= REACHED * share;
+                let headroom = if reached && starved.contains(&l.nic) {
+                    AT_SHARE_HEADROOM
+                } else {
+                    HEADROOM
+                };
+                let share = share * headroom;
                 Some((share as u64).max(1))
             } else {
                 None
@@ -263,9 +287,15 @@ mod tests {
         let changes = step(&mut f, &s).changes;
         assert_eq!(changes.len(), 3);
         let even = 12_500_000.0 / 3.0;
-        for k in [1, 2, 3] {
+        // The incumbents reach their share and keep little above it; the newcomer gets
+        // the headroom to grow into.
+        for (k, headroom) in [
+            (1, AT_SHARE_HEADROOM),
+            (2, AT_SHARE_HEADROOM),
+            (3, HEADROOM),
+        ] {
             let cap = f.cap(k).unwrap() as f64;
-            assert!((cap - even * HEADROOM).abs() < 2.0, "lane {k}: {cap}");
+            assert!((cap - even * headroom).abs() < 2.0, "lane {k}: {cap}");
         }
         // The caps leave room: two incumbents at their caps use less than the NIC.
         assert!(2.0 * f.cap(1).unwrap() as f64 <= 12_500_000.0 * 0.8);
@@ -285,6 +315,11 @@ mod tests {
         let (a, b) = (f.cap(1).unwrap() as f64, f.cap(2).unwrap() as f64);
         assert!((a / b - 3.0).abs() < 1e-3, "{a} vs {b}");
         assert!((a + b - 12_000_000.0 * HEADROOM).abs() < 4.0);
+        // Starved behind the incumbent, the moved lane gets the headroom: its comm's
+        // other lanes wait for it.
+        let moved = lane(2, 0, 100_000, true);
+        step(&mut f, &[own, moved]);
+        assert!(f.cap(2).unwrap() as f64 > f.cap(1).unwrap() as f64 / 3.0 * 1.1);
     }
 
     #[test]
