@@ -27,7 +27,8 @@ pub fn failover_svg(path: &Path, r: &Report) -> Result<(), String> {
     let e = |e: &dyn std::fmt::Display| e.to_string();
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(&x))?;
-    let t_end = r.timeline.end_s.max(1.0);
+    // The last tick before the sender stops is cut short by the drain: left out.
+    let t_end = (r.timeline.end_s - 0.25).max(1.0);
     let rate = r.rate_mbit as f64;
     let mode = match r.lockstep {
         Some(k) => format!("lockstep K={k}"),
@@ -60,6 +61,7 @@ pub fn failover_svg(path: &Path, r: &Report) -> Result<(), String> {
             .series
             .dev_mbit
             .iter()
+            .filter(|p| p.t <= t_end)
             .filter_map(|p| Some((p.t, *p.mbit.get(i)?)));
         chart
             .draw_series(LineSeries::new(pts, color.stroke_width(1)))
@@ -67,7 +69,12 @@ pub fn failover_svg(path: &Path, r: &Report) -> Result<(), String> {
             .label(format!("{name} sent (node A)"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color));
     }
-    let slowest = r.series.comms.iter().map(|p| (p.t, p.slowest));
+    let slowest = r
+        .series
+        .comms
+        .iter()
+        .filter(|p| p.t <= t_end)
+        .map(|p| (p.t, p.slowest));
     chart
         .draw_series(LineSeries::new(slowest, BLACK.stroke_width(3)))
         .map_err(|x| e(&x))?
