@@ -32,6 +32,9 @@ const GRACE_S: f64 = 5.0;
 /// NCCL's native failover keeps this much of a collective's rate: the failed NIC's
 /// share moves whole onto one survivor, which then carries twice its share.
 pub const NATIVE: f64 = 0.5;
+/// P3's bound on what the slowest comm keeps, as a share of (N−1)/N: reported, not
+/// judged by the exit status (the fault tier asserts it).
+pub const TARGET_SHARE: f64 = 0.85;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Opts {
@@ -113,6 +116,9 @@ pub struct Report {
     /// (N−1)/N.
     pub ideal: f64,
     pub native: f64,
+    /// 0.85 × (N−1)/N, and whether the slowest comm kept that much.
+    pub target: f64,
+    pub target_met: bool,
     /// `railover sim --lockstep`: whole-comm moves and striped.
     pub sim_whole: Option<f64>,
     pub sim_striped: Option<f64>,
@@ -357,6 +363,8 @@ fn measure(o: &Opts) -> Result<Report, String> {
         })
         .unwrap_or_default();
     let secs = |t: u64| (t as f64 - t0 as f64) / 1000.0;
+    let target = TARGET_SHARE * kept::ideal(o.rails);
+    let slowest = k.slowest;
     Ok(Report {
         machine,
         plugin,
@@ -377,6 +385,8 @@ fn measure(o: &Opts) -> Result<Report, String> {
         back,
         ideal: kept::ideal(o.rails),
         native: NATIVE,
+        target,
+        target_met: slowest >= target,
         sim_whole: lockstep_kept(o.rails as u32, o.comms as u32, Placement::Whole),
         sim_striped: lockstep_kept(o.rails as u32, o.comms as u32, Placement::Striped),
         failover_ms,
@@ -537,6 +547,11 @@ pub fn text(r: &Report) -> String {
         r.native,
         opt(r.sim_whole, 2),
         opt(r.sim_striped, 2)
+    );
+    s += &format!(
+        "target: the slowest comm keeps >= {TARGET_SHARE} x (N-1)/N = {:.2}: {}\n",
+        r.target,
+        if r.target_met { "met" } else { "MISSED" }
     );
     s += &format!(
         "failover: first move {} after the cut ({} moves); fail-back: first {} after link up ({} moves)\n",
