@@ -217,10 +217,9 @@ fn render_kept(rows: &[KeptRow]) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "lockstep collective after one of N NICs fails: share of its rate kept
-         (C comms, comm c on NIC c mod N, equal messages, each comm at link rate / the most
-         comms one NIC carries; detection and migration time excluded)
-"
+        "lockstep collective after one of N NICs fails: share of its rate kept\n\
+         (C comms, comm c on NIC c mod N, equal messages, each comm at link rate / the most\n\
+         comms one NIC carries; detection and migration time excluded)\n"
     );
     let _ = writeln!(
         o,
