@@ -90,9 +90,10 @@ pub struct Args {
     /// Size factor between points: 2, 4, 8 or 16 [default: 2; with --quick 8]
     #[arg(long, value_name = "F", value_parser = step)]
     pub step: Option<usize>,
-    /// Comms (and raw sockets) used at once, 1 … 64
-    #[arg(long, value_name = "C", default_value_t = 1, value_parser = int_in(1, 64))]
-    pub comms: usize,
+    /// Comms (and raw sockets) used at once, 1 … 64 [default: 1; with --failover: the
+    /// rails]
+    #[arg(long, value_name = "C", value_parser = int_in(1, 64))]
+    pub comms: Option<usize>,
     /// Messages in flight per comm, 1 … 32
     #[arg(long, value_name = "K", default_value_t = 8, value_parser = int_in(1, 32))]
     pub depth: usize,
@@ -102,9 +103,9 @@ pub struct Args {
     /// As root: two namespaces joined by N tc-shaped veth pairs, 1 … 8
     #[arg(long, value_name = "N", value_parser = int_in(1, 8))]
     pub testbed: Option<usize>,
-    /// Link rate on the testbed, Mbit/s, 1 … 100000
-    #[arg(long, value_name = "MBIT", default_value_t = 1000, value_parser = int_in(1, 100_000))]
-    pub rate: usize,
+    /// Link rate on the testbed, Mbit/s, 1 … 100000 [default: 1000; with --failover: 200]
+    #[arg(long, value_name = "MBIT", value_parser = int_in(1, 100_000))]
+    pub rate: Option<usize>,
     /// Window of the idle-cost measurement, seconds in 0.5 … 600 [default: 10; with
     /// --quick 2]
     #[arg(long, value_name = "S", value_parser = idle_seconds)]
@@ -119,6 +120,36 @@ pub struct Args {
     /// The README table on stdout
     #[arg(long, overrides_with = "json")]
     pub markdown: bool,
+    /// As root, instead of the sweep: comms over --rails tc-shaped links between two
+    /// namespaces, rail 0 cut on one node and restored; what the slowest comm (the pace
+    /// of a collective) and the aggregate keep, per-NIC time series
+    #[arg(long, conflicts_with_all = ["min_bytes", "max_bytes", "step", "reps", "testbed", "idle_seconds", "quick", "in_testbed"])]
+    pub failover: bool,
+    /// --failover: rails (one veth pair, one NIC per node each), 2 … 8
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = int_in(2, 8), requires = "failover")]
+    pub rails: usize,
+    /// --failover: lockstep window: no comm posts more than K messages past the slowest
+    /// comm's completed count, as one collective's channels, 1 … 64
+    #[arg(long, value_name = "K", default_value_t = 8, value_parser = int_in(1, 64), requires = "failover")]
+    pub lockstep: usize,
+    /// --failover: free-running comms instead of lockstep
+    #[arg(long, requires = "failover")]
+    pub free: bool,
+    /// --failover: message size, 32 bytes … 64M
+    #[arg(long, value_name = "BYTES", default_value = "256K", value_parser = failover_size, requires = "failover")]
+    pub size: usize,
+    /// --failover: seconds of steady traffic before the cut, 2 … 600
+    #[arg(long, value_name = "S", default_value_t = 6.0, value_parser = phase_seconds, requires = "failover")]
+    pub steady: f64,
+    /// --failover: seconds the link stays down, 2 … 600
+    #[arg(long, value_name = "S", default_value_t = 9.0, value_parser = phase_seconds, requires = "failover")]
+    pub down: f64,
+    /// --failover: seconds of traffic after the link comes back, 2 … 600
+    #[arg(long, value_name = "S", default_value_t = 9.0, value_parser = phase_seconds, requires = "failover")]
+    pub after: f64,
+    /// --failover: draw the time series into this SVG file
+    #[arg(long, value_name = "FILE.svg", requires = "failover")]
+    pub plot: Option<std::path::PathBuf>,
     /// Set when the bench re-runs itself inside namespace A of its testbed.
     #[arg(long, hide = true, value_name = "RAILS:NAMESPACE", value_parser = in_testbed)]
     pub in_testbed: Option<(usize, String)>,
@@ -150,6 +181,18 @@ fn idle_seconds(v: &str) -> Result<Duration, String> {
     }
 }
 
+fn failover_size(v: &str) -> Result<usize, String> {
+    let n = crate::size::parse_within(v, 32, 64 << 20)?;
+    usize::try_from(n).map_err(|e| e.to_string())
+}
+
+fn phase_seconds(v: &str) -> Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(s) if (2.0..=600.0).contains(&s) => Ok(s),
+        _ => Err("expected seconds in 2 … 600".into()),
+    }
+}
+
 fn in_testbed(v: &str) -> Result<(usize, String), String> {
     let (n, ns) = v.split_once(':').ok_or("expected RAILS:NAMESPACE")?;
     Ok((int_in(1, 8)(n)?, ns.to_string()))
@@ -168,11 +211,11 @@ pub fn parse(a: Args) -> Result<Opts, String> {
         min_bytes: a.min_bytes.unwrap_or(d.min_bytes),
         max_bytes: a.max_bytes.unwrap_or(max),
         step: a.step.unwrap_or(step),
-        comms: a.comms,
+        comms: a.comms.unwrap_or(d.comms),
         depth: a.depth,
         reps: a.reps.unwrap_or(reps),
         testbed: a.testbed,
-        rate_mbit: a.rate as u64,
+        rate_mbit: a.rate.map_or(d.rate_mbit, |r| r as u64),
         idle: a.idle_seconds.unwrap_or(idle),
         quick: a.quick,
         output: if a.json {
@@ -316,7 +359,7 @@ pub struct Machine {
     pub network: String,
 }
 
-fn loadavg() -> String {
+pub(crate) fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .unwrap_or_default()
         .split_whitespace()
@@ -325,7 +368,7 @@ fn loadavg() -> String {
         .join(" ")
 }
 
-fn machine(network: String) -> Machine {
+pub(crate) fn machine(network: String) -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     Machine {
         cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -435,6 +478,9 @@ pub struct Report {
 /// `raw` is what followed `bench` on the command line, passed on as given to the bench
 /// re-run inside the testbed.
 pub fn run(a: Args, raw: Vec<OsString>) -> i32 {
+    if a.failover {
+        return crate::failover_bench::run(&crate::failover_bench::Opts::from(&a));
+    }
     let o = match parse(a) {
         Ok(o) => o,
         Err(e) => {

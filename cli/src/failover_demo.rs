@@ -110,7 +110,7 @@ fn spawn(bed: &Bed, side: Side, role: &str, seconds: f64) -> std::io::Result<Pro
 }
 
 /// The wall-clock millisecond stamped on a plugin log line (`railover WARN <ms>: …`).
-fn stamp(line: &str) -> Option<u128> {
+pub(crate) fn stamp(line: &str) -> Option<u128> {
     line.split_whitespace()
         .nth(2)?
         .trim_end_matches(':')

@@ -25,6 +25,11 @@ const MAX_BAD_LINES: u32 = 20;
 #[derive(Debug, Clone)]
 struct Opts {
     per_dev: usize,
+    /// Comms in all, over the devices in turn; `None`: `per_dev` × devices.
+    comms: Option<usize>,
+    /// Sender: no comm posts more than this many messages past the slowest comm's
+    /// completed count; `None`: every comm runs free.
+    lockstep: Option<u64>,
     /// Devices that get comms; `None`: all.
     devs: Option<Vec<usize>>,
     size: usize,
@@ -48,6 +53,13 @@ pub struct Args {
     /// recv/send: comms per device
     #[arg(long, value_name = "K", default_value_t = 1, value_parser = at_least(1))]
     pub per_dev: usize,
+    /// recv: comms in all, comm c on the c-th device in turn (instead of --per-dev)
+    #[arg(long, value_name = "C", value_parser = at_least(1), conflicts_with = "per_dev")]
+    pub comms: Option<usize>,
+    /// send: lockstep, as a collective split over the comms: no comm posts more than K
+    /// messages past the slowest comm's completed count [default: every comm runs free]
+    #[arg(long, value_name = "K", value_parser = at_least(1))]
+    pub lockstep: Option<usize>,
     /// recv: only these devices get comms, e.g. 0,2 [default: all]
     #[arg(long, value_name = "LIST", value_parser = dev_list)]
     pub devs: Option<Devs>,
@@ -122,6 +134,8 @@ impl From<&Args> for Opts {
     fn from(a: &Args) -> Opts {
         Opts {
             per_dev: a.per_dev,
+            comms: a.comms,
+            lockstep: a.lockstep.map(|k| k as u64),
             devs: a.devs.clone().map(|d| d.0),
             size: a.size,
             depth: a.depth,
@@ -307,20 +321,23 @@ impl Tally {
     }
 }
 
-/// Prints a `tick` line every interval with the bytes each comm moved since the last.
+/// Prints a `tick` line every interval with the bytes each comm moved since the last,
+/// and each device's bytes when it counts them.
 struct Ticker {
     every: Duration,
     start: Instant,
     last: Instant,
+    devs: Option<DevCounters>,
 }
 
 impl Ticker {
-    fn new(every: Duration) -> Ticker {
+    fn new(every: Duration, devs: Option<DevCounters>) -> Ticker {
         let now = Instant::now();
         Ticker {
             every,
             start: now,
             last: now,
+            devs,
         }
     }
 
@@ -339,9 +356,91 @@ impl Ticker {
             t: unix_ms(),
             el: self.start.elapsed().as_millis() as u64,
             bytes: per_comm.to_vec(),
+            devs: self.devs.as_mut().map_or_else(Vec::new, DevCounters::delta),
         });
         per_comm.fill(0);
     }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Dir {
+    Tx,
+    Rx,
+}
+
+impl Dir {
+    fn as_str(self) -> &'static str {
+        match self {
+            Dir::Tx => "tx",
+            Dir::Rx => "rx",
+        }
+    }
+}
+
+/// Bytes each local device has moved in one direction, for the ticks' `devs`.
+struct DevCounters {
+    names: Vec<String>,
+    dir: Dir,
+    last: Vec<u64>,
+}
+
+impl DevCounters {
+    fn new(names: Vec<String>, dir: Dir) -> DevCounters {
+        let mut d = DevCounters {
+            names,
+            dir,
+            last: Vec::new(),
+        };
+        d.last = d.read();
+        d
+    }
+
+    /// The kernel's interface counter where the device is an interface of this
+    /// namespace (exact, headers and probes included); otherwise (loopback NICs) the
+    /// plugin's own count, which its reactor updates every 100 ms.
+    fn read(&self) -> Vec<u64> {
+        let mut metrics: Option<String> = None;
+        self.names
+            .iter()
+            .map(|n| {
+                let path = format!("/sys/class/net/{n}/statistics/{}_bytes", self.dir.as_str());
+                std::fs::read_to_string(path)
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or_else(|| {
+                        let text = metrics.get_or_insert_with(|| {
+                            railover::plugin::runtime()
+                                .map(|rt| rt.telemetry.render())
+                                .unwrap_or_default()
+                        });
+                        plugin_nic_bytes(text, n, self.dir)
+                    })
+            })
+            .collect()
+    }
+
+    fn delta(&mut self) -> Vec<u64> {
+        let now = self.read();
+        let d = now
+            .iter()
+            .zip(&self.last)
+            .map(|(a, b)| a.saturating_sub(*b))
+            .collect();
+        self.last = now;
+        d
+    }
+}
+
+/// `railover_bytes_total` of one NIC and direction in the plugin's metrics text.
+fn plugin_nic_bytes(text: &str, nic: &str, dir: Dir) -> u64 {
+    let series = format!(
+        "railover_bytes_total{{nic=\"{nic}\",direction=\"{}\"}} ",
+        dir.as_str()
+    );
+    text.lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
 }
 
 /// Running lanes per local NIC, from the route snapshot the plugin publishes (read-only
@@ -368,16 +467,7 @@ fn say_nic_bytes() {
     let tx: Vec<u64> = rt
         .nics
         .iter()
-        .map(|n| {
-            let series = format!(
-                "railover_bytes_total{{nic=\"{}\",direction=\"tx\"}} ",
-                n.tcp.name
-            );
-            text.lines()
-                .find_map(|l| l.strip_prefix(&series))
-                .and_then(|v| v.trim().parse::<f64>().ok())
-                .map_or(0, |v| v as u64)
-        })
+        .map(|n| plugin_nic_bytes(&text, &n.tcp.name, Dir::Tx))
         .collect();
     say(&Event::NicBytes { t: unix_ms(), tx });
 }
@@ -431,7 +521,8 @@ fn settled(state: State, slots: &[Slot]) -> bool {
     state == State::Ended || (state == State::Failed && slots.iter().all(|s| s.req.is_none()))
 }
 
-fn describe_devices(ctx: &Ctx) -> Result<i32, Code> {
+/// Prints the devices; returns their names.
+fn describe_devices(ctx: &Ctx) -> Result<Vec<String>, Code> {
     let n = ctx.devices()?;
     let names: Vec<String> = (0..n)
         .map(|d| {
@@ -440,8 +531,11 @@ fn describe_devices(ctx: &Ctx) -> Result<i32, Code> {
                 .unwrap_or_else(|_| "?".into())
         })
         .collect();
-    say(&Event::Devices { n, names });
-    Ok(n)
+    say(&Event::Devices {
+        n,
+        names: names.clone(),
+    });
+    Ok(names)
 }
 
 // ---- receiver ---------------------------------------------------------------------
@@ -455,9 +549,10 @@ struct RecvLane {
 }
 
 fn receiver(o: &Opts) -> i32 {
-    let setup = || -> Result<(Ctx, Vec<RecvComm>), String> {
+    let setup = || -> Result<(Ctx, Vec<RecvComm>, Vec<String>), String> {
         let ctx = Ctx::init().map_err(|e| format!("init: {e}"))?;
-        let ndev = describe_devices(&ctx).map_err(|e| format!("devices: {e}"))?;
+        let names = describe_devices(&ctx).map_err(|e| format!("devices: {e}"))?;
+        let ndev = names.len() as i32;
         if ndev < 1 {
             return Err("no devices".into());
         }
@@ -468,7 +563,7 @@ fn receiver(o: &Opts) -> i32 {
         if let Some(d) = devs.iter().find(|&&d| d >= ndev as usize) {
             return Err(format!("--devs names device {d} of {ndev}"));
         }
-        let m = o.per_dev * devs.len();
+        let m = o.comms.unwrap_or(o.per_dev * devs.len());
         let mut listeners = Vec::new();
         for i in 0..m {
             let dev = devs[i % devs.len()] as i32;
@@ -492,9 +587,9 @@ fn receiver(o: &Opts) -> i32 {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        Ok((ctx, comms.into_iter().map(Option::unwrap).collect()))
+        Ok((ctx, comms.into_iter().map(Option::unwrap).collect(), names))
     };
-    let (ctx, comms) = match setup() {
+    let (ctx, comms, names) = match setup() {
         Ok(x) => x,
         Err(e) => {
             setup_failed(e);
@@ -527,7 +622,7 @@ fn receiver(o: &Opts) -> i32 {
 
     let mut tally = Tally::default();
     let mut per_comm = vec![0u64; lanes.len()];
-    let mut ticker = Ticker::new(o.tick);
+    let mut ticker = Ticker::new(o.tick, Some(DevCounters::new(names, Dir::Rx)));
     let give_up = Instant::now() + Duration::from_secs_f64(o.seconds + 2.0 * o.grace);
     let mut backoff = Backoff::default();
     let depth = o.depth as u64;
@@ -650,6 +745,19 @@ struct SendLane {
     state: State,
 }
 
+/// Lockstep: how many messages a comm may have posted in all, `window` past the
+/// slowest running comm's completed count, as a collective split over the comms cannot
+/// run ahead of its slowest part. `None`: free-running, or no comm runs.
+fn lockstep_limit(done_of_running: impl Iterator<Item = u64>, window: Option<u64>) -> Option<u64> {
+    Some(done_of_running.min()? + window?)
+}
+
+/// Whether a running comm may post its next message: a free slot, and within the
+/// lockstep limit if there is one.
+fn may_post(posted: u64, done: u64, depth: u64, limit: Option<u64>) -> bool {
+    posted < done + depth && limit.map_or(true, |l| posted < l)
+}
+
 /// The handles on stdin up to `go`, as (comm, dev, bytes) in comm order.
 fn read_handles() -> Result<Vec<(usize, i32, [u8; HANDLE_LEN])>, String> {
     let mut out = Vec::new();
@@ -676,9 +784,10 @@ fn read_handles() -> Result<Vec<(usize, i32, [u8; HANDLE_LEN])>, String> {
 }
 
 fn sender(o: &Opts) -> i32 {
-    let setup = || -> Result<(Ctx, Vec<SendComm>), String> {
+    let setup = || -> Result<(Ctx, Vec<SendComm>, Vec<String>), String> {
         let ctx = Ctx::init().map_err(|e| format!("init: {e}"))?;
-        let ndev = describe_devices(&ctx).map_err(|e| format!("devices: {e}"))?;
+        let names = describe_devices(&ctx).map_err(|e| format!("devices: {e}"))?;
+        let ndev = names.len() as i32;
         let mut handles = read_handles()?;
         if let Some(h) = handles.iter().find(|h| h.1 >= ndev) {
             return Err(format!("comm {} wants device {} of {ndev}", h.0, h.1));
@@ -698,9 +807,9 @@ fn sender(o: &Opts) -> i32 {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        Ok((ctx, comms.into_iter().map(Option::unwrap).collect()))
+        Ok((ctx, comms.into_iter().map(Option::unwrap).collect(), names))
     };
-    let (ctx, comms) = match setup() {
+    let (ctx, comms, names) = match setup() {
         Ok(x) => x,
         Err(e) => {
             setup_failed(e);
@@ -761,7 +870,7 @@ fn sender(o: &Opts) -> i32 {
 
     let mut tally = Tally::default();
     let mut per_comm = vec![0u64; lanes.len()];
-    let mut ticker = Ticker::new(o.tick);
+    let mut ticker = Ticker::new(o.tick, Some(DevCounters::new(names, Dir::Tx)));
     let stop = Instant::now() + Duration::from_secs_f64(o.seconds);
     let give_up = stop + Duration::from_secs_f64(o.grace);
     let mut backoff = Backoff::default();
@@ -769,13 +878,22 @@ fn sender(o: &Opts) -> i32 {
     loop {
         let mut progress = false;
         let stopping = Instant::now() >= stop;
+        // Taken once a round: the slowest only moves forward, so a stale limit only
+        // holds a comm back a little longer.
+        let limit = lockstep_limit(
+            lanes
+                .iter()
+                .filter(|l| l.state == State::Running)
+                .map(|l| l.done),
+            o.lockstep,
+        );
         for (i, lane) in lanes.iter_mut().enumerate() {
             if stopping && lane.state == State::Running {
                 lane.state = State::Draining;
             }
             let want_end = lane.state == State::Draining && lane.done == lane.posted;
-            while (lane.state == State::Running || want_end && lane.state == State::Draining)
-                && lane.posted < lane.done + depth
+            while lane.state == State::Running && may_post(lane.posted, lane.done, depth, limit)
+                || want_end && lane.state == State::Draining && lane.posted < lane.done + depth
             {
                 let seq = lane.posted;
                 let end = lane.state == State::Draining;
@@ -907,7 +1025,7 @@ fn tcp_recv(o: &Opts) -> i32 {
         t: unix_ms(),
     });
     let end = Instant::now() + Duration::from_secs_f64(o.seconds);
-    let mut ticker = Ticker::new(o.tick);
+    let mut ticker = Ticker::new(o.tick, None);
     let mut per = [0u64];
     let mut total = 0u64;
     let mut buf = vec![0u8; 256 << 10];
@@ -1016,6 +1134,25 @@ mod tests {
         assert!(matches!(verify(&e, 0, 9), Verdict::End));
     }
 
+    #[test]
+    fn lockstep_holds_every_comm_within_k_of_the_slowest() {
+        // Comms have completed 3, 10 and 12 messages; K = 8: none may have posted past 11.
+        let limit = lockstep_limit([3, 10, 12].into_iter(), Some(8));
+        assert_eq!(limit, Some(11));
+        assert!(may_post(10, 10, 8, limit), "seq 10 is 7 past the slowest");
+        assert!(!may_post(11, 10, 8, limit), "seq 11 would be 8 past");
+        assert!(!may_post(12, 12, 8, limit));
+        // The slowest itself is held only by its depth.
+        assert!(may_post(10, 3, 8, limit));
+        assert!(!may_post(11, 3, 8, limit));
+        // Free-running: only the depth counts.
+        assert_eq!(lockstep_limit([3, 10].into_iter(), None), None);
+        assert!(may_post(19, 12, 8, None));
+        assert!(!may_post(20, 12, 8, None));
+        // No running comm left: nothing to wait for.
+        assert_eq!(lockstep_limit(std::iter::empty(), Some(8)), None);
+    }
+
     fn parse(argv: &[&str]) -> Result<Args, String> {
         let argv = ["railover", "fault-peer"].iter().chain(argv);
         match crate::Cli::try_parse_from(argv)
@@ -1063,6 +1200,9 @@ mod tests {
             (9.5, 0.0, Duration::from_millis(50))
         );
         assert_eq!(o.devs, Some(vec![0, 2]));
+        assert_eq!((o.comms, o.lockstep), (None, None));
+        let o = Opts::from(&parse(&["send", "--comms", "8", "--lockstep", "4"]).unwrap());
+        assert_eq!((o.comms, o.lockstep), (Some(8), Some(4)));
         assert_eq!(
             Opts::from(&parse(&["send", "--size", "1m"]).unwrap()).size,
             1 << 20
@@ -1080,6 +1220,9 @@ mod tests {
             (&["recv", "--size", "lots"], "--size"),
             (&["recv", "--per-dev", "0"], "--per-dev"),
             (&["recv", "--depth", "0"], "--depth"),
+            (&["send", "--lockstep", "0"], "--lockstep"),
+            (&["recv", "--comms", "0"], "--comms"),
+            (&["recv", "--comms", "4", "--per-dev", "2"], "--comms"),
             (&["recv", "--devs", "0,x"], "--devs"),
             (&["send", "--grace", "nan"], "--grace"),
             (&["tcp-send", "--to", "nowhere"], "--to"),

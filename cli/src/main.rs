@@ -8,9 +8,11 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod demo;
 mod doctor;
+mod failover_bench;
 mod failover_demo;
 mod fault_peer;
 mod peer;
+mod plot;
 mod sim;
 mod size;
 

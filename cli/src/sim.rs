@@ -20,6 +20,17 @@
 //!
 //! With N = 1 there is no survivor: the job fails in both failure states.
 //!
+//! # Lockstep: what a collective keeps (`--lockstep`)
+//! C comms over N NICs (comm c on NIC c mod N), every comm moving equal shares in
+//! lockstep, so each runs at r / (the most comms any NIC carries). When NIC 0 fails its
+//! comms move, and the kept rate is healthy busiest load / busiest load after:
+//!
+//! * whole-comm moves (railover before striping): each comm of the failed NIC moves
+//!   whole onto the least loaded survivor; with one comm per NIC a survivor carries two
+//!   and the collective keeps 1/2, as NCCL's native failover;
+//! * striped (railover's promise, P3): the failed NIC's share is split evenly over the
+//!   survivors; with C a multiple of N the collective keeps (N−1)/N.
+//!
 //! # Assumptions
 //! The network is the bottleneck (not PCIe, NVLink or the GPU reduction); links are
 //! full-duplex and uncongested; all NICs run at the same rate; one NIC of one node fails,
@@ -135,6 +146,102 @@ impl Params {
     }
 }
 
+/// How a failed NIC's comms are placed on the survivors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Placement {
+    /// Each comm moves whole onto the least loaded survivor.
+    Whole,
+    /// The failed NIC's load is split evenly over every survivor.
+    Striped,
+}
+
+/// What a lockstep collective over `comms` comms on `nics` NICs keeps of its rate when
+/// NIC 0 fails; `None` when no NIC survives or there are no comms.
+pub fn lockstep_kept(nics: u32, comms: u32, placement: Placement) -> Option<f64> {
+    if nics < 2 || comms == 0 {
+        return None;
+    }
+    let n = nics as usize;
+    let mut load = vec![0.0f64; n];
+    for c in 0..comms as usize {
+        load[c % n] += 1.0;
+    }
+    let healthy = load.iter().copied().fold(0.0, f64::max);
+    let moved = load[0];
+    let mut after = load[1..].to_vec();
+    match placement {
+        Placement::Whole => {
+            for _ in 0..moved as usize {
+                let least = (0..after.len())
+                    .min_by(|&a, &b| after[a].total_cmp(&after[b]))
+                    .expect("a survivor");
+                after[least] += 1.0;
+            }
+        }
+        Placement::Striped => after.iter_mut().for_each(|l| *l += moved / (n - 1) as f64),
+    }
+    Some(healthy / after.iter().copied().fold(0.0, f64::max))
+}
+
+/// One row of `railover sim --lockstep`.
+#[derive(Debug, Clone, Serialize)]
+pub struct KeptRow {
+    pub nics: u32,
+    pub comms: u32,
+    /// NCCL's native failover: the failed NIC's share onto one survivor.
+    pub native: f64,
+    pub whole: Option<f64>,
+    pub striped: Option<f64>,
+    /// (N−1)/N.
+    pub ideal: f64,
+}
+
+/// The lockstep table: N = 2, 4, 8 with C = N and C = 2N.
+pub fn kept_table() -> Vec<KeptRow> {
+    [2u32, 4, 8]
+        .iter()
+        .flat_map(|&n| [n, 2 * n].map(|c| (n, c)))
+        .map(|(nics, comms)| KeptRow {
+            nics,
+            comms,
+            native: 0.5,
+            whole: lockstep_kept(nics, comms, Placement::Whole),
+            striped: lockstep_kept(nics, comms, Placement::Striped),
+            ideal: (f64::from(nics) - 1.0) / f64::from(nics),
+        })
+        .collect()
+}
+
+fn render_kept(rows: &[KeptRow]) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "lockstep collective after one of N NICs fails: share of its rate kept\n\
+         (C comms, comm c on NIC c mod N, equal messages, each comm at link rate / the most\n\
+         comms one NIC carries; detection and migration time excluded)\n"
+    );
+    let _ = writeln!(
+        o,
+        "{:>3} {:>3}  {:>12}  {:>24}  {:>14}  {:>7}",
+        "N", "C", "NCCL native", "whole-comm moves (today)", "striped (P3)", "(N-1)/N"
+    );
+    let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.3}"));
+    for r in rows {
+        let _ = writeln!(
+            o,
+            "{:>3} {:>3}  {:>12.3}  {:>24}  {:>14}  {:>7.3}",
+            r.nics,
+            r.comms,
+            r.native,
+            f(r.whole),
+            f(r.striped),
+            r.ideal
+        );
+    }
+    o
+}
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     /// NICs per node, at least 1
@@ -156,6 +263,10 @@ pub struct Args {
     /// Print the table as JSON
     #[arg(long)]
     pub json: bool,
+    /// Instead: the share of its rate a lockstep collective keeps after one NIC fails,
+    /// for N = 2, 4, 8 and C = N, 2N, with whole-comm moves and striped
+    #[arg(long)]
+    pub lockstep: bool,
 }
 
 impl Args {
@@ -198,6 +309,15 @@ fn latency_us(v: &str) -> Result<f64, String> {
 /// Runs `railover sim`; returns the exit code (0: usage errors end in clap).
 pub fn run(a: &Args) -> i32 {
     let p = a.params();
+    if a.lockstep {
+        let rows = kept_table();
+        if a.json {
+            emit(&(serde_json::to_string_pretty(&rows).expect("plain data") + "\n"));
+        } else {
+            emit(&render_kept(&rows));
+        }
+        return 0;
+    }
     if a.json {
         match serde_json::to_string_pretty(&Report::of(&p)) {
             Ok(s) => emit(&format!("{s}\n")),
@@ -413,6 +533,33 @@ mod tests {
         assert_eq!(p.time(State::NativeFailover), None);
         assert_eq!(p.time(State::Spread), None);
         assert!(render(&p).contains("the job fails"));
+    }
+
+    #[test]
+    fn lockstep_kept_by_hand() {
+        use Placement::*;
+        // One comm per NIC: the moved comm doubles one survivor's load.
+        for n in [2, 4, 8] {
+            close(lockstep_kept(n, n, Whole).unwrap(), 0.5);
+            close(
+                lockstep_kept(n, n, Striped).unwrap(),
+                (f64::from(n) - 1.0) / f64::from(n),
+            );
+        }
+        // Two per NIC, N = 4: NIC 0's two comms go to two survivors (3, 3, 2): 2/3.
+        close(lockstep_kept(4, 8, Whole).unwrap(), 2.0 / 3.0);
+        // N = 2: both onto the one survivor (4): 1/2, striped or not.
+        close(lockstep_kept(2, 4, Whole).unwrap(), 0.5);
+        close(lockstep_kept(2, 4, Striped).unwrap(), 0.5);
+        // Uneven: 5 comms on 4 NICs (2, 1, 1, 1); NIC 0's two go to two survivors (2, 2,
+        // 1): the busiest stays at 2.
+        close(lockstep_kept(4, 5, Whole).unwrap(), 1.0);
+        assert_eq!(lockstep_kept(1, 4, Whole), None);
+        assert_eq!(lockstep_kept(4, 0, Striped), None);
+        let t = kept_table();
+        assert_eq!(t.len(), 6);
+        assert_eq!((t[3].nics, t[3].comms), (4, 8));
+        assert!(render_kept(&t).contains("whole-comm moves"));
     }
 
     fn parse_args(argv: &[&str]) -> Result<Args, String> {

@@ -15,6 +15,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use railover_testkit::fault_line::Event;
+use railover_testkit::kept;
 use testbed::flow::{
     assert_delivered_exactly_once, assert_no_corruption, check_lane_balance, is, is_tick,
     lane_placement, Flow, FlowOpts, Report,
@@ -465,6 +466,84 @@ fault_test! {
                 .unwrap_or(0);
             assert!(n > 0, "a move registered nothing on its backup NIC: {l}");
         }
+    }
+}
+
+fault_test! {
+    /// P3 as a collective feels it: 4 comms, one per rail, in lockstep (no comm more than
+    /// 8 messages past the slowest, as NCCL's channels of one collective), rail 0 cut
+    /// on A. The slowest comm must keep ≥ 0.85 × (N−1)/N of its rate; a failed NIC's
+    /// comm moved whole onto one survivor halves that survivor's comms, and with them
+    /// every comm (0.5).
+    fn failover_lockstep_keeps_share() {
+        if needs_failover() {
+            return;
+        }
+        const N: usize = 4;
+        const K: usize = 8;
+        let tb = bed(N);
+        let seconds = 12.0;
+        let flow = Flow::start(
+            &tb,
+            FlowOpts {
+                comms: Some(N),
+                lockstep: Some(K),
+                tick_ms: 250,
+                seconds,
+                ..FlowOpts::default()
+            },
+        );
+        let comms = flow.dev_of.len();
+        // 5 s of steady traffic (the receiver's ticks are the clock), then the cut.
+        flow.wait_ticks(20);
+        let cut = unix_ms() as u64;
+        tb.link_down(Side::A, 0);
+        let (recv, send) = flow.finish();
+        let start = recv.intervals.first().map_or(cut, |i| i.from);
+        let sent_from = send.intervals.first().map_or(start, |i| i.from);
+        let phases = kept::Phases {
+            start,
+            cut,
+            up: None,
+            end: sent_from + (seconds * 1000.0) as u64,
+        };
+        let w = kept::windows(
+            phases,
+            kept::Exclude {
+                warmup: 1500,
+                settle: timeout_ms() as u64 + 1500,
+                failback: 0,
+                guard: 250,
+            },
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        let k = kept::kept(&recv.intervals, w.before, w.after).expect("ticks in both windows");
+        let mbit = |v: &[f64]| v.iter().map(|x| (x * 8.0 / 1e6).round() as u64).collect::<Vec<_>>();
+        println!(
+            "lockstep N={N} C={comms} K={K}: per comm {:?} -> {:?} Mbit/s (windows {} / {} ms)",
+            mbit(&k.before.per_comm),
+            mbit(&k.after.per_comm),
+            k.before.covered_ms,
+            k.after.covered_ms
+        );
+        let want = 0.85 * kept::ideal(N);
+        println!(
+            "kept: slowest comm {:.2} (need {want:.2}; ideal {:.2}, NCCL native 0.50), aggregate {:.2}",
+            k.slowest,
+            kept::ideal(N),
+            k.aggregate
+        );
+        assert_delivered_exactly_once(&recv, &send, comms);
+        // The sender held the comms together: their message counts end within K.
+        let msgs: Vec<u64> = recv.ends.iter().map(|e| e.1).collect();
+        let spread = msgs.iter().max().unwrap() - msgs.iter().min().unwrap();
+        println!("messages per comm at END: {msgs:?}");
+        assert!(spread <= K as u64, "comms drifted {spread} > {K} messages apart: {msgs:?}");
+        assert!(
+            k.slowest >= want,
+            "the slowest comm kept {:.2} of its rate, need {want:.2}",
+            k.slowest
+        );
     }
 }
 

@@ -113,11 +113,16 @@ pub enum Event {
         t: u64,
     },
     /// Bytes per comm since the previous tick (receiver: verified deliveries; sender:
-    /// completed sends); `el` is milliseconds since the first.
+    /// completed sends); `el` is milliseconds since the endpoint started ticking.
+    /// `devs`: bytes each local device's interface moved since the previous tick
+    /// (receiver: received, sender: sent; headers and probes included), in device order;
+    /// empty when the endpoint does not count them (plain TCP).
     Tick {
         t: u64,
         el: u64,
         bytes: Vec<u64>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        devs: Vec<u64>,
     },
     /// Sender, after each tick: running lanes per local NIC.
     Lanes {
@@ -233,6 +238,13 @@ mod tests {
                 t: 1_700_000_000_123,
                 el: 100,
                 bytes: vec![1 << 40, 0],
+                devs: vec![],
+            },
+            Event::Tick {
+                t: 1_700_000_000_373,
+                el: 350,
+                bytes: vec![7, 8, 9],
+                devs: vec![3, 0],
             },
             Event::Error {
                 t: 5,
@@ -294,6 +306,16 @@ mod tests {
     fn stray_lines_are_not_events_and_bad_commands_say_why() {
         assert_eq!(Event::parse("railover INFO 1: hello"), None);
         assert_eq!(Event::parse(r#"{"event":"tick","t":1}"#), None);
+        // A tick without per-device bytes (plain TCP) reads with none.
+        assert_eq!(
+            Event::parse(r#"{"event":"tick","t":1,"el":2,"bytes":[3]}"#),
+            Some(Event::Tick {
+                t: 1,
+                el: 2,
+                bytes: vec![3],
+                devs: vec![]
+            })
+        );
         let e = Command::parse("link-down 0").unwrap_err();
         assert!(e.contains("link-down 0"), "{e}");
     }

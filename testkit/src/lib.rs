@@ -5,6 +5,8 @@
 //!   as NCCL's proxy does.
 //! * [`fault_line`] — the JSON lines `railover fault-peer` prints and reads, as types
 //!   both the peer and the tests that judge it use.
+//! * [`kept`] — what a collective keeps across a failover, from `fault-peer` ticks: steady
+//!   windows, the slowest comm, kept ratios, time series.
 //! * [`fixture`] — synthetic sysfs trees, laid out like `/sys`, for topology and doctor
 //!   tests. The plugin's own topology unit tests compile the same file in (they cannot
 //!   link this crate: it links a second copy of the plugin's exported tables).
@@ -17,4 +19,5 @@
 pub mod driver;
 pub mod fault_line;
 pub mod fixture;
+pub mod kept;
 pub mod testbed;

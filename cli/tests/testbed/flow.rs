@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use railover_testkit::fault_line::{Command, Event, Summary};
+use railover_testkit::kept::{self, Interval};
 use railover_testkit::testbed::proc::Proc;
 use railover_testkit::testbed::{Side, Testbed};
 
@@ -13,6 +14,12 @@ pub const EXE: &str = env!("CARGO_BIN_EXE_railover");
 #[derive(Debug, Clone)]
 pub struct FlowOpts {
     pub per_dev: usize,
+    /// Comms in all, over the rails in turn (instead of `per_dev`).
+    pub comms: Option<usize>,
+    /// The sender keeps every comm within this many messages of the slowest.
+    pub lockstep: Option<usize>,
+    /// Interval of the `tick` lines.
+    pub tick_ms: u64,
     /// Only these rails get comms (`None`: every rail).
     pub devs: Option<Vec<usize>>,
     pub size: usize,
@@ -29,6 +36,9 @@ impl Default for FlowOpts {
     fn default() -> Self {
         FlowOpts {
             per_dev: 2,
+            comms: None,
+            lockstep: None,
+            tick_ms: 100,
             devs: None,
             size: 512 << 10,
             depth: 8,
@@ -42,7 +52,11 @@ impl Default for FlowOpts {
 impl FlowOpts {
     fn args(&self) -> Vec<String> {
         [
-            ("--per-dev", self.per_dev.to_string()),
+            match self.comms {
+                Some(c) => ("--comms", c.to_string()),
+                None => ("--per-dev", self.per_dev.to_string()),
+            },
+            ("--tick-ms", self.tick_ms.to_string()),
             ("--size", self.size.to_string()),
             ("--depth", self.depth.to_string()),
             ("--seconds", self.seconds.to_string()),
@@ -53,6 +67,7 @@ impl FlowOpts {
             let list: Vec<String> = d.iter().map(usize::to_string).collect();
             ("--devs", list.join(","))
         }))
+        .chain(self.lockstep.map(|k| ("--lockstep", k.to_string())))
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect()
     }
@@ -229,6 +244,10 @@ pub struct Report {
     pub stderr: String,
     /// Running lanes per local NIC over time (`lanes` lines, printed by the sender).
     pub lanes: Vec<(u128, Vec<usize>)>,
+    /// The ticks as intervals, for [`kept`].
+    pub intervals: Vec<Interval>,
+    /// Receiver: (comm, data messages before its END).
+    pub ends: Vec<(usize, u64)>,
 }
 
 impl Report {
@@ -240,7 +259,9 @@ impl Report {
             stderr: p.stderr_tail(usize::MAX),
             ..Report::default()
         };
-        for e in events(p) {
+        let events = events(p);
+        r.intervals = kept::intervals(&events);
+        for e in events {
             match e {
                 Event::Tick { t, bytes, .. } => r.ticks.push(Tick { t: t.into(), bytes }),
                 Event::Error { t, comm, code, .. } => r.errors.push(ReqError {
@@ -252,6 +273,7 @@ impl Report {
                     .lanes
                     .push((t.into(), counts.into_iter().map(|c| c as usize).collect())),
                 Event::Bad { .. } => r.bad.push(e),
+                Event::End { comm, msgs, .. } => r.ends.push((comm, msgs)),
                 Event::Summary(s) => r.summary = s,
                 _ => {}
             }
