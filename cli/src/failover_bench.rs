@@ -334,13 +334,16 @@ fn measure(o: &Opts) -> Result<Report, String> {
         end,
     };
     let windows = kept::windows(phases, exclude())?;
-    let k = kept::kept(&riv, windows.before, windows.after)
+    let k = kept::kept(&riv, windows.before, windows.after, o.lockstep.is_some())
         .ok_or("no traffic in the steady windows (see the peers' output)")?;
     let back = windows
         .back
-        .and_then(|w| kept::kept(&riv, windows.before, w));
+        .and_then(|w| kept::kept(&riv, windows.before, w, o.lockstep.is_some()));
 
     let log = send.stderr_tail(usize::MAX);
+    if std::env::var_os("RAILOVER_BENCH_DEBUG").is_some() {
+        eprintln!("{log}");
+    }
     let first = |what: &str, base: u64| {
         let stamps: Vec<u128> = log
             .lines()

@@ -517,7 +517,7 @@ fault_test! {
             },
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        let k = kept::kept(&recv.intervals, w.before, w.after).expect("ticks in both windows");
+        let k = kept::kept(&recv.intervals, w.before, w.after, true).expect("ticks in both windows");
         let mbit = |v: &[f64]| v.iter().map(|x| (x * 8.0 / 1e6).round() as u64).collect::<Vec<_>>();
         println!(
             "lockstep N={N} C={comms} K={K}: per comm {:?} -> {:?} Mbit/s (windows {} / {} ms)",

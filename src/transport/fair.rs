@@ -32,6 +32,10 @@ pub const HEADROOM: f64 = 1.15;
 pub const AT_SHARE_HEADROOM: f64 = 1.02;
 /// A lane delivering at least this fraction of its share counts as reaching it.
 pub const REACHED: f64 = 0.9;
+/// A capped lane keeps its cap through this many samples in a row without a backlog. A
+/// striped comm's lane carries a few messages at a time and can drain between them; if
+/// that lifted the NIC's caps, its caps would flap on and off every other sample.
+pub const RELEASE: u32 = 5;
 /// Per sample, the capacity estimate forgets this fraction of itself, so a NIC that
 /// became slower is judged by what it does now within some seconds.
 pub const DECAY: f64 = 0.995;
@@ -103,6 +107,8 @@ pub struct FairShare {
     nics: HashMap<usize, Nic>,
     /// The cap each lane has now.
     caps: HashMap<usize, u64>,
+    /// Samples in a row each lane was not backlogged.
+    quiet: HashMap<usize, u32>,
 }
 
 impl FairShare {
@@ -113,6 +119,7 @@ impl FairShare {
     /// Forgets a closed lane, whose key may be reused.
     pub fn forget(&mut self, key: usize) {
         self.caps.remove(&key);
+        self.quiet.remove(&key);
     }
 
     /// The cap lane `key` has now, if any.
@@ -143,15 +150,26 @@ impl FairShare {
         let mut out = Sampled::default();
         let live: HashSet<usize> = lanes.iter().map(|l| l.key).collect();
         self.caps.retain(|k, _| live.contains(k));
+        self.quiet.retain(|k, _| live.contains(k));
         if secs <= 0.0 {
             return out;
+        }
+        // A lane competes for the NIC while backlogged, and while capped through a short
+        // pause in its backlog.
+        let mut active = HashSet::new();
+        for l in lanes {
+            let quiet = self.quiet.entry(l.key).or_default();
+            *quiet = if l.backlogged { 0 } else { *quiet + 1 };
+            if l.backlogged || (self.caps.contains_key(&l.key) && *quiet < RELEASE) {
+                active.insert(l.key);
+            }
         }
         let mut per_nic: HashMap<usize, (f64, usize, u64)> = HashMap::new();
         for l in lanes {
             let e = per_nic.entry(l.nic).or_default();
             e.0 += l.bytes as f64 / secs;
-            e.1 += usize::from(l.backlogged);
-            if l.backlogged {
+            if active.contains(&l.key) {
+                e.1 += 1;
                 e.2 += u64::from(l.weight.max(1));
             }
         }
@@ -197,13 +215,13 @@ impl FairShare {
             capacity * f64::from(l.weight.max(1)) / weights.max(1) as f64
         };
         let starved: HashSet<usize> = (lanes.iter())
-            .filter(|l| l.backlogged)
+            .filter(|l| active.contains(&l.key))
             .filter(|l| (l.bytes as f64 / secs) < REACHED * share_of(l, self.nics[&l.nic].capacity))
             .map(|l| l.nic)
             .collect();
         for l in lanes {
             let nic = self.nics[&l.nic];
-            let want = if l.backlogged && matches!(nic.phase, Phase::Capped { .. }) {
+            let want = if active.contains(&l.key) && matches!(nic.phase, Phase::Capped { .. }) {
                 let share = share_of(l, nic.capacity);
                 let reached = (l.bytes as f64 / secs) >= REACHED * share;
                 let headroom = if reached && starved.contains(&l.nic) {
@@ -350,6 +368,26 @@ mod tests {
         let changes = step(&mut f, &[lane(1, 0, 500_000, true)]).changes;
         assert_eq!(changes, vec![(1, None)]);
         assert_eq!(f.cap(2), None, "a closed lane is forgotten");
+    }
+
+    #[test]
+    fn a_short_pause_in_a_lanes_backlog_keeps_the_caps() {
+        let mut f = FairShare::new();
+        let both = |paused: bool| [lane(1, 0, 600_000, true), lane(2, 0, 200_000, !paused)];
+        step(&mut f, &both(false));
+        let caps = (f.cap(1), f.cap(2));
+        assert!(caps.0.is_some() && caps.1.is_some());
+        // Lane 2 drains between its messages: for a few samples nothing changes.
+        for _ in 1..RELEASE {
+            assert!(step(&mut f, &both(true)).changes.is_empty());
+        }
+        assert_eq!((f.cap(1), f.cap(2)), caps);
+        // Quiet for longer: it no longer competes, and lane 1 alone is uncapped.
+        let changes = step(&mut f, &both(true)).changes;
+        assert!(
+            changes.contains(&(1, None)) && changes.contains(&(2, None)),
+            "{changes:?}"
+        );
     }
 
     #[test]

@@ -130,9 +130,12 @@ pub struct Rates {
     /// The slowest comm's progress: how far every comm has got (the least cumulative
     /// count of any comm) advanced per second. In lockstep this is the collective's rate
     /// per comm. Unlike the least per-comm rate it does not count lockstep slack as
-    /// slowness (a comm a few messages behind at the window's start that catches up);
-    /// free-running, it is the rate of the comm that stays behind.
+    /// slowness (a comm a few messages behind at the window's start that catches up).
     pub slowest: f64,
+    /// The least per-comm rate: free-running, the slowest comm. (A comm that fell behind
+    /// during a failover stays the least advanced while it runs faster than the others,
+    /// so progress would measure it, not the slowest.)
+    pub least: f64,
     pub aggregate: f64,
     /// Time the intervals used cover, ms (whole ticks inside the window only).
     pub covered_ms: u64,
@@ -163,6 +166,7 @@ pub fn rates(iv: &[Interval], w: Window) -> Option<Rates> {
     Some(Rates {
         per_comm: moved.iter().map(|&b| per_s(b)).collect(),
         slowest: per_s(progress),
+        least: per_s(moved.iter().copied().min().unwrap_or(0)),
         aggregate: per_s(moved.iter().sum()),
         covered_ms: ms,
     })
@@ -180,10 +184,15 @@ pub struct Kept {
 }
 
 /// The kept ratios between two windows; `None` when a window holds no whole tick or
-/// nothing moved before.
-pub fn kept(iv: &[Interval], before: Window, after: Window) -> Option<Kept> {
-    let b = rates(iv, before)?;
-    let a = rates(iv, after)?;
+/// nothing moved before. `lockstep`: the comms were coupled, so the slowest comm is the
+/// least progress; free-running, it is the least per-comm rate.
+pub fn kept(iv: &[Interval], before: Window, after: Window, lockstep: bool) -> Option<Kept> {
+    let mut b = rates(iv, before)?;
+    let mut a = rates(iv, after)?;
+    if !lockstep {
+        b.slowest = b.least;
+        a.slowest = a.least;
+    }
     if b.slowest <= 0.0 || b.aggregate <= 0.0 {
         return None;
     }
@@ -371,6 +380,7 @@ mod tests {
                 from: 15_000,
                 to: 20_000,
             },
+            true,
         )
         .unwrap();
         assert_eq!(k.slowest, 0.5);
@@ -382,8 +392,32 @@ mod tests {
             from: 10_000,
             to: 12_000,
         };
-        assert_eq!(kept(&idle, w, w), None);
+        assert_eq!(kept(&idle, w, w, true), None);
         assert_eq!(ideal(4), 0.75);
+    }
+
+    #[test]
+    fn free_running_the_slowest_is_the_least_rate_not_the_comm_that_fell_behind() {
+        // Comm 0 stalls during a failover, then runs at 60 while the others run at 40:
+        // it stays the least advanced, but the slowest comm now runs at 40.
+        let iv = run(20_000, |t| match t {
+            t if t <= 14_000 => vec![50; 4],
+            t if t <= 15_000 => vec![0, 60, 60, 60],
+            _ => vec![60, 40, 40, 40],
+        });
+        let before = Window {
+            from: 11_000,
+            to: 14_000,
+        };
+        let after = Window {
+            from: 15_000,
+            to: 20_000,
+        };
+        let free = kept(&iv, before, after, false).unwrap();
+        assert_eq!(free.slowest, 0.8);
+        let coupled = kept(&iv, before, after, true).unwrap();
+        // Progress follows the comm catching up (faster than before) until it has.
+        assert!(coupled.slowest > 1.0, "{}", coupled.slowest);
     }
 
     #[test]
