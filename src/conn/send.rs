@@ -148,7 +148,9 @@ impl<T> SendMachine<T> {
             return Ok(());
         }
         self.acked = delivered;
-        self.cts = self.cts.split_off(&delivered);
+        while self.cts.first_key_value().is_some_and(|(&seq, _)| seq < delivered) {
+            self.cts.pop_first();
+        }
         while self.queue.front().is_some_and(|m| m.seq < delivered) {
             let m = self.queue.pop_front().expect("front checked");
             let Some(token) = m.token else {
