@@ -1241,23 +1241,29 @@ fn bw(x: f64) -> String {
     }
 }
 
+/// `railover bench ARGS` through the real command line, for tests.
+#[cfg(test)]
+pub(crate) fn bench_args(s: &str) -> Result<Args, String> {
+    use clap::Parser;
+    let argv = ["railover", "bench"]
+        .into_iter()
+        .chain(s.split_whitespace());
+    match crate::Cli::try_parse_from(argv)
+        .map_err(|e| e.to_string())?
+        .command
+    {
+        crate::Command::Bench(a) => Ok(a),
+        c => panic!("parsed as {c:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
 
     /// The options as `railover bench ARGS` gives them, through the real command line.
     fn parse_args(s: &str) -> Result<Opts, String> {
-        let argv = ["railover", "bench"]
-            .into_iter()
-            .chain(s.split_whitespace());
-        match crate::Cli::try_parse_from(argv)
-            .map_err(|e| e.to_string())?
-            .command
-        {
-            crate::Command::Bench(a) => parse(a),
-            c => panic!("parsed as {c:?}"),
-        }
+        parse(bench_args(s)?)
     }
 
     #[test]

@@ -634,19 +634,9 @@ pub fn markdown_row(r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
 
     fn opts(s: &str) -> Result<Opts, String> {
-        let argv = ["railover", "bench"]
-            .into_iter()
-            .chain(s.split_whitespace());
-        match crate::Cli::try_parse_from(argv)
-            .map_err(|e| e.to_string())?
-            .command
-        {
-            crate::Command::Bench(a) => Ok(Opts::from(&a)),
-            c => panic!("parsed as {c:?}"),
-        }
+        crate::bench::bench_args(s).map(|a| Opts::from(&a))
     }
 
     #[test]

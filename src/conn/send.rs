@@ -148,7 +148,11 @@ impl<T> SendMachine<T> {
             return Ok(());
         }
         self.acked = delivered;
-        while self.cts.first_key_value().is_some_and(|(&seq, _)| seq < delivered) {
+        while self
+            .cts
+            .first_key_value()
+            .is_some_and(|(&seq, _)| seq < delivered)
+        {
             self.cts.pop_first();
         }
         while self.queue.front().is_some_and(|m| m.seq < delivered) {
