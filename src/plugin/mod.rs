@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::config::Config;
+use crate::config::{Config, TransportChoice};
 pub use crate::handoff::{
     CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Side,
     Status,
@@ -59,6 +59,7 @@ impl Runtime {
         let config = Config::from_env()?;
         crate::telemetry::log::set_stderr_level(config.log);
         let metrics_cfg = ExporterConfig::from_env()?;
+        choose_fabric(&config)?;
         let tcp_nics = if config.loopback_nics > 0 {
             tcp::nic::loopback_nics(config.loopback_nics)
         } else {
@@ -158,6 +159,37 @@ impl Runtime {
     /// Counters of the reactor (rejected connections, protocol errors, bytes).
     pub fn stats(&self) -> &ReactorStats {
         &self.reactor.stats
+    }
+}
+
+/// Applies `RAILOVER_TRANSPORT`. Verbs devices are discovered (`RAILOVER_HCA` applies)
+/// but cannot carry lanes yet, so `auto` runs on TCP and says why at INFO, and `verbs`
+/// is refused. No libibverbs or no kernel RDMA support is zero devices, silently.
+fn choose_fabric(config: &Config) -> Result<(), Error> {
+    use crate::transport::verbs;
+    match config.transport {
+        TransportChoice::Tcp => {
+            tracing::info!("railover: fabric TCP (RAILOVER_TRANSPORT=tcp)");
+            Ok(())
+        }
+        TransportChoice::Auto => {
+            let found = verbs::discover(&config.hca, &config.sysfs_root);
+            if found.nics.is_empty() {
+                tracing::info!(
+                    "railover: fabric TCP (RAILOVER_TRANSPORT=auto: no usable verbs NIC{})",
+                    found.absent.map(|w| format!(": {w}")).unwrap_or_default()
+                );
+            } else {
+                tracing::info!(
+                    "railover: fabric TCP (RAILOVER_TRANSPORT=auto: verbs NICs {} found, but this build's verbs fabric carries no lanes yet)",
+                    found.nics.iter().map(|n| n.label()).collect::<Vec<_>>().join(", ")
+                );
+            }
+            Ok(())
+        }
+        TransportChoice::Verbs => Err(Error::InvalidUsage(
+            "RAILOVER_TRANSPORT=verbs: the verbs fabric carries no lanes yet in this build (devices are only discovered); use auto or tcp".into(),
+        )),
     }
 }
 

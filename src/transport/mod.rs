@@ -15,6 +15,7 @@ pub mod frames;
 pub mod memory;
 pub mod netlink;
 pub mod tcp;
+pub mod verbs;
 
 use std::fmt::Debug;
 use std::io;
