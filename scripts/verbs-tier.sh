@@ -162,6 +162,7 @@ echo "VT: role $role up $(cut -d' ' -f1 /proc/uptime)s, rxe0 IPv4 GID index ${gi
 retry() { n=0; until "$@"; do n=$((n + 1)); [ $n -ge 40 ] && return 1; sleep 1; done; }
 PT="-d rxe0 -x ${gidx:-1} -F"
 if [ "$role" = a ]; then
+    /bin/railover doctor 2>&1 | sed -n '/^Verbs NICs/,$p' | sed 's/^/VT: doctor| /'
     timeout 120 ib_write_bw $PT -s 1048576 -D 4 --report_gbits > /tmp/bw 2>&1; echo "VT: bw rc=$?"
     timeout 120 ib_write_lat $PT -s 8 -D 4 > /tmp/lat 2>&1; echo "VT: lat rc=$?"
     timeout 300 /bin/railover verbs-check serve --timeout-s 120; echo "VT: check rc=$?"
@@ -259,6 +260,8 @@ for r in 0 1 2; do
     check "verbs-check rail rxe$r (client)" grep -q "verbs-check: rail rxe$r:1 PASS" "$b"
     check "verbs-check rail rxe$r (server)" grep -q "verbs-check: rail rxe$r:1 PASS" "$a"
 done
+check "doctor shows rxe2:1 ACTIVE Ethernet with a rail" grep -qE 'VT: doctor\| +rxe2:1 +ACTIVE +Ethernet .* rail [0-9]' "$a"
+check "doctor marks the IPv4 RoCE v2 GID of rxe0" grep -q 'VT: doctor| .*\*gid\[[0-9]*\] RoCEv2 ::ffff:192.0.2.1' "$a"
 check "verbs-check exited 0 on guest a" grep -q 'VT: check rc=0' "$a"
 check "verbs-check exited 0 on guest b" grep -q 'VT: check rc=0' "$b"
 echo "verbs tier: baseline ib_write_bw ${bw:-?}; ib_write_lat ${lat:-?}"
