@@ -161,16 +161,34 @@ echo "VT: role $role up $(cut -d' ' -f1 /proc/uptime)s, rxe0 IPv4 GID index ${gi
 # Bounded retries: the other guest may not be listening yet.
 retry() { n=0; until "$@"; do n=$((n + 1)); [ $n -ge 40 ] && return 1; sleep 1; done; }
 PT="-d rxe0 -x ${gidx:-1} -F"
+FP="--per-dev 1 --size 256K --depth 4 --seconds 4 --grace 5 --tick-ms 1000"
 if [ "$role" = a ]; then
     /bin/railover doctor 2>&1 | sed -n '/^Verbs NICs/,$p' | sed 's/^/VT: doctor| /'
     timeout 120 ib_write_bw $PT -s 1048576 -D 4 --report_gbits > /tmp/bw 2>&1; echo "VT: bw rc=$?"
     timeout 120 ib_write_lat $PT -s 8 -D 4 > /tmp/lat 2>&1; echo "VT: lat rc=$?"
     timeout 300 /bin/railover verbs-check serve --timeout-s 120; echo "VT: check rc=$?"
+    # The plugin's comms over verbs lanes: fault-peer receives and checks every byte.
+    RAILOVER_TRANSPORT=verbs RAILOVER_LOG=info timeout 120 /bin/railover fault-peer recv $FP >/tmp/fp 2>/tmp/fp.err &
+    fp=$!
+    n=0
+    until grep -q '"event":"listening"' /tmp/fp; do
+        n=$((n + 1)); [ $n -ge 600 ] && break; kill -0 $fp 2>/dev/null || break; sleep 0.1
+    done
+    { grep '"event":"handle"' /tmp/fp | sed 's/"event":"handle"/"cmd":"handle"/'; echo '{"cmd":"go"}'; } >/tmp/handles
+    timeout 60 nc -l -p 18700 -e cat /tmp/handles
+    wait $fp; echo "VT: fp rc=$?"
 else
     retry timeout 120 ib_write_bw $PT -s 1048576 -D 4 --report_gbits 192.0.2.1 > /tmp/bw 2>&1; echo "VT: bw rc=$?"
     retry timeout 120 ib_write_lat $PT -s 8 -D 4 192.0.2.1 > /tmp/lat 2>&1; echo "VT: lat rc=$?"
     timeout 300 /bin/railover verbs-check connect --peer $peers --timeout-s 120; echo "VT: check rc=$?"
+    retry sh -c 'nc 192.0.2.1 18700 </dev/null >/tmp/handles && grep -q go /tmp/handles'
+    # stdin stays open past the sender's grace, so it closes its comms by itself.
+    { cat /tmp/handles; sleep 12; } | RAILOVER_TRANSPORT=verbs RAILOVER_LOG=info \
+        timeout 120 /bin/railover fault-peer send $FP >/tmp/fp 2>/tmp/fp.err
+    echo "VT: fp rc=$?"
 fi
+grep -E '"event":"(summary|error|bad|setup-failed|connected)"' /tmp/fp | sed 's/^/VT: fp| /'
+grep -v '^$' /tmp/fp.err | head -20 | sed 's/^/VT: fp.err| /'
 sed 's/^/VT: bw| /' /tmp/bw; sed 's/^/VT: lat| /' /tmp/lat
 echo "VT: done $(cut -d' ' -f1 /proc/uptime)s"
 poweroff -f
@@ -262,9 +280,14 @@ for r in 0 1 2; do
 done
 check "doctor shows rxe2:1 ACTIVE Ethernet with a rail" grep -qE 'VT: doctor\| +rxe2:1 +ACTIVE +Ethernet .* rail [0-9]' "$a"
 check "doctor marks the IPv4 RoCE v2 GID of rxe0" grep -q 'VT: doctor| .*\*gid\[[0-9]*\] RoCEv2 ::ffff:192.0.2.1' "$a"
+check "fault-peer over verbs lanes: receiver saw every byte (exit 0)" grep -q 'VT: fp rc=0' "$a"
+check "fault-peer over verbs lanes: sender finished (exit 0)" grep -q 'VT: fp rc=0' "$b"
+check "the plugin ran on the verbs fabric" grep -q 'VT: fp.err| .*fabric verbs' "$a"
 check "verbs-check exited 0 on guest a" grep -q 'VT: check rc=0' "$a"
 check "verbs-check exited 0 on guest b" grep -q 'VT: check rc=0' "$b"
+fpbytes=$(sed -n 's/.*"role":"recv".*"bytes":\([0-9]*\).*/\1/p' "$a" | tail -1)
 echo "verbs tier: baseline ib_write_bw ${bw:-?}; ib_write_lat ${lat:-?}"
+echo "verbs tier: plugin over verbs lanes (fault-peer, 3 comms on 3 rails, 256 KiB messages): ${fpbytes:-?} bytes verified in a 4 s send window (~$(( ${fpbytes:-0} * 8 / 4 / 1000000 )) Mb/s aggregate)"
 echo "verbs tier: guests ran ${guest_s}s under $accel; whole tier $(($(date +%s) - t0))s"
 if [ $status -eq 0 ]; then
     echo "verbs tier: passed"

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use railover::config::Config;
+use railover::transport::verbs::lane::QpHello;
 use railover::transport::verbs::sys::{
     wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, RemoteQp, Write as RdmaWrite,
 };
@@ -135,56 +136,6 @@ pub fn run(args: &Args) -> i32 {
     i32::from(failed > 0)
 }
 
-/// The QP address block exchanged over the bootstrap connection (little endian).
-#[derive(Debug, Clone, Copy)]
-struct Hello {
-    qpn: u32,
-    psn: u32,
-    lid: u16,
-    mtu: u32,
-    gid: [u8; 16],
-    addr: u64,
-    rkey: u32,
-    len: u64,
-}
-
-const HELLO_LEN: usize = 4 + 4 + 2 + 4 + 16 + 8 + 4 + 8;
-
-impl Hello {
-    fn encode(&self) -> [u8; HELLO_LEN] {
-        let mut b = [0u8; HELLO_LEN];
-        let mut w = &mut b[..];
-        for part in [
-            &self.qpn.to_le_bytes()[..],
-            &self.psn.to_le_bytes(),
-            &self.lid.to_le_bytes(),
-            &self.mtu.to_le_bytes(),
-            &self.gid,
-            &self.addr.to_le_bytes(),
-            &self.rkey.to_le_bytes(),
-            &self.len.to_le_bytes(),
-        ] {
-            w.write_all(part).expect("fits");
-        }
-        b
-    }
-
-    fn decode(b: &[u8; HELLO_LEN]) -> Hello {
-        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
-        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
-        Hello {
-            qpn: u32_at(0),
-            psn: u32_at(4),
-            lid: u16::from_le_bytes([b[8], b[9]]),
-            mtu: u32_at(10),
-            gid: b[14..30].try_into().unwrap(),
-            addr: u64_at(30),
-            rkey: u32_at(38),
-            len: u64_at(42),
-        }
-    }
-}
-
 /// The byte at `i` of message `seq` on rail `rail`: differs per rail, message and offset.
 fn pattern(rail: usize, seq: usize, i: usize) -> u8 {
     (i.wrapping_mul(31) ^ seq.wrapping_mul(131) ^ rail.wrapping_mul(7)) as u8
@@ -276,7 +227,7 @@ fn rail(
         .iter()
         .find(|g| g.index == gid_index)
         .map_or([0; 16], |g| g.gid);
-    let mine = Hello {
+    let mine = QpHello {
         qpn: r.qp.qp_num(),
         psn,
         lid: nic.attr.lid,
@@ -287,9 +238,9 @@ fn rail(
         len: total as u64,
     };
     sock.write_all(&mine.encode())?;
-    let mut b = [0u8; HELLO_LEN];
+    let mut b = [0u8; QpHello::LEN];
     sock.read_exact(&mut b)?;
-    let theirs = Hello::decode(&b);
+    let theirs = QpHello::decode(&b);
     if theirs.len != total as u64 {
         return Err(io::Error::other(format!(
             "the peer's region is {} bytes, ours {total}: run both sides with the same --messages/--size",
@@ -322,7 +273,7 @@ fn rail(
     sock.write_all(b"R")?;
     sock.read_exact(&mut [0u8; 1])?;
 
-    let write_all = |r: &mut Rail, remote: &Hello| -> io::Result<Duration> {
+    let write_all = |r: &mut Rail, remote: &QpHello| -> io::Result<Duration> {
         let t = Instant::now();
         for seq in 0..p.messages {
             r.qp.post_write(&RdmaWrite {
@@ -462,25 +413,6 @@ fn rail(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hello_round_trips() {
-        let h = Hello {
-            qpn: 0x11,
-            psn: 0x1234,
-            lid: 7,
-            mtu: 3,
-            gid: [9; 16],
-            addr: 0xdead_beef_0000,
-            rkey: 0x55,
-            len: 4 << 20,
-        };
-        let d = Hello::decode(&h.encode());
-        assert_eq!(
-            (d.qpn, d.psn, d.lid, d.mtu, d.gid, d.addr, d.rkey, d.len),
-            (h.qpn, h.psn, h.lid, h.mtu, h.gid, h.addr, h.rkey, h.len)
-        );
-    }
 
     #[test]
     fn patterns_differ_per_rail_and_message() {

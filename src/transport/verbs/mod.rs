@@ -1,15 +1,17 @@
 //! The RDMA verbs fabric, on rdma-mummy-sys (libibverbs opened at run time).
 //!
-//! What is here: the raw calls and their owned wrappers ([`sys`]), and device discovery
-//! with GID and speed selection ([`device`]). The lane (RC QPs behind [`super::Fabric`])
-//! is not written yet: `RAILOVER_TRANSPORT=auto` uses TCP, and the verbs devices found are
-//! only reported (`railover doctor`) and exercised by `railover verbs-check` in the
-//! Soft-RoCE tier (`scripts/verbs-tier.sh`).
+//! What is here: the raw calls and their owned wrappers ([`sys`]), device discovery with
+//! GID and speed selection ([`device`]), and [`VerbsFabric`]: lanes that are RC QPs moving
+//! the lane's byte stream through registered rings ([`lane`]), set up over a bootstrap TCP
+//! connection to the address the trait passes. Tested on Soft-RoCE in QEMU
+//! (`scripts/verbs-tier.sh`); `RAILOVER_TRANSPORT=verbs` selects it, `auto` still uses TCP.
 
 pub mod device;
+pub mod lane;
 pub mod sys;
 
 pub use device::{discover, Discovery, VerbsNic};
+pub use lane::VerbsLane;
 
 /// QP timing: 4.096 us * 2^16 = 268 ms per attempt, 7 attempts, so the NIC gives up after
 /// about 1.9 s. railover's own completion timeout (1 s by default) decides before that;
@@ -22,8 +24,178 @@ pub const QP_TIMING: sys::QpTiming = sys::QpTiming {
 };
 
 use std::io;
+use std::net::{IpAddr, SocketAddr};
 
+use mio::event::Source;
+use mio::{Interest, Registry, Token};
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+use super::frames::{FrameReader, FrameWriter, Inbound, ReadError};
+use super::{Fabric, FabricNic, LaneProgress};
 use sys::{wc, Completion};
+
+/// The verbs fabric over the ports discovery found. A NIC's address is the IP of its RoCE
+/// GID: lanes bootstrap over TCP between those addresses.
+#[derive(Debug)]
+pub struct VerbsFabric {
+    nics: Vec<FabricNic>,
+    verbs: Vec<VerbsNic>,
+}
+
+impl VerbsFabric {
+    /// The fabric over `nics`; every one must have an IP address (RoCE ports do; IB ports
+    /// need IPoIB, which discovery does not look for yet).
+    pub fn new(nics: Vec<VerbsNic>) -> io::Result<VerbsFabric> {
+        let fabric = nics
+            .iter()
+            .map(|n| {
+                let ip = n.ip().ok_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::Unsupported,
+                        format!("{} has no IP address to bootstrap lanes from (InfiniBand without IPoIB is not supported yet)", n.label()),
+                    )
+                })?;
+                Ok(FabricNic {
+                    name: n.device.clone(),
+                    ip,
+                })
+            })
+            .collect::<io::Result<_>>()?;
+        Ok(VerbsFabric {
+            nics: fabric,
+            verbs: nics,
+        })
+    }
+
+    fn nic(&self, nic: usize) -> io::Result<&VerbsNic> {
+        self.verbs.get(nic).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("no NIC {nic} (the verbs fabric has {})", self.verbs.len()),
+            )
+        })
+    }
+}
+
+/// A listener of the verbs fabric: the bootstrap TCP listener on the NIC's address.
+#[derive(Debug)]
+pub struct VerbsListen(mio::net::TcpListener);
+
+impl Fabric for VerbsFabric {
+    type Listener = VerbsListen;
+    type Lane = VerbsLane;
+
+    fn nics(&self) -> &[FabricNic] {
+        &self.nics
+    }
+
+    fn listen(&mut self, nic: usize) -> io::Result<(VerbsListen, SocketAddr)> {
+        self.nic(nic)?;
+        let ip = self.nics[nic].ip;
+        let sock = Socket::new(
+            Domain::for_address(SocketAddr::new(ip, 0)),
+            Type::STREAM,
+            Some(Protocol::TCP),
+        )?;
+        sock.set_reuse_address(true)?;
+        sock.set_nonblocking(true)?;
+        sock.bind(&SockAddr::from(SocketAddr::new(ip, 0)))?;
+        sock.listen(1024)?;
+        let l = mio::net::TcpListener::from_std(sock.into());
+        let addr = l.local_addr()?;
+        Ok((VerbsListen(l), addr))
+    }
+
+    fn accept(&mut self, l: &mut VerbsListen) -> io::Result<Option<(VerbsLane, Option<usize>)>> {
+        loop {
+            return match l.0.accept() {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let ip = stream.local_addr()?.ip();
+                    let Some(nic) = self.nics.iter().position(|n| n.ip == ip) else {
+                        // Not one of ours (a wildcard listener would be): drop it.
+                        continue;
+                    };
+                    let lane = VerbsLane::new(&self.verbs[nic], stream)?;
+                    Ok(Some((lane, Some(nic))))
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(e),
+            };
+        }
+    }
+
+    fn connect(&mut self, nic: usize, to: SocketAddr) -> io::Result<VerbsLane> {
+        let from: IpAddr =
+            self.nics.get(nic).map(|n| n.ip).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("no NIC {nic}"))
+            })?;
+        let sock = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))?;
+        sock.set_nonblocking(true)?;
+        sock.set_nodelay(true)?;
+        if from.is_ipv4() == to.is_ipv4() {
+            sock.bind(&SockAddr::from(SocketAddr::new(from, 0)))?;
+        }
+        match sock.connect(&SockAddr::from(to)) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+            Err(e) => return Err(e),
+        }
+        VerbsLane::new(&self.verbs[nic], mio::net::TcpStream::from_std(sock.into()))
+    }
+
+    fn read(
+        &mut self,
+        lane: &mut VerbsLane,
+        reader: &mut FrameReader,
+    ) -> Result<Option<Inbound>, ReadError> {
+        lane.pump()?;
+        if !lane.is_ready() {
+            return Ok(None);
+        }
+        let got = reader.next(lane);
+        // Credit for what this read consumed.
+        lane.pump()?;
+        got
+    }
+
+    fn write(&mut self, lane: &mut VerbsLane, writer: &mut FrameWriter) -> io::Result<()> {
+        lane.pump()?;
+        if !lane.is_ready() {
+            return Ok(());
+        }
+        writer.flush(lane)
+    }
+
+    fn progress(&self, lane: &VerbsLane) -> LaneProgress {
+        let (sent, acked) = lane.progress();
+        LaneProgress { sent, acked }
+    }
+
+    fn fence(&mut self, lane: &mut VerbsLane) {
+        lane.fence();
+    }
+
+    fn close(&mut self, mut lane: VerbsLane) {
+        lane.linger();
+        drop(lane);
+    }
+}
+
+impl Source for VerbsListen {
+    fn register(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+        self.0.register(r, t, i)
+    }
+
+    fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+        self.0.reregister(r, t, i)
+    }
+
+    fn deregister(&mut self, r: &Registry) -> io::Result<()> {
+        self.0.deregister(r)
+    }
+}
 
 /// The `io::Error` a failed completion means, in the kinds [`super::Fabric`] documents:
 /// the peer refusing our access (its QP or memory is gone) is `ConnectionReset`, "the
