@@ -251,8 +251,9 @@ ra=$?
 qa="" qb=""
 guest_s=$(($(date +%s) - tboot))
 a=$cache/guest-a.log b=$cache/guest-b.log
-grep -h '^VT: \|verbs-check: ' "$a" | sed 's/^/  a| /'
-grep -h '^VT: \|verbs-check: ' "$b" | sed 's/^/  b| /'
+# -o: the first console line carries terminal escapes before the marker.
+grep -ho 'VT: .*\|verbs-check: .*' "$a" | sed 's/^/  a| /'
+grep -ho 'VT: .*\|verbs-check: .*' "$b" | sed 's/^/  b| /'
 [ $ra -eq 124 ] || [ $rb -eq 124 ] && fail "a guest ran past its 420 s limit (logs: $a $b)"
 grep -q 'VT: done' "$a" && grep -q 'VT: done' "$b" || fail "a guest did not finish its tests (logs: $a $b)"
 
