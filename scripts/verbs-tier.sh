@@ -164,6 +164,7 @@ PT="-d rxe0 -x ${gidx:-1} -F"
 FP="--per-dev 1 --size 256K --depth 4 --seconds 4 --grace 5 --tick-ms 1000"
 if [ "$role" = a ]; then
     /bin/railover doctor 2>&1 | sed -n '/^Verbs NICs/,$p' | sed 's/^/VT: doctor| /'
+    RAILOVER_HCA='^=rxe1' /bin/railover verbs-check list 2>&1 | sed 's/^/VT: hca| /'
     timeout 120 ib_write_bw $PT -s 1048576 -D 4 --report_gbits > /tmp/bw 2>&1; echo "VT: bw rc=$?"
     timeout 120 ib_write_lat $PT -s 8 -D 4 > /tmp/lat 2>&1; echo "VT: lat rc=$?"
     timeout 300 /bin/railover verbs-check serve --timeout-s 120; echo "VT: check rc=$?"
@@ -281,6 +282,7 @@ for r in 0 1 2; do
 done
 check "doctor shows rxe2:1 ACTIVE Ethernet with a rail" grep -qE 'VT: doctor\| +rxe2:1 +ACTIVE +Ethernet .* rail [0-9]' "$a"
 check "doctor marks the IPv4 RoCE v2 GID of rxe0" grep -q 'VT: doctor| .*\*gid\[[0-9]*\] RoCEv2 ::ffff:192.0.2.1' "$a"
+check "RAILOVER_HCA=^=rxe1 leaves rxe0 and rxe2" sh -c "grep -q 'VT: hca| verbs-check: nic rxe0:1' '$a' && grep -q 'VT: hca| verbs-check: nic rxe2:1' '$a' && grep -q 'VT: hca| verbs-check: skipped rxe1:1: not selected by RAILOVER_HCA' '$a' && ! grep -q 'VT: hca| verbs-check: nic rxe1' '$a'"
 check "fault-peer over verbs lanes: receiver saw every byte (exit 0)" grep -q 'VT: fp rc=0' "$a"
 check "fault-peer over verbs lanes: sender finished (exit 0)" grep -q 'VT: fp rc=0' "$b"
 check "the plugin ran on the verbs fabric" grep -q 'VT: fp.err| .*fabric verbs' "$a"

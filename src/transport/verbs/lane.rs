@@ -115,6 +115,146 @@ pub fn local_gid(nic: &VerbsNic) -> [u8; 16] {
         .map_or([0; 16], |g| g.gid)
 }
 
+/// A lane's ring accounting, both directions, without I/O: where the next bytes go at
+/// the peer, how much the peer may still take, what arrived here and what credit is owed.
+/// Offsets are positions in the stream; `% size` places them in a ring.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ring {
+    size: u64,
+    /// Sender: bytes posted, bytes the peer acknowledged, bytes it freed; WRs in flight.
+    head: u64,
+    acked: u64,
+    credited: u64,
+    outstanding: u32,
+    /// Receiver: bytes arrived, read, and returned as credit.
+    received: u64,
+    consumed: u64,
+    credit_sent: u64,
+}
+
+/// What an immediate told the receiver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Imm {
+    Data(u32),
+    Credit(u32),
+}
+
+impl Imm {
+    pub fn encode(self) -> u32 {
+        match self {
+            Imm::Data(n) => n & !CREDIT_FLAG,
+            Imm::Credit(n) => CREDIT_FLAG | n,
+        }
+    }
+
+    pub fn decode(imm: u32) -> Imm {
+        if imm & CREDIT_FLAG != 0 {
+            Imm::Credit(imm & !CREDIT_FLAG)
+        } else {
+            Imm::Data(imm)
+        }
+    }
+}
+
+impl Ring {
+    /// A ring of `size` bytes (below 2^31, so lengths fit an immediate).
+    pub fn new(size: usize) -> Ring {
+        assert!(size > 0 && (size as u64) < u64::from(CREDIT_FLAG));
+        Ring {
+            size: size as u64,
+            head: 0,
+            acked: 0,
+            credited: 0,
+            outstanding: 0,
+            received: 0,
+            consumed: 0,
+            credit_sent: 0,
+        }
+    }
+
+    /// Where the next bytes go (ring offset) and how many fit there contiguously; 0 when
+    /// the peer's ring is full or `slots` work requests are already in flight.
+    pub fn send_window(&self, slots: u32) -> (usize, usize) {
+        let off = self.head % self.size;
+        if self.outstanding >= slots {
+            return (off as usize, 0);
+        }
+        let free = self.size - (self.head - self.credited);
+        (off as usize, free.min(self.size - off) as usize)
+    }
+
+    /// `n` bytes were posted at the send window.
+    pub fn posted(&mut self, n: usize) {
+        self.head += n as u64;
+        self.outstanding += 1;
+    }
+
+    /// A credit return was posted.
+    pub fn posted_credit(&mut self) {
+        self.outstanding += 1;
+        self.credit_sent = self.consumed;
+    }
+
+    /// A send completed; `data` bytes of it were data.
+    pub fn send_done(&mut self, data: u64) {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        self.acked += data;
+    }
+
+    /// An immediate arrived. `Err` when the peer broke the protocol (wrote past the
+    /// space we gave, or freed more than we sent).
+    pub fn arrived(&mut self, imm: Imm) -> Result<(), &'static str> {
+        match imm {
+            Imm::Data(n) => {
+                self.received += u64::from(n);
+                if self.received - self.consumed > self.size {
+                    return Err("the peer wrote past the free space of our ring");
+                }
+            }
+            Imm::Credit(n) => {
+                self.credited += u64::from(n);
+                if self.credited > self.head {
+                    return Err("the peer returned credit for bytes we never sent");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the next unread bytes are and how many are contiguous there.
+    pub fn readable(&self) -> (usize, usize) {
+        let off = self.consumed % self.size;
+        let avail = self.received - self.consumed;
+        (off as usize, avail.min(self.size - off) as usize)
+    }
+
+    /// `n` readable bytes were read.
+    pub fn consume(&mut self, n: usize) {
+        debug_assert!(n as u64 <= self.received - self.consumed);
+        self.consumed += n as u64;
+    }
+
+    /// Credit to return now, if any: in batches of a quarter ring, or all of it once
+    /// everything that arrived was read (so a sender waiting on a full ring moves on).
+    pub fn credit_due(&self, max_send: u32) -> Option<u32> {
+        let owed = self.consumed - self.credit_sent;
+        let drained = self.consumed == self.received;
+        if owed == 0 || (owed < self.size / 4 && !drained) || self.outstanding >= max_send {
+            return None;
+        }
+        Some(owed as u32)
+    }
+
+    /// (bytes posted, bytes the peer acknowledged).
+    pub fn progress(&self) -> (u64, u64) {
+        (self.head, self.acked)
+    }
+
+    pub fn unacked(&self) -> u64 {
+        self.head - self.acked
+    }
+}
+
 #[derive(Debug)]
 enum Phase {
     /// Sending our hello, reading the peer's, then the one-byte "ready" both ways.
@@ -142,15 +282,7 @@ pub struct VerbsLane {
     mine: QpHello,
     peer: Option<QpHello>,
     phase: Phase,
-    /// Sender: bytes posted, bytes the peer acknowledged, bytes it freed.
-    head: u64,
-    acked: u64,
-    credited: u64,
-    outstanding: u32,
-    /// Receiver: bytes arrived, read, and returned as credit.
-    received: u64,
-    consumed: u64,
-    credit_sent: u64,
+    ring: Ring,
     peer_closed: bool,
     fenced: bool,
     error: Option<(io::ErrorKind, String)>,
@@ -198,13 +330,7 @@ impl VerbsLane {
             grh: needs_grh(nic),
             mine,
             peer: None,
-            head: 0,
-            acked: 0,
-            credited: 0,
-            outstanding: 0,
-            received: 0,
-            consumed: 0,
-            credit_sent: 0,
+            ring: Ring::new(RING),
             peer_closed: false,
             fenced: false,
             error: None,
@@ -218,7 +344,7 @@ impl VerbsLane {
 
     /// (bytes posted, bytes the peer acknowledged).
     pub fn progress(&self) -> (u64, u64) {
-        (self.head, self.acked)
+        self.ring.progress()
     }
 
     fn fail(&mut self, kind: io::ErrorKind, msg: String) -> io::Error {
@@ -396,33 +522,26 @@ impl VerbsLane {
             return Err(self.fail(e.kind(), e.to_string()));
         }
         if c.wr_id == WR_RECV {
-            let imm = c.imm.unwrap_or(0);
-            if imm & CREDIT_FLAG != 0 {
-                self.credited += u64::from(imm & !CREDIT_FLAG);
-            } else {
-                self.received += u64::from(imm);
-            }
-            if self.received - self.consumed > RING as u64 || self.credited > self.head {
+            let Some(imm) = c.imm else {
                 return Err(self.fail(
                     io::ErrorKind::InvalidData,
-                    "the peer broke the verbs ring protocol".into(),
+                    "a verbs receive completed without an immediate".into(),
                 ));
+            };
+            if let Err(why) = self.ring.arrived(Imm::decode(imm)) {
+                return Err(self.fail(io::ErrorKind::InvalidData, why.into()));
             }
             return self.qp.post_recv(WR_RECV);
         }
-        self.outstanding = self.outstanding.saturating_sub(1);
-        if c.wr_id & WR_CREDIT == 0 {
-            self.acked += c.wr_id;
-        }
+        let data = if c.wr_id & WR_CREDIT == 0 { c.wr_id } else { 0 };
+        self.ring.send_done(data);
         Ok(())
     }
 
     fn return_credit(&mut self) -> io::Result<()> {
-        let owed = self.consumed - self.credit_sent;
-        let drained = self.consumed == self.received;
-        if owed == 0 || (owed < RING as u64 / 4 && !drained) || self.outstanding >= MAX_SEND {
+        let Some(owed) = self.ring.credit_due(MAX_SEND) else {
             return Ok(());
-        }
+        };
         let peer = self.peer.expect("ready lanes know their peer");
         self.qp.post_write(&RdmaWrite {
             local: &self.send,
@@ -430,12 +549,11 @@ impl VerbsLane {
             len: 0,
             remote_addr: peer.addr,
             rkey: peer.rkey,
-            imm: Some(CREDIT_FLAG | owed as u32),
+            imm: Some(Imm::Credit(owed).encode()),
             signaled: true,
             wr_id: WR_CREDIT,
         })?;
-        self.outstanding += 1;
-        self.credit_sent = self.consumed;
+        self.ring.posted_credit();
         Ok(())
     }
 
@@ -453,18 +571,18 @@ impl VerbsLane {
             return;
         }
         let end = Instant::now() + LINGER;
-        while self.acked < self.head && self.error.is_none() && Instant::now() < end {
+        while self.ring.unacked() > 0 && self.error.is_none() && Instant::now() < end {
             if self.reap().is_err() {
                 break;
             }
-            if self.acked < self.head {
+            if self.ring.unacked() > 0 {
                 let _ = self.cq.channel().wait(Duration::from_millis(10));
             }
         }
-        if self.acked < self.head {
+        if self.ring.unacked() > 0 {
             tracing::debug!(
                 "railover: verbs lane closed with {} bytes unacknowledged",
-                self.head - self.acked
+                self.ring.unacked()
             );
         }
     }
@@ -483,7 +601,7 @@ fn would_block(e: &io::Error) -> bool {
 impl Read for VerbsLane {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.check()?;
-        let avail = (self.received - self.consumed) as usize;
+        let (off, avail) = self.ring.readable();
         if avail == 0 {
             // Bytes the peer posted before closing are reaped before its EOF is seen.
             return if self.peer_closed {
@@ -492,10 +610,9 @@ impl Read for VerbsLane {
                 Err(io::ErrorKind::WouldBlock.into())
             };
         }
-        let off = (self.consumed % RING as u64) as usize;
-        let n = avail.min(buf.len()).min(RING - off);
+        let n = avail.min(buf.len());
         self.recv.read(off, &mut buf[..n])?;
-        self.consumed += n as u64;
+        self.ring.consume(n);
         Ok(n)
     }
 }
@@ -513,10 +630,8 @@ impl Write for VerbsLane {
                 "the peer closed the verbs lane",
             ));
         }
-        let free = RING as u64 - (self.head - self.credited);
-        let off = (self.head % RING as u64) as usize;
-        let room = (free as usize).min(RING - off);
-        if room == 0 || self.outstanding >= DATA_SLOTS {
+        let (off, room) = self.ring.send_window(DATA_SLOTS);
+        if room == 0 {
             return Err(io::ErrorKind::WouldBlock.into());
         }
         // Gather as much as fits contiguously: one WRITE for many small frames.
@@ -539,12 +654,11 @@ impl Write for VerbsLane {
             len: n,
             remote_addr: peer.addr + off as u64,
             rkey: peer.rkey,
-            imm: Some(n as u32),
+            imm: Some(Imm::Data(n as u32).encode()),
             signaled: true,
             wr_id: n as u64,
         })?;
-        self.outstanding += 1;
-        self.head += n as u64;
+        self.ring.posted(n);
         Ok(n)
     }
 
@@ -596,6 +710,96 @@ mod tests {
             len: RING as u64,
         };
         assert_eq!(QpHello::decode(&h.encode()), h);
+    }
+
+    /// Moves bytes from `a` to `b` as the lane does, with the given read sizes; returns
+    /// the stream `b` read.
+    fn pump(a: &mut Ring, b: &mut Ring, send: &[u8], reads: usize) -> Vec<u8> {
+        let size = a.size as usize;
+        let mut peer_ring = vec![0u8; size];
+        let mut out = Vec::new();
+        let mut sent = 0;
+        let mut in_flight = Vec::new();
+        for _ in 0..100_000 {
+            if out.len() == send.len() {
+                break;
+            }
+            let (off, room) = a.send_window(8);
+            let n = room.min(send.len() - sent);
+            if n > 0 {
+                peer_ring[off..off + n].copy_from_slice(&send[sent..sent + n]);
+                sent += n;
+                a.posted(n);
+                in_flight.push(n);
+            }
+            // Deliver everything in flight, in order.
+            for n in in_flight.drain(..) {
+                b.arrived(Imm::decode(Imm::Data(n as u32).encode()))
+                    .unwrap();
+                a.send_done(n as u64);
+            }
+            let (off, avail) = b.readable();
+            let n = avail.min(reads);
+            out.extend_from_slice(&peer_ring[off..off + n]);
+            b.consume(n);
+            if let Some(c) = b.credit_due(8) {
+                b.posted_credit();
+                a.arrived(Imm::decode(Imm::Credit(c).encode())).unwrap();
+                b.send_done(0);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_stream_wraps_the_ring_intact() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        for reads in [1, 7, 64, 100, 1000] {
+            let (mut a, mut b) = (Ring::new(64), Ring::new(64));
+            assert_eq!(pump(&mut a, &mut b, &data, reads), data, "reads of {reads}");
+            assert_eq!(a.progress(), (data.len() as u64, data.len() as u64));
+            assert_eq!(a.unacked(), 0);
+        }
+    }
+
+    #[test]
+    fn the_sender_stops_at_a_full_ring_until_credit_returns() {
+        let (mut a, mut b) = (Ring::new(100), Ring::new(100));
+        assert_eq!(a.send_window(8), (0, 100));
+        a.posted(60);
+        assert_eq!(a.send_window(8), (60, 40));
+        a.posted(40);
+        assert_eq!(a.send_window(8).1, 0, "full");
+        b.arrived(Imm::Data(60)).unwrap();
+        b.arrived(Imm::Data(40)).unwrap();
+        b.consume(10);
+        assert_eq!(
+            b.credit_due(8),
+            None,
+            "a tenth of the ring read, more waiting"
+        );
+        b.consume(90);
+        assert_eq!(b.credit_due(8), Some(100), "all read: everything is owed");
+        b.posted_credit();
+        assert_eq!(b.credit_due(8), None);
+        a.arrived(Imm::Credit(100)).unwrap();
+        assert_eq!(a.send_window(8), (0, 100), "wrapped to the start");
+        assert_eq!(a.send_window(2).1, 0, "but two WRs are in flight");
+    }
+
+    #[test]
+    fn protocol_violations_are_refused() {
+        let mut r = Ring::new(100);
+        r.arrived(Imm::Data(100)).unwrap();
+        assert!(r.arrived(Imm::Data(1)).is_err(), "past the free space");
+        let mut r = Ring::new(100);
+        r.posted(10);
+        assert!(
+            r.arrived(Imm::Credit(11)).is_err(),
+            "credit for unsent bytes"
+        );
+        assert_eq!(Imm::decode(Imm::Credit(5).encode()), Imm::Credit(5));
+        assert_eq!(Imm::decode(Imm::Data(5).encode()), Imm::Data(5));
     }
 
     #[test]
