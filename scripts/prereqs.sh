@@ -20,6 +20,13 @@ need() {
 need cc gcc
 need nm binutils
 need ip iproute2
+# The verbs fabric's rdma-mummy-sys: cmake builds its dlopen stubs, bindgen needs libclang
+# and clang's own headers (libclang-dev brings both; rdma-core itself is not needed).
+need cmake cmake
+if ! { ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/*/libclang-*.so* 2>/dev/null | grep -q . &&
+    ls /usr/lib/llvm-*/lib/clang/*/include/stddef.h 2>/dev/null | grep -q .; }; then
+    need libclang libclang-dev
+fi
 
 want() {
     # want <command> <debian package>: like need, for tools that only add a figure; a

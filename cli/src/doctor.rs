@@ -11,6 +11,11 @@
 //!   `RAILOVER_DISTANCE_LIMIT` (`PIX`|`PXB`|`PHB`|`SYS`, default `PHB`); all three go
 //!   through [`Config`] as in the plugin, so every `RAILOVER_*` value is checked once.
 //!
+//! It also lists the node's verbs NICs (every port of every RDMA device libibverbs
+//! reports): port state, link layer, speed, the GID table with the GID a RoCE path would
+//! use, and the rail. These do not change the exit code: the verbs fabric carries no lanes
+//! yet.
+//!
 //! Exit codes: 0 healthy; 1 when a NIC has no possible backup (or there is no NIC); 2 on a
 //! bad argument, a bad setting or an unreadable topology.
 
@@ -19,6 +24,7 @@ use std::path::PathBuf;
 use railover::config::Config;
 use railover::topology::report::{DoctorReport, DoctorSettings};
 use railover::topology::{RailSource, Topology};
+use railover::transport::verbs::device::{self, Discovery};
 
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(
@@ -44,8 +50,19 @@ pub fn run(args: &Args) -> i32 {
     let env = |k: &str| std::env::var(k).ok();
     match report(args, &env) {
         Ok(report) => {
+            let verbs = verbs_section(args, &env);
             if args.json {
-                match serde_json::to_string_pretty(&report) {
+                #[derive(serde::Serialize)]
+                struct Full<'a> {
+                    #[serde(flatten)]
+                    report: &'a DoctorReport,
+                    verbs: &'a VerbsSection,
+                }
+                let full = Full {
+                    report: &report,
+                    verbs: &verbs,
+                };
+                match serde_json::to_string_pretty(&full) {
                     Ok(s) => emit(&format!("{s}\n")),
                     Err(e) => {
                         eprintln!("railover doctor: cannot encode JSON: {e}");
@@ -54,6 +71,7 @@ pub fn run(args: &Args) -> i32 {
                 }
             } else {
                 emit(&report.render_text());
+                emit(&render_verbs(&verbs));
             }
             report.exit_code()
         }
@@ -108,6 +126,140 @@ fn report(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> Result<Box<Docto
     Ok(Box::new(DoctorReport::build(&topo, settings)))
 }
 
+/// The verbs part of the report.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+struct VerbsSection {
+    /// Why there are no verbs devices at all (no libibverbs, no kernel support).
+    absent: Option<String>,
+    nics: Vec<VerbsNicReport>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+struct VerbsNicReport {
+    name: String,
+    state: &'static str,
+    link_layer: &'static str,
+    speed_mbps: u64,
+    mtu: u32,
+    lid: u16,
+    netdev: Option<String>,
+    rail: Option<u32>,
+    /// The GID index a path uses; `None` on a RoCE port without a usable GID.
+    gid_index: Option<u32>,
+    gids: Vec<GidReport>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+struct GidReport {
+    index: u32,
+    gid: String,
+    kind: &'static str,
+}
+
+fn verbs_section(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> VerbsSection {
+    let root = args
+        .sysfs_root
+        .clone()
+        .or_else(|| {
+            env("RAILOVER_SYSFS_ROOT")
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(|| PathBuf::from("/sys"));
+    let found = device::inventory(&root);
+    // `report` has checked the settings already; an error here cannot happen.
+    let config = Config::from_lookup(env).unwrap_or_default();
+    let topo = Topology::discover(&root).ok();
+    summarize(&found, &config, topo.as_ref())
+}
+
+fn summarize(found: &Discovery, config: &Config, topo: Option<&Topology>) -> VerbsSection {
+    // Rails as the plugin assigns them: RAILOVER_RAILS, the topology, else PCI/name order.
+    let as_nics: Vec<railover::transport::tcp::TcpNic> = found
+        .nics
+        .iter()
+        .map(|n| railover::transport::tcp::TcpNic {
+            name: n.device.clone(),
+            ip: n
+                .ip()
+                .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
+            pci_path: n.pci_path.clone(),
+            speed_mbps: i32::try_from(n.speed_mbps).unwrap_or(i32::MAX),
+            loopback: false,
+        })
+        .collect();
+    let rails = railover::plugin::nics::rails(&as_nics, config, topo)
+        .unwrap_or_else(|_| vec![None; as_nics.len()]);
+    VerbsSection {
+        absent: found.absent.clone(),
+        nics: found
+            .nics
+            .iter()
+            .zip(rails)
+            .map(|(n, rail)| VerbsNicReport {
+                name: n.label(),
+                state: device::port_state_name(n.attr.state),
+                link_layer: n.link_layer(),
+                speed_mbps: n.speed_mbps,
+                mtu: 128u32 << n.attr.active_mtu.min(8),
+                lid: n.attr.lid,
+                netdev: n.netdev.clone(),
+                rail,
+                gid_index: n.gid_index,
+                gids: n
+                    .gids
+                    .iter()
+                    .map(|g| GidReport {
+                        index: g.index,
+                        gid: std::net::Ipv6Addr::from(g.gid).to_string(),
+                        kind: device::gid_type_name(g.gid_type),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+fn render_verbs(v: &VerbsSection) -> String {
+    use std::fmt::Write as _;
+    let mut o =
+        String::from("\nVerbs NICs (RDMA; the verbs fabric carries no lanes yet, TCP is used):\n");
+    if v.nics.is_empty() {
+        let why = v.absent.as_deref().unwrap_or("libibverbs lists no device");
+        let _ = writeln!(o, "  none: {why}");
+        return o;
+    }
+    for n in &v.nics {
+        let _ = writeln!(
+            o,
+            "  {:<12} {:<7} {:<10} {:>7} Mb/s  mtu {:<4} lid {:<5} netdev {:<8} rail {}",
+            n.name,
+            n.state,
+            n.link_layer,
+            n.speed_mbps,
+            n.mtu,
+            n.lid,
+            n.netdev.as_deref().unwrap_or("-"),
+            n.rail.map_or("-".into(), |r| r.to_string()),
+        );
+        for g in &n.gids {
+            let mark = if Some(g.index) == n.gid_index {
+                "*"
+            } else {
+                " "
+            };
+            let _ = writeln!(o, "    {mark}gid[{}] {:<6} {}", g.index, g.kind, g.gid);
+        }
+        if n.gid_index.is_none() && n.link_layer == "Ethernet" {
+            let _ = writeln!(
+                o,
+                "    no RoCE v1/v2 GID: this port cannot carry RoCE traffic"
+            );
+        }
+    }
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +282,87 @@ mod tests {
             vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
         };
         report(&Args::default(), &env)
+    }
+
+    #[test]
+    fn verbs_nics_show_state_gids_and_rails() {
+        use railover::transport::verbs::sys::{GidEntry, PortAttr};
+        use railover::transport::verbs::VerbsNic;
+        let nic = |dev: &str, pci: &str, ip: [u8; 4]| {
+            let mapped = std::net::Ipv4Addr::from(ip).to_ipv6_mapped().octets();
+            let gids = vec![
+                GidEntry {
+                    index: 0,
+                    gid: "fe80::1".parse::<std::net::Ipv6Addr>().unwrap().octets(),
+                    gid_type: 2,
+                    ndev_ifindex: 2,
+                },
+                GidEntry {
+                    index: 1,
+                    gid: mapped,
+                    gid_type: 2,
+                    ndev_ifindex: 2,
+                },
+            ];
+            VerbsNic {
+                device: dev.into(),
+                port: 1,
+                guid: 1,
+                attr: PortAttr {
+                    state: 4,
+                    active_mtu: 3,
+                    link_layer: 2,
+                    ..Default::default()
+                },
+                speed_mbps: 100_000,
+                gid_index: device::pick_gid(&gids, 2),
+                gids,
+                netdev: Some(format!("{dev}-eth")),
+                pci_path: Some(pci.into()),
+            }
+        };
+        let found = Discovery {
+            nics: vec![
+                nic(
+                    "mlx5_1",
+                    "/sys/devices/pci0000:00/0000:00:05.0",
+                    [10, 0, 1, 1],
+                ),
+                nic(
+                    "mlx5_0",
+                    "/sys/devices/pci0000:00/0000:00:03.0",
+                    [10, 0, 0, 1],
+                ),
+            ],
+            ..Default::default()
+        };
+        let v = summarize(&found, &Config::default(), None);
+        let rails: Vec<_> = v.nics.iter().map(|n| (n.name.as_str(), n.rail)).collect();
+        assert_eq!(
+            rails,
+            [("mlx5_1:1", Some(1)), ("mlx5_0:1", Some(0))],
+            "PCI order"
+        );
+        let text = render_verbs(&v);
+        assert!(
+            text.contains("mlx5_0:1") && text.contains("ACTIVE") && text.contains("Ethernet"),
+            "{text}"
+        );
+        assert!(text.contains("*gid[1] RoCEv2 ::ffff:10.0.0.1"), "{text}");
+        assert!(text.contains(" gid[0] RoCEv2 fe80::1"), "{text}");
+        assert!(text.contains("mtu 1024"), "{text}");
+        let none = render_verbs(&summarize(
+            &Discovery {
+                absent: Some("libibverbs.so.1 is not installed".into()),
+                ..Default::default()
+            },
+            &Config::default(),
+            None,
+        ));
+        assert!(
+            none.contains("none: libibverbs.so.1 is not installed"),
+            "{none}"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ mod peer;
 mod plot;
 mod sim;
 mod size;
+mod verbs_check;
 
 /// Tools around the railover NCCL network plugin: a live failover demo, a benchmark
 /// against raw TCP, a node check and a failure-cost model.
@@ -47,6 +48,10 @@ pub enum Command {
     /// One endpoint of the fault-injection tier (test machinery)
     #[command(hide = true)]
     FaultPeer(fault_peer::Args),
+    /// Verbs NICs found, and RC QP traffic over each rail between two hosts (test
+    /// machinery of the Soft-RoCE tier)
+    #[command(hide = true)]
+    VerbsCheck(verbs_check::Args),
     /// The bench's child endpoint, driven over stdin (internal)
     #[command(name = peer::PEER_COMMAND, hide = true)]
     Peer,
@@ -61,6 +66,7 @@ fn main() {
         Command::Doctor(a) => doctor::run(&a),
         Command::Sim(a) => sim::run(&a),
         Command::FaultPeer(a) => fault_peer::run(&a),
+        Command::VerbsCheck(a) => verbs_check::run(&a),
         Command::Peer => peer::serve(),
     };
     std::process::exit(code);

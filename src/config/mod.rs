@@ -93,6 +93,92 @@ impl IfFilter {
     }
 }
 
+/// Which RDMA devices and ports become verbs NICs: `NCCL_IB_HCA` syntax.
+///
+/// A comma-separated list of `device[:port]` entries, names as prefixes; a leading `^`
+/// excludes the listed ones instead, and a leading `=` (after any `^`) makes names exact.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HcaFilter {
+    /// The list was given (false: every device and port).
+    pub given: bool,
+    pub exclude: bool,
+    pub exact: bool,
+    /// `(device, port)`; no port means every port of the device.
+    pub entries: Vec<(String, Option<u8>)>,
+}
+
+impl HcaFilter {
+    /// Parses the `NCCL_IB_HCA`-style value.
+    pub fn parse(value: &str) -> Result<HcaFilter, String> {
+        let mut rest = value.trim();
+        let exclude = rest.starts_with('^');
+        if exclude {
+            rest = &rest[1..];
+        }
+        let exact = rest.starts_with('=');
+        if exact {
+            rest = &rest[1..];
+        }
+        let mut entries = Vec::new();
+        for item in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (name, port) = match item.split_once(':') {
+                Some((n, p)) => {
+                    let port = p
+                        .trim()
+                        .parse::<u8>()
+                        .ok()
+                        .filter(|&p| p > 0)
+                        .ok_or_else(|| format!("{p:?} is not a port number"))?;
+                    (n.trim(), Some(port))
+                }
+                None => (item, None),
+            };
+            if name.is_empty()
+                || name.len() > 63
+                || name.contains(|c: char| c.is_whitespace() || c == '/' || c == ':')
+            {
+                return Err(format!("{name:?} is not a device name"));
+            }
+            entries.push((name.to_string(), port));
+        }
+        if entries.is_empty() {
+            return Err("an empty device list".into());
+        }
+        Ok(HcaFilter {
+            given: true,
+            exclude,
+            exact,
+            entries,
+        })
+    }
+
+    /// Does the filter select port `port` of device `dev`?
+    pub fn selects(&self, dev: &str, port: u8) -> bool {
+        if !self.given {
+            return true;
+        }
+        let listed = self.entries.iter().any(|(n, p)| {
+            let name_ok = if self.exact {
+                dev == n
+            } else {
+                dev.starts_with(n.as_str())
+            };
+            name_ok && p.map_or(true, |p| p == port)
+        });
+        listed != self.exclude
+    }
+}
+
+/// `RAILOVER_TRANSPORT`: which fabric carries the lanes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Verbs when usable devices exist (and the verbs fabric can carry lanes), else TCP.
+    #[default]
+    Auto,
+    Verbs,
+    Tcp,
+}
+
 /// Level of the log lines railover writes to stderr when NCCL's logger is not in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LogLevel {
@@ -136,6 +222,10 @@ pub struct Config {
     /// fails, it spreads over several survivors; `None` (`auto`): one fewer than the NICs,
     /// so each survivor takes an equal part. 1 moves a failed NIC's comm whole.
     pub stripes: Option<usize>,
+    /// `RAILOVER_TRANSPORT`: `auto`, `verbs` or `tcp`.
+    pub transport: TransportChoice,
+    /// `RAILOVER_HCA`: which verbs devices and ports are NICs.
+    pub hca: HcaFilter,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
     /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`, `RAILOVER_GIVEUP_MS`.
     pub router: RouterConfig,
@@ -153,6 +243,8 @@ impl Default for Config {
             fair_share: true,
             loopback_nics: 0,
             stripes: None,
+            transport: TransportChoice::Auto,
+            hca: HcaFilter::default(),
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
             router: RouterConfig::default(),
@@ -298,6 +390,27 @@ impl Config {
                     accepted: "auto (one fewer than the NICs) or an integer from 1 to 64",
                 })? as usize),
             };
+        }
+        if let Some(v) = get("RAILOVER_TRANSPORT") {
+            cfg.transport =
+                match v.trim().to_ascii_lowercase().as_str() {
+                    "auto" => TransportChoice::Auto,
+                    "verbs" | "ib" => TransportChoice::Verbs,
+                    "tcp" => TransportChoice::Tcp,
+                    _ => return Err(ConfigError {
+                        var: "RAILOVER_TRANSPORT",
+                        value: v,
+                        accepted:
+                            "one of auto (verbs when usable devices exist, else TCP), verbs, tcp",
+                    }),
+                };
+        }
+        if let Some(v) = get("RAILOVER_HCA") {
+            cfg.hca = HcaFilter::parse(&v).map_err(|_| ConfigError {
+                var: "RAILOVER_HCA",
+                value: v.clone(),
+                accepted: "a comma-separated list of RDMA device names or prefixes, each optionally :PORT (e.g. mlx5_0:1), optionally starting with ^ (exclude) and/or = (exact)",
+            })?;
         }
         if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
             cfg.router.failback_probes_k = parse_u64(&v, 1, 1000).ok_or(ConfigError {
@@ -459,6 +572,14 @@ mod tests {
             ("RAILOVER_STRIPES", "0"),
             ("RAILOVER_STRIPES", "65"),
             ("RAILOVER_STRIPES", "many"),
+            ("RAILOVER_TRANSPORT", "rdma"),
+            ("RAILOVER_TRANSPORT", ""),
+            ("RAILOVER_HCA", "^"),
+            ("RAILOVER_HCA", "mlx5_0:0"),
+            ("RAILOVER_HCA", "mlx5_0:x"),
+            ("RAILOVER_HCA", "mlx5_0:256"),
+            ("RAILOVER_HCA", ":1"),
+            ("RAILOVER_HCA", "mlx5 0"),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();
             assert_eq!(err.var, var);
@@ -469,6 +590,39 @@ mod tests {
                 "{msg}"
             );
         }
+    }
+
+    #[test]
+    fn hca_syntax_follows_nccl_ib_hca() {
+        let all = HcaFilter::default();
+        assert!(all.selects("rxe0", 1), "no filter selects everything");
+        let f = HcaFilter::parse("mlx5_0:1,mlx5_1").unwrap();
+        assert!(f.selects("mlx5_0", 1) && !f.selects("mlx5_0", 2));
+        assert!(f.selects("mlx5_1", 2) && !f.selects("mlx5_2", 1));
+        // Prefixes unless `=`: mlx5_1 also names mlx5_10.
+        assert!(f.selects("mlx5_10", 1));
+        let f = HcaFilter::parse("=mlx5_1").unwrap();
+        assert!(f.selects("mlx5_1", 1) && !f.selects("mlx5_10", 1));
+        let f = HcaFilter::parse("^mlx5_0:2").unwrap();
+        assert!(f.selects("mlx5_0", 1) && !f.selects("mlx5_0", 2) && f.selects("rxe0", 1));
+        let f = HcaFilter::parse("^=rxe1, rxe2:1 ").unwrap();
+        assert!(f.exclude && f.exact);
+        assert!(!f.selects("rxe1", 1) && f.selects("rxe10", 1) && !f.selects("rxe2", 1));
+        assert!(f.selects("rxe2", 2));
+    }
+
+    #[test]
+    fn transport_choice_parses() {
+        assert_eq!(cfg(&[]).unwrap().transport, TransportChoice::Auto);
+        for (v, want) in [
+            ("auto", TransportChoice::Auto),
+            (" Verbs", TransportChoice::Verbs),
+            ("TCP", TransportChoice::Tcp),
+        ] {
+            assert_eq!(cfg(&[("RAILOVER_TRANSPORT", v)]).unwrap().transport, want);
+        }
+        let c = cfg(&[("RAILOVER_HCA", "rxe0:1")]).unwrap();
+        assert_eq!(c.hca.entries, vec![("rxe0".to_string(), Some(1))]);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::config::Config;
+use crate::config::{Config, TransportChoice};
 pub use crate::handoff::{
     CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Side,
     Status,
@@ -26,6 +26,7 @@ use crate::telemetry::metrics::Telemetry;
 use crate::topology::{Fabric, Topology};
 pub use crate::transport::memory::UserBuf;
 use crate::transport::tcp::{self, TcpFabric, TcpNic};
+use crate::transport::verbs::{self, VerbsFabric, VerbsNic};
 pub use net_handle::NetHandle;
 
 /// The plugin's name in NCCL (`NCCL_NET=railover`).
@@ -59,12 +60,30 @@ impl Runtime {
         let config = Config::from_env()?;
         crate::telemetry::log::set_stderr_level(config.log);
         let metrics_cfg = ExporterConfig::from_env()?;
-        let tcp_nics = if config.loopback_nics > 0 {
-            tcp::nic::loopback_nics(config.loopback_nics)
-        } else {
-            discover_nics(&config)?
+        let verbs_nics = choose_fabric(&config)?;
+        let tcp_nics = match &verbs_nics {
+            // The NICs as the rest of the runtime sees them: name, address, PCI, speed.
+            Some(v) => v
+                .iter()
+                .map(|n| TcpNic {
+                    name: n.device.clone(),
+                    ip: n
+                        .ip()
+                        .expect("the verbs fabric only takes NICs with an address"),
+                    pci_path: n.pci_path.clone(),
+                    speed_mbps: i32::try_from(n.speed_mbps).unwrap_or(i32::MAX),
+                    loopback: false,
+                })
+                .collect(),
+            None if config.loopback_nics > 0 => tcp::nic::loopback_nics(config.loopback_nics),
+            None => discover_nics(&config)?,
         };
-        let topo = match Topology::discover_fabric(&config.sysfs_root, Fabric::Tcp) {
+        let kind = if verbs_nics.is_some() {
+            Fabric::Rdma
+        } else {
+            Fabric::Tcp
+        };
+        let topo = match Topology::discover_fabric(&config.sysfs_root, kind) {
             Ok(t) => Some(t),
             Err(e) => {
                 tracing::info!("railover: no PCI topology ({e}); distance limits are not applied");
@@ -114,8 +133,14 @@ impl Runtime {
             entropy_seed: None,
         };
         let telemetry = setup.telemetry.clone();
-        let fabric = TcpFabric::new(&nics.iter().map(|n| n.tcp.clone()).collect::<Vec<_>>());
-        let reactor = match ReactorHandle::spawn(setup, fabric) {
+        let spawned = match verbs_nics {
+            Some(v) => VerbsFabric::new(v).and_then(|f| ReactorHandle::spawn(setup, f)),
+            None => ReactorHandle::spawn(
+                setup,
+                TcpFabric::new(&nics.iter().map(|n| n.tcp.clone()).collect::<Vec<_>>()),
+            ),
+        };
+        let reactor = match spawned {
             Ok(r) => r,
             Err(e) => {
                 telemetry.shutdown();
@@ -158,6 +183,71 @@ impl Runtime {
     /// Counters of the reactor (rejected connections, protocol errors, bytes).
     pub fn stats(&self) -> &ReactorStats {
         &self.reactor.stats
+    }
+}
+
+/// Applies `RAILOVER_TRANSPORT`: the verbs NICs to run on, or `None` for TCP. No
+/// libibverbs or no kernel RDMA support is zero devices, silently. `auto` stays on TCP
+/// for now (the verbs lanes do not fail over yet) and says at INFO what it found.
+fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
+    let why_none = |found: &verbs::Discovery| {
+        found
+            .absent
+            .clone()
+            .unwrap_or_else(|| match found.skipped.is_empty() {
+                true => "libibverbs lists no device".into(),
+                false => found.skipped.join("; "),
+            })
+    };
+    match config.transport {
+        TransportChoice::Tcp => {
+            tracing::info!("railover: fabric TCP (RAILOVER_TRANSPORT=tcp)");
+            Ok(None)
+        }
+        TransportChoice::Auto => {
+            let found = verbs::discover(&config.hca, &config.sysfs_root);
+            if found.nics.is_empty() {
+                tracing::info!(
+                    "railover: fabric TCP (RAILOVER_TRANSPORT=auto: no usable verbs NIC: {})",
+                    why_none(&found)
+                );
+            } else {
+                tracing::info!(
+                    "railover: fabric TCP (RAILOVER_TRANSPORT=auto: verbs NICs {} found; verbs lanes do not fail over yet, RAILOVER_TRANSPORT=verbs uses them)",
+                    found.nics.iter().map(|n| n.label()).collect::<Vec<_>>().join(", ")
+                );
+            }
+            Ok(None)
+        }
+        TransportChoice::Verbs => {
+            let mut found = verbs::discover(&config.hca, &config.sysfs_root);
+            // Lanes bootstrap over TCP between the NICs' addresses.
+            let (usable, no_ip): (Vec<VerbsNic>, Vec<VerbsNic>) =
+                found.nics.drain(..).partition(|n| n.ip().is_some());
+            found.nics = usable;
+            found.skipped.extend(no_ip.iter().map(|n| {
+                format!(
+                    "{}: no IP address to bootstrap lanes from (InfiniBand without IPoIB is not supported yet)",
+                    n.label()
+                )
+            }));
+            if found.nics.is_empty() {
+                return Err(Error::InvalidUsage(format!(
+                    "RAILOVER_TRANSPORT=verbs, but there is no usable verbs NIC: {}",
+                    why_none(&found)
+                )));
+            }
+            tracing::info!(
+                "railover: fabric verbs (RAILOVER_TRANSPORT=verbs): {}",
+                found
+                    .nics
+                    .iter()
+                    .map(|n| n.label())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            Ok(Some(found.nics))
+        }
     }
 }
 
@@ -617,4 +707,37 @@ pub fn inject_reactor_panic(message: &str) -> Result<(), Error> {
         .queue
         .push(Command::Panic(message.into()));
     Ok(())
+}
+
+#[cfg(test)]
+mod fabric_tests {
+    use super::*;
+
+    #[test]
+    fn transport_choice_picks_the_fabric() {
+        let with = |t| Config {
+            transport: t,
+            ..Config::default()
+        };
+        assert!(matches!(
+            choose_fabric(&with(TransportChoice::Tcp)),
+            Ok(None)
+        ));
+        assert!(
+            matches!(choose_fabric(&with(TransportChoice::Auto)), Ok(None)),
+            "auto stays on TCP while verbs lanes cannot fail over"
+        );
+        match choose_fabric(&with(TransportChoice::Verbs)) {
+            // This machine has no RDMA: refused, naming the variable and the reason.
+            Err(e) => {
+                let m = e.to_string();
+                assert!(
+                    m.contains("RAILOVER_TRANSPORT=verbs") && m.contains("no usable verbs NIC"),
+                    "{m}"
+                );
+            }
+            Ok(Some(nics)) => assert!(nics.iter().all(|n| n.ip().is_some())),
+            Ok(None) => panic!("verbs chosen but no verbs NICs returned"),
+        }
+    }
 }

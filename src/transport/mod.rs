@@ -2,9 +2,9 @@
 //! from a fabric to open lanes and move frames over them. No fabric decides policy; the
 //! reactor names no fabric's types and makes no fabric's system calls.
 //!
-//! Today there is one fabric, [`tcp`]: a NIC is a network interface, a lane is one TCP
-//! stream between a local and a remote interface. A verbs fabric (RC QPs, completion
-//! channels) plugs in beside it by implementing the same trait.
+//! Two fabrics implement it: [`tcp`], where a NIC is a network interface and a lane is
+//! one TCP stream between a local and a remote interface, and [`verbs`], where a NIC is
+//! an RDMA port and a lane an RC QP with its completion channel.
 //!
 //! Fabric-neutral pieces live here too: the frame codec every lane speaks ([`frames`]),
 //! the even sharing of a NIC between its busy lanes ([`fair`]), and the kernel's link
@@ -15,6 +15,7 @@ pub mod frames;
 pub mod memory;
 pub mod netlink;
 pub mod tcp;
+pub mod verbs;
 
 use std::fmt::Debug;
 use std::io;

@@ -117,6 +117,8 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_RAILS", "lo", "lo");
   bad_value("RAILOVER_METRICS_ADDR", "everywhere", "everywhere");
   bad_value("RAILOVER_STRIPES", "many", "many");
+  bad_value("RAILOVER_TRANSPORT", "rdma", "rdma");
+  bad_value("RAILOVER_HCA", "mlx5_0:x", "mlx5_0:x");
   bad_value("LOCAL_RANK", "first", "first");
 
   /* Not UTF-8: an error for every variable, shown with U+FFFD for the bad bytes. Some
@@ -131,6 +133,7 @@ int main(int argc, char** argv) {
       "RAILOVER_RAILS",            "RAILOVER_SYSFS_ROOT",
       "RAILOVER_METRICS_PORT",     "RAILOVER_METRICS_ADDR",
       "RAILOVER_GIVEUP_MS",        "RAILOVER_STRIPES",
+      "RAILOVER_TRANSPORT",        "RAILOVER_HCA",
       "LOCAL_RANK",
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)

@@ -1,0 +1,372 @@
+//! Verbs device discovery: which device ports are NICs, their state, speed, GID table
+//! and the GID a RoCE path uses.
+//!
+//! No libibverbs, or no RDMA support in the kernel, is zero devices: nothing fails and
+//! nothing is logged above DEBUG, because that is every TCP-only host.
+
+use std::net::{IpAddr, Ipv6Addr};
+use std::path::Path;
+
+use crate::config::HcaFilter;
+
+use super::sys::{self, Context, GidEntry, PortAttr, LINK_LAYER_ETHERNET, LINK_LAYER_INFINIBAND};
+
+/// One port of a verbs device, as discovery found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerbsNic {
+    pub device: String,
+    pub port: u8,
+    /// Node GUID, host byte order.
+    pub guid: u64,
+    pub attr: PortAttr,
+    /// Port speed in Mbit/s, from the active speed and width.
+    pub speed_mbps: u64,
+    /// The port's GID table (non-empty entries only).
+    pub gids: Vec<GidEntry>,
+    /// The GID a path uses ([`pick_gid`]); `None` on a RoCE port without a usable one.
+    pub gid_index: Option<u32>,
+    /// The netdev behind the chosen GID (RoCE), from sysfs.
+    pub netdev: Option<String>,
+    /// The PCI device (`/sys/class/infiniband/<dev>/device`, else the netdev's).
+    pub pci_path: Option<String>,
+}
+
+impl VerbsNic {
+    /// `device:port`, as `RAILOVER_HCA` and NCCL name it.
+    pub fn label(&self) -> String {
+        format!("{}:{}", self.device, self.port)
+    }
+
+    pub fn is_active(&self) -> bool {
+        self.attr.state == sys::PORT_ACTIVE
+    }
+
+    pub fn link_layer(&self) -> &'static str {
+        link_layer_name(self.attr.link_layer)
+    }
+
+    /// The address of the chosen GID when it is an IP address (RoCE).
+    pub fn ip(&self) -> Option<IpAddr> {
+        let i = self.gid_index?;
+        let g = self.gids.iter().find(|g| g.index == i)?;
+        (self.attr.link_layer == LINK_LAYER_ETHERNET).then(|| gid_ip(&g.gid))
+    }
+}
+
+/// What discovery found, and why there is nothing when there is nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Discovery {
+    pub nics: Vec<VerbsNic>,
+    /// Why no device could be listed (no libibverbs, no kernel support), if so.
+    pub absent: Option<String>,
+    /// Ports seen but not used, with the reason (filtered out, not active, no GID).
+    pub skipped: Vec<String>,
+}
+
+/// Lists every port `filter` selects that is ACTIVE with an IB or Ethernet link layer.
+pub fn discover(filter: &HcaFilter, sysfs_root: &Path) -> Discovery {
+    let listed = match sys::device_list() {
+        Ok(l) => l,
+        Err(errno) => {
+            let why = match errno {
+                libc::EOPNOTSUPP => "libibverbs.so.1 is not installed".to_string(),
+                libc::ENOSYS => "the kernel has no RDMA support (no ib_uverbs)".to_string(),
+                e => format!("no device list ({})", std::io::Error::from_raw_os_error(e)),
+            };
+            tracing::debug!("railover: no verbs devices: {why}");
+            return Discovery {
+                absent: Some(why),
+                ..Default::default()
+            };
+        }
+    };
+    let mut out = Discovery::default();
+    for dev in listed {
+        let ctx = match Context::open(&dev.name) {
+            Ok(c) => c,
+            Err(e) => {
+                out.skipped.push(format!("{}: cannot open: {e}", dev.name));
+                continue;
+            }
+        };
+        let ports = match ctx.query_device() {
+            Ok(a) => a.phys_port_cnt,
+            Err(e) => {
+                out.skipped.push(format!("{}: {e}", dev.name));
+                continue;
+            }
+        };
+        for port in 1..=ports {
+            let label = format!("{}:{port}", dev.name);
+            if !filter.selects(&dev.name, port) {
+                out.skipped
+                    .push(format!("{label}: not selected by RAILOVER_HCA"));
+                continue;
+            }
+            let attr = match ctx.query_port(port) {
+                Ok(a) => a,
+                Err(e) => {
+                    out.skipped.push(format!("{label}: {e}"));
+                    continue;
+                }
+            };
+            if attr.link_layer != LINK_LAYER_INFINIBAND && attr.link_layer != LINK_LAYER_ETHERNET {
+                out.skipped.push(format!(
+                    "{label}: link layer {}",
+                    link_layer_name(attr.link_layer)
+                ));
+                continue;
+            }
+            let gids: Vec<GidEntry> = (0..attr.gid_tbl_len.clamp(0, 256) as u32)
+                .filter_map(|i| ctx.query_gid(port, i))
+                .filter(|g| g.gid != [0; 16])
+                .collect();
+            let gid_index = pick_gid(&gids, attr.link_layer);
+            let dir = sysfs_root.join("class/infiniband").join(&dev.name);
+            let netdev = gid_index
+                .and_then(|i| read_trim(&dir.join(format!("ports/{port}/gid_attrs/ndevs/{i}"))));
+            let pci_path = realpath(&dir.join("device")).or_else(|| {
+                let n = netdev.as_ref()?;
+                realpath(&sysfs_root.join("class/net").join(n).join("device"))
+            });
+            let nic = VerbsNic {
+                device: dev.name.clone(),
+                port,
+                guid: dev.guid,
+                speed_mbps: speed_mbps(attr.active_speed, attr.active_speed_ex, attr.active_width),
+                attr,
+                gids,
+                gid_index,
+                netdev,
+                pci_path,
+            };
+            if !nic.is_active() {
+                out.skipped
+                    .push(format!("{label}: port not ACTIVE (state {})", attr.state));
+                continue;
+            }
+            if attr.link_layer == LINK_LAYER_ETHERNET && gid_index.is_none() {
+                out.skipped.push(format!("{label}: no RoCE GID"));
+                continue;
+            }
+            out.nics.push(nic);
+        }
+    }
+    out
+}
+
+/// Every port of every device, whatever its state or the filter (for `railover doctor`).
+pub fn inventory(sysfs_root: &Path) -> Discovery {
+    let mut d = discover(&HcaFilter::default(), sysfs_root);
+    // `discover` keeps only the usable ports; the doctor wants them all, so list the
+    // skipped ones again from the devices themselves.
+    if d.absent.is_none() && !d.skipped.is_empty() {
+        let Ok(listed) = sys::device_list() else {
+            return d;
+        };
+        for dev in listed {
+            let Ok(ctx) = Context::open(&dev.name) else {
+                continue;
+            };
+            let ports = ctx.query_device().map(|a| a.phys_port_cnt).unwrap_or(0);
+            for port in 1..=ports {
+                if d.nics
+                    .iter()
+                    .any(|n| n.device == dev.name && n.port == port)
+                {
+                    continue;
+                }
+                let Ok(attr) = ctx.query_port(port) else {
+                    continue;
+                };
+                let gids: Vec<GidEntry> = (0..attr.gid_tbl_len.clamp(0, 256) as u32)
+                    .filter_map(|i| ctx.query_gid(port, i))
+                    .filter(|g| g.gid != [0; 16])
+                    .collect();
+                d.nics.push(VerbsNic {
+                    device: dev.name.clone(),
+                    port,
+                    guid: dev.guid,
+                    speed_mbps: speed_mbps(
+                        attr.active_speed,
+                        attr.active_speed_ex,
+                        attr.active_width,
+                    ),
+                    gid_index: pick_gid(&gids, attr.link_layer),
+                    attr,
+                    gids,
+                    netdev: None,
+                    pci_path: None,
+                });
+            }
+        }
+        d.nics
+            .sort_by(|a, b| (&a.device, a.port).cmp(&(&b.device, b.port)));
+    }
+    d
+}
+
+fn read_trim(p: &Path) -> Option<String> {
+    let s = std::fs::read_to_string(p).ok()?;
+    let s = s.trim();
+    (!s.is_empty()).then(|| s.to_string())
+}
+
+fn realpath(p: &Path) -> Option<String> {
+    std::fs::canonicalize(p)
+        .ok()
+        .map(|p| p.to_string_lossy().into_owned())
+}
+
+pub fn link_layer_name(ll: u8) -> &'static str {
+    match ll {
+        LINK_LAYER_INFINIBAND => "InfiniBand",
+        LINK_LAYER_ETHERNET => "Ethernet",
+        _ => "unspecified",
+    }
+}
+
+/// `IBV_PORT_*` as text.
+pub fn port_state_name(state: u32) -> &'static str {
+    match state {
+        1 => "DOWN",
+        2 => "INIT",
+        3 => "ARMED",
+        4 => "ACTIVE",
+        5 => "ACTIVE_DEFER",
+        _ => "NOP",
+    }
+}
+
+/// `gid_type` as text.
+pub fn gid_type_name(t: u32) -> &'static str {
+    match t {
+        0 => "IB",
+        1 => "RoCEv1",
+        2 => "RoCEv2",
+        _ => "?",
+    }
+}
+
+/// A GID as an address: IPv4-mapped GIDs as IPv4.
+pub fn gid_ip(gid: &[u8; 16]) -> IpAddr {
+    let v6 = Ipv6Addr::from(*gid);
+    match v6.to_ipv4_mapped() {
+        Some(v4) => IpAddr::V4(v4),
+        None => IpAddr::V6(v6),
+    }
+}
+
+/// The GID index a path uses, as NCCL picks it with `NCCL_IB_ROCE_VERSION_NUM=2` and
+/// `NCCL_IB_ADDR_FAMILY=AF_INET`: on InfiniBand index 0; on RoCE the lowest index among
+/// the best of RoCE v2 over v1, and IPv4-mapped over global IPv6 over link-local IPv6.
+pub fn pick_gid(gids: &[GidEntry], link_layer: u8) -> Option<u32> {
+    if link_layer == LINK_LAYER_INFINIBAND {
+        return gids.iter().map(|g| g.index).min().or(Some(0));
+    }
+    let rank = |g: &GidEntry| {
+        let version = match g.gid_type {
+            2 => 0,
+            1 => 1,
+            _ => return None,
+        };
+        let family = match gid_ip(&g.gid) {
+            IpAddr::V4(_) => 0,
+            IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80 => 2,
+            IpAddr::V6(_) => 1,
+        };
+        Some((version, family, g.index))
+    };
+    gids.iter().filter_map(rank).min().map(|(_, _, i)| i)
+}
+
+/// Port speed in Mbit/s from `active_speed`/`active_speed_ex` and `active_width`
+/// (`ibv_query_port_speed` is not in rdma-mummy-sys's stubs).
+pub fn speed_mbps(active_speed: u8, active_speed_ex: u32, active_width: u8) -> u64 {
+    // Per-lane data rate in Mbit/s, by IB speed bit.
+    let lane = match if active_speed_ex != 0 {
+        active_speed_ex
+    } else {
+        active_speed.into()
+    } {
+        1 => 2_500,
+        2 => 5_000,
+        4 | 8 => 10_000,
+        16 => 14_000,
+        32 => 25_000,
+        64 => 50_000,
+        128 => 100_000,
+        256 => 200_000,
+        _ => 0,
+    };
+    let lanes = match active_width {
+        1 => 1,
+        2 => 4,
+        4 => 8,
+        8 => 12,
+        16 => 2,
+        _ => 0,
+    };
+    lane * lanes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gid(index: u32, gid_type: u32, text: &str) -> GidEntry {
+        let ip: Ipv6Addr = match text.parse::<IpAddr>().unwrap() {
+            IpAddr::V4(v4) => v4.to_ipv6_mapped(),
+            IpAddr::V6(v6) => v6,
+        };
+        GidEntry {
+            index,
+            gid: ip.octets(),
+            gid_type,
+            ndev_ifindex: 2,
+        }
+    }
+
+    #[test]
+    fn roce_prefers_v2_and_ipv4() {
+        // As rxe and mlx5 lay it out: link-local v1/v2, then the address's v1/v2.
+        let table = [
+            gid(0, 1, "fe80::5054:ff:feaa:1"),
+            gid(1, 2, "fe80::5054:ff:feaa:1"),
+            gid(2, 1, "192.0.2.1"),
+            gid(3, 2, "192.0.2.1"),
+            gid(4, 2, "2001:db8::1"),
+        ];
+        assert_eq!(pick_gid(&table, LINK_LAYER_ETHERNET), Some(3));
+        assert_eq!(pick_gid(&table[..3], LINK_LAYER_ETHERNET), Some(1));
+        let v6 = [gid(0, 2, "fe80::1"), gid(5, 2, "2001:db8::7")];
+        assert_eq!(pick_gid(&v6, LINK_LAYER_ETHERNET), Some(5));
+        assert_eq!(pick_gid(&[gid(0, 0, "fe80::1")], LINK_LAYER_ETHERNET), None);
+        assert_eq!(pick_gid(&[], LINK_LAYER_ETHERNET), None);
+        assert_eq!(pick_gid(&[], LINK_LAYER_INFINIBAND), Some(0));
+        assert_eq!(
+            gid_ip(&table[3].gid),
+            "192.0.2.1".parse::<IpAddr>().unwrap()
+        );
+    }
+
+    #[test]
+    fn speeds_follow_the_ib_tables() {
+        // NDR x4 (ConnectX-7 400G), HDR x4, EDR x4, XDR via the extended field.
+        assert_eq!(speed_mbps(128, 0, 2), 400_000);
+        assert_eq!(speed_mbps(64, 0, 2), 200_000);
+        assert_eq!(speed_mbps(32, 0, 2), 100_000);
+        assert_eq!(speed_mbps(0, 256, 2), 800_000);
+        assert_eq!(speed_mbps(1, 0, 1), 2_500);
+        assert_eq!(speed_mbps(3, 0, 2), 0, "not one speed bit");
+    }
+
+    #[test]
+    fn discovery_without_rdma_is_empty_and_says_why() {
+        // The CI machine has no RDMA kernel support: no NICs, a reason, nothing else.
+        let d = discover(&HcaFilter::default(), Path::new("/sys"));
+        if d.absent.is_some() {
+            assert!(d.nics.is_empty() && d.skipped.is_empty());
+        }
+    }
+}

@@ -1,0 +1,811 @@
+//! One verbs lane: an RC QP carrying the lane's byte stream through a ring of registered
+//! memory at each end, with a TCP connection beside it for the QP handshake and for
+//! noticing that the peer closed.
+//!
+//! The sender copies bytes into its staging region at the ring offset they will occupy
+//! at the peer and RDMA-WRITEs them there with an immediate holding the length; the
+//! receiver's completion says that many more bytes are in its ring. The receiver returns
+//! credit (bytes it consumed) with zero-byte WRITE_WITH_IMMs whose immediate has the top
+//! bit set, so the sender never overwrites unread bytes. Every WRITE_WITH_IMM consumes a
+//! posted receive, which the receiver reposts as it reaps them.
+//!
+//! This is the byte-stream shape the [`Fabric`](super::super::Fabric) trait asks for; it
+//! costs a copy at each end. NCCL's IB transport instead writes straight into the
+//! receive buffer the receiver advertised (a clear-to-send FIFO), which needs the trait to
+//! carry receive buffers and their keys to the fabric.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::device::VerbsNic;
+use super::sys::{
+    event, wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, RemoteQp,
+    Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
+};
+use super::{completion_error, QP_TIMING};
+
+/// Bytes of each end's ring (and of the sender's staging region).
+pub const RING: usize = 4 << 20;
+const MAX_SEND: u32 = 256;
+const MAX_RECV: u32 = 512;
+/// Send slots data may use; the rest are kept for credit returns.
+const DATA_SLOTS: u32 = MAX_SEND - 4;
+const CREDIT_FLAG: u32 = 1 << 31;
+const WR_CREDIT: u64 = 1 << 63;
+const WR_RECV: u64 = 1 << 62;
+/// How long a graceful close waits for the peer to acknowledge what was posted.
+const LINGER: Duration = Duration::from_millis(200);
+
+/// The QP address block each end sends over the bootstrap connection (little endian).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpHello {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    /// `IBV_MTU_*` of the sender's port.
+    pub mtu: u32,
+    pub gid: [u8; 16],
+    /// The region the peer writes into, and its key.
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u64,
+}
+
+impl QpHello {
+    pub const LEN: usize = 4 + 4 + 2 + 4 + 16 + 8 + 4 + 8;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        let mut w = &mut b[..];
+        for part in [
+            &self.qpn.to_le_bytes()[..],
+            &self.psn.to_le_bytes(),
+            &self.lid.to_le_bytes(),
+            &self.mtu.to_le_bytes(),
+            &self.gid,
+            &self.addr.to_le_bytes(),
+            &self.rkey.to_le_bytes(),
+            &self.len.to_le_bytes(),
+        ] {
+            w.write_all(part).expect("the parts fill the block exactly");
+        }
+        b
+    }
+
+    pub fn decode(b: &[u8; Self::LEN]) -> QpHello {
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| (u64::from(u32_at(o + 4)) << 32) | u64::from(u32_at(o));
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[14..30]);
+        QpHello {
+            qpn: u32_at(0),
+            psn: u32_at(4),
+            lid: u16::from_le_bytes([b[8], b[9]]),
+            mtu: u32_at(10),
+            gid,
+            addr: u64_at(30),
+            rkey: u32_at(38),
+            len: u64_at(42),
+        }
+    }
+}
+
+/// The local half of a QP's addressing, from discovery.
+pub fn local_port(nic: &VerbsNic) -> LocalPort {
+    LocalPort {
+        port: nic.port,
+        sgid_index: nic.gid_index.unwrap_or(0) as u8,
+        traffic_class: 0,
+        service_level: 0,
+    }
+}
+
+/// Whether paths from `nic` need a GRH (RoCE always; IB when the port says so).
+pub fn needs_grh(nic: &VerbsNic) -> bool {
+    nic.attr.link_layer == LINK_LAYER_ETHERNET || nic.attr.flags & QPF_GRH_REQUIRED != 0
+}
+
+/// The GID paths from `nic` use, or zeros.
+pub fn local_gid(nic: &VerbsNic) -> [u8; 16] {
+    let i = nic.gid_index.unwrap_or(0);
+    nic.gids
+        .iter()
+        .find(|g| g.index == i)
+        .map_or([0; 16], |g| g.gid)
+}
+
+/// A lane's ring accounting, both directions, without I/O: where the next bytes go at
+/// the peer, how much the peer may still take, what arrived here and what credit is owed.
+/// Offsets are positions in the stream; `% size` places them in a ring.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ring {
+    size: u64,
+    /// Sender: bytes posted, bytes the peer acknowledged, bytes it freed; WRs in flight.
+    head: u64,
+    acked: u64,
+    credited: u64,
+    outstanding: u32,
+    /// Receiver: bytes arrived, read, and returned as credit.
+    received: u64,
+    consumed: u64,
+    credit_sent: u64,
+}
+
+/// What an immediate told the receiver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Imm {
+    Data(u32),
+    Credit(u32),
+}
+
+impl Imm {
+    pub fn encode(self) -> u32 {
+        match self {
+            Imm::Data(n) => n & !CREDIT_FLAG,
+            Imm::Credit(n) => CREDIT_FLAG | n,
+        }
+    }
+
+    pub fn decode(imm: u32) -> Imm {
+        if imm & CREDIT_FLAG != 0 {
+            Imm::Credit(imm & !CREDIT_FLAG)
+        } else {
+            Imm::Data(imm)
+        }
+    }
+}
+
+impl Ring {
+    /// A ring of `size` bytes (below 2^31, so lengths fit an immediate).
+    pub fn new(size: usize) -> Ring {
+        assert!(size > 0 && (size as u64) < u64::from(CREDIT_FLAG));
+        Ring {
+            size: size as u64,
+            head: 0,
+            acked: 0,
+            credited: 0,
+            outstanding: 0,
+            received: 0,
+            consumed: 0,
+            credit_sent: 0,
+        }
+    }
+
+    /// Where the next bytes go (ring offset) and how many fit there contiguously; 0 when
+    /// the peer's ring is full or `slots` work requests are already in flight.
+    pub fn send_window(&self, slots: u32) -> (usize, usize) {
+        let off = self.head % self.size;
+        if self.outstanding >= slots {
+            return (off as usize, 0);
+        }
+        let free = self.size - (self.head - self.credited);
+        (off as usize, free.min(self.size - off) as usize)
+    }
+
+    /// `n` bytes were posted at the send window.
+    pub fn posted(&mut self, n: usize) {
+        self.head += n as u64;
+        self.outstanding += 1;
+    }
+
+    /// A credit return was posted.
+    pub fn posted_credit(&mut self) {
+        self.outstanding += 1;
+        self.credit_sent = self.consumed;
+    }
+
+    /// A send completed; `data` bytes of it were data.
+    pub fn send_done(&mut self, data: u64) {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        self.acked += data;
+    }
+
+    /// An immediate arrived. `Err` when the peer broke the protocol (wrote past the
+    /// space we gave, or freed more than we sent).
+    pub fn arrived(&mut self, imm: Imm) -> Result<(), &'static str> {
+        match imm {
+            Imm::Data(n) => {
+                self.received += u64::from(n);
+                if self.received - self.consumed > self.size {
+                    return Err("the peer wrote past the free space of our ring");
+                }
+            }
+            Imm::Credit(n) => {
+                self.credited += u64::from(n);
+                if self.credited > self.head {
+                    return Err("the peer returned credit for bytes we never sent");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Where the next unread bytes are and how many are contiguous there.
+    pub fn readable(&self) -> (usize, usize) {
+        let off = self.consumed % self.size;
+        let avail = self.received - self.consumed;
+        (off as usize, avail.min(self.size - off) as usize)
+    }
+
+    /// `n` readable bytes were read.
+    pub fn consume(&mut self, n: usize) {
+        debug_assert!(n as u64 <= self.received - self.consumed);
+        self.consumed += n as u64;
+    }
+
+    /// Credit to return now, if any: in batches of a quarter ring, or all of it once
+    /// everything that arrived was read (so a sender waiting on a full ring moves on).
+    pub fn credit_due(&self, max_send: u32) -> Option<u32> {
+        let owed = self.consumed - self.credit_sent;
+        let drained = self.consumed == self.received;
+        if owed == 0 || (owed < self.size / 4 && !drained) || self.outstanding >= max_send {
+            return None;
+        }
+        Some(owed as u32)
+    }
+
+    /// (bytes posted, bytes the peer acknowledged).
+    pub fn progress(&self) -> (u64, u64) {
+        (self.head, self.acked)
+    }
+
+    pub fn unacked(&self) -> u64 {
+        self.head - self.acked
+    }
+}
+
+#[derive(Debug)]
+enum Phase {
+    /// Sending our hello, reading the peer's, then the one-byte "ready" both ways.
+    Handshake {
+        out: Vec<u8>,
+        out_off: usize,
+        got: Vec<u8>,
+    },
+    Ready,
+}
+
+/// A lane of the verbs fabric.
+#[derive(Debug)]
+pub struct VerbsLane {
+    // Field order is drop order: the QP before the regions it reads and writes, and
+    // before its CQ; the context (held by all of them) goes last.
+    qp: Qp,
+    send: Mr,
+    recv: Mr,
+    cq: Arc<Cq>,
+    ctx: Arc<Context>,
+    sock: mio::net::TcpStream,
+    port: LocalPort,
+    grh: bool,
+    mine: QpHello,
+    peer: Option<QpHello>,
+    phase: Phase,
+    ring: Ring,
+    peer_closed: bool,
+    fenced: bool,
+    error: Option<(io::ErrorKind, String)>,
+    wcs: Vec<Completion>,
+}
+
+impl VerbsLane {
+    /// A lane on `nic` over the (possibly still connecting) bootstrap socket: resources
+    /// allocated, QP in INIT, our hello queued.
+    pub fn new(nic: &VerbsNic, sock: mio::net::TcpStream) -> io::Result<VerbsLane> {
+        let ctx = Context::open(&nic.device)?;
+        let pd = Pd::new(&ctx)?;
+        let ch = CompChannel::new(&ctx)?;
+        ctx.async_fd()?;
+        let cq = Cq::new(&ctx, &ch, (MAX_SEND + MAX_RECV + 16) as i32)?;
+        let qp = Qp::new_rc(&pd, &cq, MAX_SEND, MAX_RECV)?;
+        let send = Mr::new(&pd, RING)?;
+        let recv = Mr::new(&pd, RING)?;
+        qp.to_init(nic.port)?;
+        let mut psn = [0u8; 4];
+        getrandom::getrandom(&mut psn).map_err(|e| io::Error::other(e.to_string()))?;
+        let mine = QpHello {
+            qpn: qp.qp_num(),
+            psn: u32::from_le_bytes(psn) & 0xff_ffff,
+            lid: nic.attr.lid,
+            mtu: nic.attr.active_mtu,
+            gid: local_gid(nic),
+            addr: recv.addr(),
+            rkey: recv.rkey(),
+            len: RING as u64,
+        };
+        Ok(VerbsLane {
+            phase: Phase::Handshake {
+                out: mine.encode().to_vec(),
+                out_off: 0,
+                got: Vec::with_capacity(QpHello::LEN + 1),
+            },
+            qp,
+            send,
+            recv,
+            cq,
+            ctx,
+            sock,
+            port: local_port(nic),
+            grh: needs_grh(nic),
+            mine,
+            peer: None,
+            ring: Ring::new(RING),
+            peer_closed: false,
+            fenced: false,
+            error: None,
+            wcs: Vec::with_capacity(64),
+        })
+    }
+
+    pub fn is_ready(&self) -> bool {
+        matches!(self.phase, Phase::Ready)
+    }
+
+    /// (bytes posted, bytes the peer acknowledged).
+    pub fn progress(&self) -> (u64, u64) {
+        self.ring.progress()
+    }
+
+    fn fail(&mut self, kind: io::ErrorKind, msg: String) -> io::Error {
+        self.error.get_or_insert((kind, msg.clone()));
+        io::Error::new(kind, msg)
+    }
+
+    fn check(&self) -> io::Result<()> {
+        match &self.error {
+            Some((k, m)) => Err(io::Error::new(*k, m.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Everything the lane's fds may have signalled: handshake bytes, the peer closing,
+    /// async events, completions; then credit owed to the peer.
+    pub fn pump(&mut self) -> io::Result<()> {
+        self.check()?;
+        if !self.is_ready() {
+            self.handshake()?;
+            if !self.is_ready() {
+                return Ok(());
+            }
+        } else {
+            self.watch_socket()?;
+        }
+        self.async_events()?;
+        self.reap()?;
+        self.return_credit()
+    }
+
+    fn handshake(&mut self) -> io::Result<()> {
+        let Phase::Handshake { out, out_off, got } = &mut self.phase else {
+            return Ok(());
+        };
+        while *out_off < out.len() {
+            match self.sock.write(&out[*out_off..]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => *out_off += n,
+                Err(e) if would_block(&e) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let want = QpHello::LEN + 1;
+        while got.len() < want {
+            let mut b = [0u8; QpHello::LEN + 1];
+            let room = want - got.len();
+            match self.sock.read(&mut b[..room]) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the peer closed during the verbs handshake",
+                    ))
+                }
+                Ok(n) => got.extend_from_slice(&b[..n]),
+                Err(e) if would_block(&e) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if self.peer.is_none() && got.len() >= QpHello::LEN {
+            let mut b = [0u8; QpHello::LEN];
+            b.copy_from_slice(&got[..QpHello::LEN]);
+            let peer = QpHello::decode(&b);
+            if peer.len != RING as u64 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("the peer's ring is {} bytes, ours {RING}", peer.len),
+                ));
+            }
+            self.qp.to_rtr(
+                &self.port,
+                &RemoteQp {
+                    qp_num: peer.qpn,
+                    psn: peer.psn,
+                    lid: peer.lid,
+                    gid: peer.gid,
+                    global: self.grh,
+                    mtu: self.mine.mtu.min(peer.mtu),
+                },
+            )?;
+            self.qp.to_rts(self.mine.psn, QP_TIMING)?;
+            for _ in 0..MAX_RECV {
+                self.qp.post_recv(WR_RECV)?;
+            }
+            self.peer = Some(peer);
+            // Receives are posted: the peer may write once it reads this.
+            out.push(b'R');
+            return self.handshake();
+        }
+        if got.len() == want && *out_off == out.len() {
+            if got[QpHello::LEN] != b'R' {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "bad ready byte in the verbs handshake",
+                ));
+            }
+            self.phase = Phase::Ready;
+        }
+        Ok(())
+    }
+
+    /// After the handshake the socket carries nothing: EOF is the peer closing, a reset
+    /// the peer fencing or dying.
+    fn watch_socket(&mut self) -> io::Result<()> {
+        if self.peer_closed {
+            return Ok(());
+        }
+        let mut b = [0u8; 1];
+        loop {
+            return match self.sock.read(&mut b) {
+                Ok(0) => {
+                    self.peer_closed = true;
+                    Ok(())
+                }
+                Ok(_) => Err(self.fail(
+                    io::ErrorKind::InvalidData,
+                    "unexpected bytes on the verbs bootstrap socket".into(),
+                )),
+                Err(e) if would_block(&e) => Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(self.fail(e.kind(), format!("verbs bootstrap socket: {e}"))),
+            };
+        }
+    }
+
+    fn async_events(&mut self) -> io::Result<()> {
+        while let Some(ev) = self.ctx.next_async_event() {
+            let mine = match ev.kind {
+                event::PORT_ERR => ev.port == Some(self.port.port),
+                event::DEVICE_FATAL | event::CQ_ERR => true,
+                event::QP_FATAL | event::QP_REQ_ERR | event::QP_ACCESS_ERR => {
+                    ev.qp_num == Some(self.qp.qp_num())
+                }
+                _ => false,
+            };
+            if mine && !self.fenced {
+                return Err(self.fail(
+                    io::ErrorKind::Other,
+                    format!(
+                        "verbs async event {} on {} port {}",
+                        ev.kind,
+                        self.ctx.name(),
+                        self.port.port
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Drain, acknowledge and re-arm the channel, then poll the CQ empty.
+    fn reap(&mut self) -> io::Result<()> {
+        self.cq.drain_and_rearm()?;
+        loop {
+            self.wcs.clear();
+            let n = self.cq.poll(&mut self.wcs, 64)?;
+            for i in 0..n {
+                let c = self.wcs[i];
+                self.complete(&c)?;
+            }
+            if n < 64 {
+                return Ok(());
+            }
+        }
+    }
+
+    fn complete(&mut self, c: &Completion) -> io::Result<()> {
+        if c.status != wc::SUCCESS {
+            if self.fenced || self.error.is_some() {
+                return Ok(());
+            }
+            let e = completion_error(c);
+            return Err(self.fail(e.kind(), e.to_string()));
+        }
+        if c.wr_id == WR_RECV {
+            let Some(imm) = c.imm else {
+                return Err(self.fail(
+                    io::ErrorKind::InvalidData,
+                    "a verbs receive completed without an immediate".into(),
+                ));
+            };
+            if let Err(why) = self.ring.arrived(Imm::decode(imm)) {
+                return Err(self.fail(io::ErrorKind::InvalidData, why.into()));
+            }
+            return self.qp.post_recv(WR_RECV);
+        }
+        let data = if c.wr_id & WR_CREDIT == 0 { c.wr_id } else { 0 };
+        self.ring.send_done(data);
+        Ok(())
+    }
+
+    fn return_credit(&mut self) -> io::Result<()> {
+        let Some(owed) = self.ring.credit_due(MAX_SEND) else {
+            return Ok(());
+        };
+        let peer = self.peer.expect("ready lanes know their peer");
+        self.qp.post_write(&RdmaWrite {
+            local: &self.send,
+            offset: 0,
+            len: 0,
+            remote_addr: peer.addr,
+            rkey: peer.rkey,
+            imm: Some(Imm::Credit(owed).encode()),
+            signaled: true,
+            wr_id: WR_CREDIT,
+        })?;
+        self.ring.posted_credit();
+        Ok(())
+    }
+
+    /// The fence: the QP goes to ERR, the socket will close with a reset.
+    pub fn fence(&mut self) {
+        self.fenced = true;
+        let _ = self.qp.to_err();
+        let _ = socket2::SockRef::from(&self.sock).set_linger(Some(Duration::ZERO));
+    }
+
+    /// Before a graceful close: wait (briefly) until the peer acknowledged what we
+    /// posted, so that it has it all before it sees the socket close.
+    pub fn linger(&mut self) {
+        if self.fenced || !self.is_ready() {
+            return;
+        }
+        let end = Instant::now() + LINGER;
+        while self.ring.unacked() > 0 && self.error.is_none() && Instant::now() < end {
+            if self.reap().is_err() {
+                break;
+            }
+            if self.ring.unacked() > 0 {
+                let _ = self.cq.channel().wait(Duration::from_millis(10));
+            }
+        }
+        if self.ring.unacked() > 0 {
+            tracing::debug!(
+                "railover: verbs lane closed with {} bytes unacknowledged",
+                self.ring.unacked()
+            );
+        }
+    }
+
+    /// Registers the bootstrap socket with `interest` and the channel and async fds
+    /// readable, all under `token`.
+    fn fds(&self) -> [std::os::fd::RawFd; 2] {
+        [self.cq.channel().fd(), self.ctx.async_fd().unwrap_or(-1)]
+    }
+}
+
+fn would_block(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::NotConnected
+}
+
+impl Read for VerbsLane {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.check()?;
+        let (off, avail) = self.ring.readable();
+        if avail == 0 {
+            // Bytes the peer posted before closing are reaped before its EOF is seen.
+            return if self.peer_closed {
+                Ok(0)
+            } else {
+                Err(io::ErrorKind::WouldBlock.into())
+            };
+        }
+        let n = avail.min(buf.len());
+        self.recv.read(off, &mut buf[..n])?;
+        self.ring.consume(n);
+        Ok(n)
+    }
+}
+
+impl Write for VerbsLane {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.check()?;
+        if self.peer_closed {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the peer closed the verbs lane",
+            ));
+        }
+        let (off, room) = self.ring.send_window(DATA_SLOTS);
+        if room == 0 {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        // Gather as much as fits contiguously: one WRITE for many small frames.
+        let mut n = 0;
+        for b in bufs {
+            let take = b.len().min(room - n);
+            self.send.write(off + n, &b[..take])?;
+            n += take;
+            if n == room {
+                break;
+            }
+        }
+        if n == 0 {
+            return Ok(0);
+        }
+        let peer = self.peer.expect("ready lanes know their peer");
+        self.qp.post_write(&RdmaWrite {
+            local: &self.send,
+            offset: off,
+            len: n,
+            remote_addr: peer.addr + off as u64,
+            rkey: peer.rkey,
+            imm: Some(Imm::Data(n as u32).encode()),
+            signaled: true,
+            wr_id: n as u64,
+        })?;
+        self.ring.posted(n);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl mio::event::Source for VerbsLane {
+    fn register(&mut self, r: &mio::Registry, t: mio::Token, i: mio::Interest) -> io::Result<()> {
+        self.sock.register(r, t, i)?;
+        for fd in self.fds() {
+            mio::unix::SourceFd(&fd).register(r, t, mio::Interest::READABLE)?;
+        }
+        Ok(())
+    }
+
+    fn reregister(&mut self, r: &mio::Registry, t: mio::Token, i: mio::Interest) -> io::Result<()> {
+        self.sock.reregister(r, t, i)?;
+        for fd in self.fds() {
+            mio::unix::SourceFd(&fd).reregister(r, t, mio::Interest::READABLE)?;
+        }
+        Ok(())
+    }
+
+    fn deregister(&mut self, r: &mio::Registry) -> io::Result<()> {
+        self.sock.deregister(r)?;
+        for fd in self.fds() {
+            mio::unix::SourceFd(&fd).deregister(r)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trips() {
+        let h = QpHello {
+            qpn: 0x11_2233,
+            psn: 0xab_cdef,
+            lid: 7,
+            mtu: 3,
+            gid: [9; 16],
+            addr: 0xdead_beef_0000,
+            rkey: 0x55,
+            len: RING as u64,
+        };
+        assert_eq!(QpHello::decode(&h.encode()), h);
+    }
+
+    /// Moves bytes from `a` to `b` as the lane does, with the given read sizes; returns
+    /// the stream `b` read.
+    fn pump(a: &mut Ring, b: &mut Ring, send: &[u8], reads: usize) -> Vec<u8> {
+        let size = a.size as usize;
+        let mut peer_ring = vec![0u8; size];
+        let mut out = Vec::new();
+        let mut sent = 0;
+        let mut in_flight = Vec::new();
+        for _ in 0..100_000 {
+            if out.len() == send.len() {
+                break;
+            }
+            let (off, room) = a.send_window(8);
+            let n = room.min(send.len() - sent);
+            if n > 0 {
+                peer_ring[off..off + n].copy_from_slice(&send[sent..sent + n]);
+                sent += n;
+                a.posted(n);
+                in_flight.push(n);
+            }
+            // Deliver everything in flight, in order.
+            for n in in_flight.drain(..) {
+                b.arrived(Imm::decode(Imm::Data(n as u32).encode()))
+                    .unwrap();
+                a.send_done(n as u64);
+            }
+            let (off, avail) = b.readable();
+            let n = avail.min(reads);
+            out.extend_from_slice(&peer_ring[off..off + n]);
+            b.consume(n);
+            if let Some(c) = b.credit_due(8) {
+                b.posted_credit();
+                a.arrived(Imm::decode(Imm::Credit(c).encode())).unwrap();
+                b.send_done(0);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_stream_wraps_the_ring_intact() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        for reads in [1, 7, 64, 100, 1000] {
+            let (mut a, mut b) = (Ring::new(64), Ring::new(64));
+            assert_eq!(pump(&mut a, &mut b, &data, reads), data, "reads of {reads}");
+            assert_eq!(a.progress(), (data.len() as u64, data.len() as u64));
+            assert_eq!(a.unacked(), 0);
+        }
+    }
+
+    #[test]
+    fn the_sender_stops_at_a_full_ring_until_credit_returns() {
+        let (mut a, mut b) = (Ring::new(100), Ring::new(100));
+        assert_eq!(a.send_window(8), (0, 100));
+        a.posted(60);
+        assert_eq!(a.send_window(8), (60, 40));
+        a.posted(40);
+        assert_eq!(a.send_window(8).1, 0, "full");
+        b.arrived(Imm::Data(60)).unwrap();
+        b.arrived(Imm::Data(40)).unwrap();
+        b.consume(10);
+        assert_eq!(
+            b.credit_due(8),
+            None,
+            "a tenth of the ring read, more waiting"
+        );
+        b.consume(90);
+        assert_eq!(b.credit_due(8), Some(100), "all read: everything is owed");
+        b.posted_credit();
+        assert_eq!(b.credit_due(8), None);
+        a.arrived(Imm::Credit(100)).unwrap();
+        assert_eq!(a.send_window(8), (0, 100), "wrapped to the start");
+        assert_eq!(a.send_window(2).1, 0, "but two WRs are in flight");
+    }
+
+    #[test]
+    fn protocol_violations_are_refused() {
+        let mut r = Ring::new(100);
+        r.arrived(Imm::Data(100)).unwrap();
+        assert!(r.arrived(Imm::Data(1)).is_err(), "past the free space");
+        let mut r = Ring::new(100);
+        r.posted(10);
+        assert!(
+            r.arrived(Imm::Credit(11)).is_err(),
+            "credit for unsent bytes"
+        );
+        assert_eq!(Imm::decode(Imm::Credit(5).encode()), Imm::Credit(5));
+        assert_eq!(Imm::decode(Imm::Data(5).encode()), Imm::Data(5));
+    }
+
+    #[test]
+    fn the_credit_flag_is_out_of_reach_of_lengths() {
+        assert!((RING as u64) < u64::from(CREDIT_FLAG));
+        assert_eq!(WR_RECV & WR_CREDIT, 0);
+        assert!((RING as u64) < WR_RECV, "a data wr_id is its length");
+    }
+}

@@ -1,0 +1,251 @@
+//! The RDMA verbs fabric, on rdma-mummy-sys (libibverbs opened at run time).
+//!
+//! What is here: the raw calls and their owned wrappers ([`sys`]), device discovery with
+//! GID and speed selection ([`device`]), and [`VerbsFabric`]: lanes that are RC QPs moving
+//! the lane's byte stream through registered rings ([`lane`]), set up over a bootstrap TCP
+//! connection to the address the trait passes. Tested on Soft-RoCE in QEMU
+//! (`scripts/verbs-tier.sh`); `RAILOVER_TRANSPORT=verbs` selects it, `auto` still uses TCP.
+
+pub mod device;
+pub mod lane;
+pub mod sys;
+
+pub use device::{discover, Discovery, VerbsNic};
+pub use lane::VerbsLane;
+
+/// QP timing: 4.096 us * 2^16 = 268 ms per attempt, 7 attempts, so the NIC gives up after
+/// about 1.9 s. railover's own completion timeout (1 s by default) decides before that;
+/// NCCL's defaults (`NCCL_IB_TIMEOUT=20`, `RETRY_CNT=7`) keep a dead path for about 34 s.
+/// Not 7 retries: Soft-RoCE (rxe) takes a retry count of 7 as "retry forever" (seen in the
+/// Soft-RoCE tier: a write to a fenced peer never completed).
+pub const QP_TIMING: sys::QpTiming = sys::QpTiming {
+    timeout: 16,
+    retry_cnt: 6,
+};
+
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+
+use mio::event::Source;
+use mio::{Interest, Registry, Token};
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+use super::frames::{FrameReader, FrameWriter, Inbound, ReadError};
+use super::{Fabric, FabricNic, LaneProgress};
+use sys::{wc, Completion};
+
+/// The verbs fabric over the ports discovery found. A NIC's address is the IP of its RoCE
+/// GID: lanes bootstrap over TCP between those addresses.
+#[derive(Debug)]
+pub struct VerbsFabric {
+    nics: Vec<FabricNic>,
+    verbs: Vec<VerbsNic>,
+}
+
+impl VerbsFabric {
+    /// The fabric over `nics`; every one must have an IP address (RoCE ports do; IB ports
+    /// need IPoIB, which discovery does not look for yet).
+    pub fn new(nics: Vec<VerbsNic>) -> io::Result<VerbsFabric> {
+        let fabric = nics
+            .iter()
+            .map(|n| {
+                let ip = n.ip().ok_or_else(|| {
+                    io::Error::new(
+                        io::ErrorKind::Unsupported,
+                        format!("{} has no IP address to bootstrap lanes from (InfiniBand without IPoIB is not supported yet)", n.label()),
+                    )
+                })?;
+                Ok(FabricNic {
+                    name: n.device.clone(),
+                    ip,
+                })
+            })
+            .collect::<io::Result<_>>()?;
+        Ok(VerbsFabric {
+            nics: fabric,
+            verbs: nics,
+        })
+    }
+
+    fn nic(&self, nic: usize) -> io::Result<&VerbsNic> {
+        self.verbs.get(nic).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("no NIC {nic} (the verbs fabric has {})", self.verbs.len()),
+            )
+        })
+    }
+}
+
+/// A listener of the verbs fabric: the bootstrap TCP listener on the NIC's address.
+#[derive(Debug)]
+pub struct VerbsListen(mio::net::TcpListener);
+
+impl Fabric for VerbsFabric {
+    type Listener = VerbsListen;
+    type Lane = VerbsLane;
+
+    fn nics(&self) -> &[FabricNic] {
+        &self.nics
+    }
+
+    fn listen(&mut self, nic: usize) -> io::Result<(VerbsListen, SocketAddr)> {
+        self.nic(nic)?;
+        let ip = self.nics[nic].ip;
+        let sock = Socket::new(
+            Domain::for_address(SocketAddr::new(ip, 0)),
+            Type::STREAM,
+            Some(Protocol::TCP),
+        )?;
+        sock.set_reuse_address(true)?;
+        sock.set_nonblocking(true)?;
+        sock.bind(&SockAddr::from(SocketAddr::new(ip, 0)))?;
+        sock.listen(1024)?;
+        let l = mio::net::TcpListener::from_std(sock.into());
+        let addr = l.local_addr()?;
+        Ok((VerbsListen(l), addr))
+    }
+
+    fn accept(&mut self, l: &mut VerbsListen) -> io::Result<Option<(VerbsLane, Option<usize>)>> {
+        loop {
+            return match l.0.accept() {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let ip = stream.local_addr()?.ip();
+                    let Some(nic) = self.nics.iter().position(|n| n.ip == ip) else {
+                        // Not one of ours (a wildcard listener would be): drop it.
+                        continue;
+                    };
+                    let lane = VerbsLane::new(&self.verbs[nic], stream)?;
+                    Ok(Some((lane, Some(nic))))
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(e),
+            };
+        }
+    }
+
+    fn connect(&mut self, nic: usize, to: SocketAddr) -> io::Result<VerbsLane> {
+        let from: IpAddr =
+            self.nics.get(nic).map(|n| n.ip).ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("no NIC {nic}"))
+            })?;
+        let sock = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))?;
+        sock.set_nonblocking(true)?;
+        sock.set_nodelay(true)?;
+        if from.is_ipv4() == to.is_ipv4() {
+            sock.bind(&SockAddr::from(SocketAddr::new(from, 0)))?;
+        }
+        match sock.connect(&SockAddr::from(to)) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+            Err(e) => return Err(e),
+        }
+        VerbsLane::new(&self.verbs[nic], mio::net::TcpStream::from_std(sock.into()))
+    }
+
+    fn read(
+        &mut self,
+        lane: &mut VerbsLane,
+        reader: &mut FrameReader,
+    ) -> Result<Option<Inbound>, ReadError> {
+        lane.pump()?;
+        if !lane.is_ready() {
+            return Ok(None);
+        }
+        let got = reader.next(lane);
+        // Credit for what this read consumed.
+        lane.pump()?;
+        got
+    }
+
+    fn write(&mut self, lane: &mut VerbsLane, writer: &mut FrameWriter) -> io::Result<()> {
+        lane.pump()?;
+        if !lane.is_ready() {
+            return Ok(());
+        }
+        writer.flush(lane)
+    }
+
+    fn progress(&self, lane: &VerbsLane) -> LaneProgress {
+        let (sent, acked) = lane.progress();
+        LaneProgress { sent, acked }
+    }
+
+    fn fence(&mut self, lane: &mut VerbsLane) {
+        lane.fence();
+    }
+
+    fn close(&mut self, mut lane: VerbsLane) {
+        lane.linger();
+        drop(lane);
+    }
+}
+
+impl Source for VerbsListen {
+    fn register(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+        self.0.register(r, t, i)
+    }
+
+    fn reregister(&mut self, r: &Registry, t: Token, i: Interest) -> io::Result<()> {
+        self.0.reregister(r, t, i)
+    }
+
+    fn deregister(&mut self, r: &Registry) -> io::Result<()> {
+        self.0.deregister(r)
+    }
+}
+
+/// The `io::Error` a failed completion means, in the kinds [`super::Fabric`] documents:
+/// the peer refusing our access (its QP or memory is gone) is `ConnectionReset`, "the
+/// peer went away"; retries exhausted is `TimedOut`; a flushed request (the QP was
+/// already in error, e.g. fenced) is `ConnectionAborted`; anything else is a path failure
+/// with the status text.
+pub fn completion_error(c: &Completion) -> io::Error {
+    let kind = match c.status {
+        wc::REM_ACCESS_ERR | wc::REM_INV_REQ_ERR | wc::REM_OP_ERR => io::ErrorKind::ConnectionReset,
+        wc::RETRY_EXC_ERR | wc::RNR_RETRY_EXC_ERR => io::ErrorKind::TimedOut,
+        wc::WR_FLUSH_ERR => io::ErrorKind::ConnectionAborted,
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(
+        kind,
+        format!(
+            "verbs completion of wr {} on QP {}: {} (status {}, vendor error {:#x})",
+            c.wr_id,
+            c.qp_num,
+            sys::wc_status_str(c.status),
+            c.status,
+            c.vendor_err
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_errors_map_to_the_trait_kinds() {
+        let c = |status| Completion {
+            wr_id: 7,
+            status,
+            opcode: 0,
+            byte_len: 0,
+            imm: None,
+            qp_num: 42,
+            vendor_err: 0,
+        };
+        for (status, kind) in [
+            (wc::REM_ACCESS_ERR, io::ErrorKind::ConnectionReset),
+            (wc::RETRY_EXC_ERR, io::ErrorKind::TimedOut),
+            (wc::WR_FLUSH_ERR, io::ErrorKind::ConnectionAborted),
+            (wc::LOC_QP_OP_ERR, io::ErrorKind::Other),
+        ] {
+            let e = completion_error(&c(status));
+            assert_eq!(e.kind(), kind, "status {status}");
+            assert!(e.to_string().contains("QP 42"), "{e}");
+        }
+    }
+}
