@@ -516,7 +516,10 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         for ev in w.drain() {
-            if let Some(i) = self.engine.nic_named(&ev.ifname) {
+            // The fabric knows what netdev its NICs sit on (a verbs port's RoCE netdev).
+            let nic = (self.engine.nic_named(&ev.ifname))
+                .or_else(|| self.io.fabric.nic_of_link(&ev.ifname));
+            if let Some(i) = nic {
                 self.engine.carrier(i, ev.up, now, &mut self.io);
             }
         }

@@ -81,6 +81,13 @@ pub trait Fabric: Debug + Send + 'static {
     /// The NICs this fabric drives, in index order. Fixed for the fabric's lifetime.
     fn nics(&self) -> &[FabricNic];
 
+    /// The NIC whose carrier the kernel reports under interface name `ifname` (netlink
+    /// link events). By default the NIC of that name; a fabric whose NICs are not netdevs
+    /// (verbs devices) maps the netdev behind them.
+    fn nic_of_link(&self, ifname: &str) -> Option<usize> {
+        self.nics().iter().position(|n| n.name == ifname)
+    }
+
     /// Listens on NIC `nic`. Returns the endpoint and the address peers connect to.
     fn listen(&mut self, nic: usize) -> io::Result<(Self::Listener, SocketAddr)>;
 

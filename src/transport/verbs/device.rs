@@ -123,8 +123,7 @@ pub fn discover(filter: &HcaFilter, sysfs_root: &Path) -> Discovery {
                 .collect();
             let gid_index = pick_gid(&gids, attr.link_layer);
             let dir = sysfs_root.join("class/infiniband").join(&dev.name);
-            let netdev = gid_index
-                .and_then(|i| read_trim(&dir.join(format!("ports/{port}/gid_attrs/ndevs/{i}"))));
+            let netdev = netdev_of(sysfs_root, &dev.name, port, gid_index);
             let pci_path = realpath(&dir.join("device")).or_else(|| {
                 let n = netdev.as_ref()?;
                 realpath(&sysfs_root.join("class/net").join(n).join("device"))
@@ -194,8 +193,13 @@ pub fn inventory(sysfs_root: &Path) -> Discovery {
                     ),
                     gid_index: pick_gid(&gids, attr.link_layer),
                     attr,
+                    netdev: netdev_of(
+                        sysfs_root,
+                        &dev.name,
+                        port,
+                        pick_gid(&gids, attr.link_layer),
+                    ),
                     gids,
-                    netdev: None,
                     pci_path: None,
                 });
             }
@@ -204,6 +208,59 @@ pub fn inventory(sysfs_root: &Path) -> Discovery {
             .sort_by(|a, b| (&a.device, a.port).cmp(&(&b.device, b.port)));
     }
     d
+}
+
+/// The netdev behind port `port` of verbs device `device`: the one link events (netlink)
+/// name, so a RoCE port's carrier can be followed. In order: the netdev of the chosen GID
+/// (`ports/<p>/gid_attrs/ndevs/<i>`), of the port's lowest GID that has one, the PCI
+/// function's netdev (`device/net/`: the only one, else the one whose `dev_port` is
+/// `port - 1`), and Soft-RoCE's `parent`. `None` for InfiniBand ports without IPoIB.
+pub fn netdev_of(
+    sysfs_root: &Path,
+    device: &str,
+    port: u8,
+    gid_index: Option<u32>,
+) -> Option<String> {
+    let dir = sysfs_root.join("class/infiniband").join(device);
+    let ndevs = dir.join(format!("ports/{port}/gid_attrs/ndevs"));
+    if let Some(n) = gid_index.and_then(|i| read_trim(&ndevs.join(i.to_string()))) {
+        return Some(n);
+    }
+    let mut indices: Vec<u32> = std::fs::read_dir(&ndevs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    indices.sort_unstable();
+    if let Some(n) = indices
+        .iter()
+        .find_map(|i| read_trim(&ndevs.join(i.to_string())))
+    {
+        return Some(n);
+    }
+    let net = dir.join("device/net");
+    let mut names: Vec<String> = std::fs::read_dir(&net)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    match names.len() {
+        0 => {}
+        1 => return names.pop(),
+        _ => {
+            let want = (u32::from(port).saturating_sub(1)).to_string();
+            if let Some(n) = names
+                .into_iter()
+                .find(|n| read_trim(&net.join(n).join("dev_port")).as_deref() == Some(&want))
+            {
+                return Some(n);
+            }
+        }
+    }
+    read_trim(&dir.join("parent"))
 }
 
 fn read_trim(p: &Path) -> Option<String> {
@@ -359,6 +416,69 @@ mod tests {
         assert_eq!(speed_mbps(0, 256, 2), 800_000);
         assert_eq!(speed_mbps(1, 0, 1), 2_500);
         assert_eq!(speed_mbps(3, 0, 2), 0, "not one speed bit");
+    }
+
+    /// A sysfs tree under a fresh temporary directory, from `(path, contents)` pairs.
+    fn fake_sysfs(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        for (path, text) in files {
+            let p = root.path().join(path);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+        root
+    }
+
+    #[test]
+    fn netdev_comes_from_the_chosen_gid_then_the_port_then_the_device() {
+        let ib = "class/infiniband";
+        let t = fake_sysfs(&[
+            // rxe0: GIDs 0/1 link-local, 2/3 the IPv4 address, all on eth0; empty slot 4.
+            (&format!("{ib}/rxe0/ports/1/gid_attrs/ndevs/1"), "eth0\n"),
+            (&format!("{ib}/rxe0/ports/1/gid_attrs/ndevs/3"), "eth0\n"),
+            (&format!("{ib}/rxe0/ports/1/gid_attrs/ndevs/4"), ""),
+            (&format!("{ib}/rxe0/parent"), "eth0\n"),
+            // A device whose GIDs name different netdevs (a VLAN on index 5).
+            (
+                &format!("{ib}/mlx5_0/ports/1/gid_attrs/ndevs/3"),
+                "ens1f0np0\n",
+            ),
+            (
+                &format!("{ib}/mlx5_0/ports/1/gid_attrs/ndevs/5"),
+                "ens1f0np0.100\n",
+            ),
+            // No GID netdevs: the PCI function's netdevs, by dev_port.
+            (&format!("{ib}/mlx4_0/device/net/enp3s0d1/dev_port"), "1\n"),
+            (&format!("{ib}/mlx4_0/device/net/enp3s0/dev_port"), "0\n"),
+            (&format!("{ib}/mlx5_2/device/net/ib0/dev_port"), "0\n"),
+            // Soft-RoCE with an empty GID table: only its parent.
+            (&format!("{ib}/rxe9/parent"), "veth9\n"),
+            // InfiniBand without IPoIB: nothing.
+            (
+                &format!("{ib}/mlx5_7/ports/1/gids/0"),
+                "fe80:0000:0000:0000:0000:0000:0000:0001\n",
+            ),
+        ]);
+        let root = t.path();
+        let of = |dev, port, gid| netdev_of(root, dev, port, gid);
+        assert_eq!(of("rxe0", 1, Some(3)).as_deref(), Some("eth0"));
+        assert_eq!(of("mlx5_0", 1, Some(5)).as_deref(), Some("ens1f0np0.100"));
+        assert_eq!(of("mlx5_0", 1, Some(3)).as_deref(), Some("ens1f0np0"));
+        // A chosen GID without a netdev falls back to the port's lowest one.
+        assert_eq!(of("mlx5_0", 1, Some(9)).as_deref(), Some("ens1f0np0"));
+        assert_eq!(of("mlx5_0", 1, None).as_deref(), Some("ens1f0np0"));
+        assert_eq!(
+            of("rxe0", 1, Some(4)).as_deref(),
+            Some("eth0"),
+            "empty slot"
+        );
+        assert_eq!(of("mlx4_0", 1, None).as_deref(), Some("enp3s0"));
+        assert_eq!(of("mlx4_0", 2, None).as_deref(), Some("enp3s0d1"));
+        assert_eq!(of("mlx4_0", 3, None), None, "no function for port 3");
+        assert_eq!(of("mlx5_2", 1, Some(0)).as_deref(), Some("ib0"));
+        assert_eq!(of("rxe9", 1, None).as_deref(), Some("veth9"));
+        assert_eq!(of("mlx5_7", 1, Some(0)), None);
+        assert_eq!(of("absent0", 1, Some(0)), None);
     }
 
     #[test]

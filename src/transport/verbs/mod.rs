@@ -89,6 +89,15 @@ impl Fabric for VerbsFabric {
         &self.nics
     }
 
+    /// The port whose RoCE netdev is `ifname` (the port goes down with its netdev's
+    /// carrier), else the device's own name.
+    fn nic_of_link(&self, ifname: &str) -> Option<usize> {
+        self.verbs
+            .iter()
+            .position(|n| n.netdev.as_deref() == Some(ifname))
+            .or_else(|| self.nics.iter().position(|n| n.name == ifname))
+    }
+
     fn listen(&mut self, nic: usize) -> io::Result<(VerbsListen, SocketAddr)> {
         self.nic(nic)?;
         let ip = self.nics[nic].ip;
@@ -225,6 +234,47 @@ pub fn completion_error(c: &Completion) -> io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sys::{GidEntry, PortAttr};
+
+    fn roce_nic(device: &str, netdev: &str, ip: [u8; 4]) -> VerbsNic {
+        let gids = vec![GidEntry {
+            index: 3,
+            gid: std::net::Ipv4Addr::from(ip).to_ipv6_mapped().octets(),
+            gid_type: 2,
+            ndev_ifindex: 2,
+        }];
+        VerbsNic {
+            device: device.into(),
+            port: 1,
+            guid: 1,
+            attr: PortAttr {
+                state: sys::PORT_ACTIVE,
+                link_layer: sys::LINK_LAYER_ETHERNET,
+                ..Default::default()
+            },
+            speed_mbps: 10_000,
+            gid_index: device::pick_gid(&gids, sys::LINK_LAYER_ETHERNET),
+            gids,
+            netdev: Some(netdev.into()),
+            pci_path: None,
+        }
+    }
+
+    #[test]
+    fn link_events_name_the_netdev_behind_a_verbs_nic() {
+        let f = VerbsFabric::new(vec![
+            roce_nic("rxe0", "eth0", [192, 0, 2, 1]),
+            roce_nic("rxe1", "eth1", [198, 51, 100, 1]),
+            roce_nic("rxe2", "eth2", [203, 0, 113, 1]),
+        ])
+        .unwrap();
+        assert_eq!(f.nics()[1].name, "rxe1");
+        assert_eq!(f.nic_of_link("eth1"), Some(1));
+        assert_eq!(f.nic_of_link("eth2"), Some(2));
+        assert_eq!(f.nic_of_link("rxe0"), Some(0));
+        assert_eq!(f.nic_of_link("eth3"), None);
+        assert_eq!(f.nic_of_link("lo"), None);
+    }
 
     #[test]
     fn completion_errors_map_to_the_trait_kinds() {
