@@ -6,7 +6,10 @@
 # TCP only. Every guest NIC gets an rxe device. Inside the guests:
 #   1. the raw fabric baseline: ib_write_bw and ib_write_lat (perftest) over rxe0;
 #   2. `railover verbs-check` on every rail: RC QPs set up from discovery, checksummed
-#      RDMA WRITE_WITH_IMM both ways, then a fenced peer must fail the next write.
+#      RDMA WRITE_WITH_IMM both ways, then a fenced peer must fail the next write;
+#   3. the plugin's comms over verbs lanes (fault-peer, one comm per rail);
+#   4. failover: the same, with the sender's eth0 (rxe0's netdev) down for 4 s mid-stream:
+#      every byte once and in order, the comm striped over both survivors, fail-back.
 # Everything comes from Debian packages, installed with apt-get when run as root; the
 # kernel and the guests' base image are cached under $RAILOVER_VERBS_CACHE
 # (default target/verbs-tier, ignored by git).
@@ -162,6 +165,10 @@ echo "VT: role $role up $(cut -d' ' -f1 /proc/uptime)s, rxe0 IPv4 GID index ${gi
 retry() { n=0; until "$@"; do n=$((n + 1)); [ $n -ge 40 ] && return 1; sleep 1; done; }
 PT="-d rxe0 -x ${gidx:-1} -F"
 FP="--per-dev 1 --size 256K --depth 4 --seconds 4 --grace 5 --tick-ms 1000"
+FO="--per-dev 1 --size 256K --depth 4 --seconds 24 --grace 10 --tick-ms 1000"
+# Under TCG a verbs lane's handshake takes longer than the 200 ms probe default (an
+# 8-byte write takes ~25 ms), so probes and lane handshakes get TCG-sized timeouts.
+export RAILOVER_PROBE_TIMEOUT_MS=2000 RAILOVER_COMPLETION_TIMEOUT_MS=3000
 if [ "$role" = a ]; then
     /bin/railover doctor 2>&1 | sed -n '/^Verbs NICs/,$p' | sed 's/^/VT: doctor| /'
     RAILOVER_HCA='^=rxe1' /bin/railover verbs-check list 2>&1 | sed 's/^/VT: hca| /'
@@ -178,6 +185,16 @@ if [ "$role" = a ]; then
     { grep '"event":"handle"' /tmp/fp | sed 's/"event":"handle"/"cmd":"handle"/'; echo '{"cmd":"go"}'; } >/tmp/handles
     timeout 60 nc -l -p 18700 -e cat /tmp/handles
     wait $fp; echo "VT: fp rc=$?"
+    # Failover: the same three comms for longer; guest b takes rail 0 down mid-stream.
+    RAILOVER_TRANSPORT=verbs RAILOVER_LOG=info timeout 150 /bin/railover fault-peer recv $FO >/tmp/fo 2>/tmp/fo.err &
+    fo=$!
+    n=0
+    until grep -q '"event":"listening"' /tmp/fo; do
+        n=$((n + 1)); [ $n -ge 600 ] && break; kill -0 $fo 2>/dev/null || break; sleep 0.1
+    done
+    { grep '"event":"handle"' /tmp/fo | sed 's/"event":"handle"/"cmd":"handle"/'; echo '{"cmd":"go"}'; } >/tmp/handles2
+    timeout 60 nc -l -p 18701 -e cat /tmp/handles2
+    wait $fo; echo "VT: fo rc=$?"
 else
     retry timeout 120 ib_write_bw $PT -s 1048576 -D 4 --report_gbits 192.0.2.1 > /tmp/bw 2>&1; echo "VT: bw rc=$?"
     retry timeout 120 ib_write_lat $PT -s 8 -D 4 192.0.2.1 > /tmp/lat 2>&1; echo "VT: lat rc=$?"
@@ -187,9 +204,23 @@ else
     { cat /tmp/handles; sleep 12; } | RAILOVER_TRANSPORT=verbs RAILOVER_LOG=info \
         timeout 120 /bin/railover fault-peer send $FP >/tmp/fp 2>/tmp/fp.err
     echo "VT: fp rc=$?"
+    retry sh -c 'nc 192.0.2.1 18701 </dev/null >/tmp/handles2 && grep -q go /tmp/handles2'
+    { cat /tmp/handles2; sleep 45; } | RAILOVER_TRANSPORT=verbs RAILOVER_LOG=info \
+        timeout 150 /bin/railover fault-peer send $FO >/tmp/fo 2>/tmp/fo.err &
+    fo=$!
+    n=0
+    until grep -q '"event":"connected"' /tmp/fo; do
+        n=$((n + 1)); [ $n -ge 600 ] && break; kill -0 $fo 2>/dev/null || break; sleep 0.1
+    done
+    # eth0 is rxe0's netdev: its carrier loss must reach the engine as rxe0's.
+    sleep 3; ip link set eth0 down; echo "VT: eth0 down $(cut -d' ' -f1 /proc/uptime)s"
+    sleep 4; ip link set eth0 up; echo "VT: eth0 up $(cut -d' ' -f1 /proc/uptime)s"
+    wait $fo; echo "VT: fo rc=$?"
 fi
 grep -E '"event":"(summary|error|bad|setup-failed|connected)"' /tmp/fp | sed 's/^/VT: fp| /'
 grep -v '^$' /tmp/fp.err | head -20 | sed 's/^/VT: fp.err| /'
+grep -E '"event":"(summary|error|bad|setup-failed|connected)"' /tmp/fo | sed 's/^/VT: fo| /'
+grep -E 'failover comm=|failback comm=|NIC rxe|gave up|WARN|ERROR' /tmp/fo.err | head -40 | sed 's/^/VT: fo.err| /'
 sed 's/^/VT: bw| /' /tmp/bw; sed 's/^/VT: lat| /' /tmp/lat
 echo "VT: done $(cut -d' ' -f1 /proc/uptime)s"
 poweroff -f
@@ -288,9 +319,20 @@ check "fault-peer over verbs lanes: sender finished (exit 0)" grep -q 'VT: fp rc
 check "the plugin ran on the verbs fabric" grep -q 'VT: fp.err| .*fabric verbs' "$a"
 check "verbs-check exited 0 on guest a" grep -q 'VT: check rc=0' "$a"
 check "verbs-check exited 0 on guest b" grep -q 'VT: check rc=0' "$b"
-fpbytes=$(sed -n 's/.*"role":"recv".*"bytes":\([0-9]*\).*/\1/p' "$a" | tail -1)
+# Failover scenario: rail 0's netdev down on guest b (the sender) mid-stream, then up.
+check "failover over verbs: receiver saw every byte once, in order (exit 0)" grep -q 'VT: fo rc=0' "$a"
+check "failover over verbs: sender finished without a failed request (exit 0)" grep -q 'VT: fo rc=0' "$b"
+check "failover over verbs: eth0 down reached the engine as rxe0's carrier" grep -q 'VT: fo.err| .*NIC rxe0 lost its link' "$b"
+check "failover over verbs: a comm left rxe0, striped over both survivors" grep -qE 'VT: fo.err\| .*failover comm=[0-9]+ rxe0->[^ ]* => .* spread_over=[2-9]' "$b"
+check "failover over verbs: eth0 up reached the engine as rxe0's carrier" grep -q 'VT: fo.err| .*NIC rxe0 is up again' "$b"
+check "failover over verbs: traffic failed back onto rxe0" grep -qE 'VT: fo.err\| .*failback comm=[0-9]+ .* => rxe0->' "$b" "$a"
+fpbytes=$(grep 'VT: fp| ' "$a" | sed -n 's/.*"role":"recv".*"bytes":\([0-9]*\).*/\1/p' | tail -1)
+fobytes=$(grep 'VT: fo| ' "$a" | sed -n 's/.*"role":"recv".*"bytes":\([0-9]*\).*/\1/p' | tail -1)
+fomove=$(grep -o 'failover comm=.*' "$b" | head -1)
+foback=$(grep -o 'failback comm=.*' "$b" "$a" | head -1)
 echo "verbs tier: baseline ib_write_bw ${bw:-?}; ib_write_lat ${lat:-?}"
 echo "verbs tier: plugin over verbs lanes (fault-peer, 3 comms on 3 rails, 256 KiB messages): ${fpbytes:-?} bytes verified in a 4 s send window (~$(( ${fpbytes:-0} * 8 / 4 / 1000000 )) Mb/s aggregate)"
+echo "verbs tier: failover over verbs lanes (eth0 down 4 s on the sender): ${fobytes:-?} bytes verified in a 24 s window; ${fomove:-no failover line}; ${foback:-no failback line}"
 echo "verbs tier: guests ran ${guest_s}s under $accel; whole tier $(($(date +%s) - t0))s"
 if [ $status -eq 0 ]; then
     echo "verbs tier: passed"
