@@ -61,6 +61,7 @@ pub const REACTOR_THREAD: &str = "rlvr-reactor";
 
 const WAKER: Token = Token(usize::MAX);
 const NETLINK: Token = Token(usize::MAX - 1);
+const FABRIC_CARRIER: Token = Token(usize::MAX - 2);
 const LISTENER_BIT: usize = 1 << (usize::BITS - 2);
 
 /// Handle kept by the runtime: the queue and the thread to join.
@@ -298,6 +299,16 @@ impl<F: Fabric> Reactor<F> {
 
     /// Watches the kernel's carrier changes of local NICs, when it can.
     fn watch_links(&mut self) -> io::Result<()> {
+        for fd in self.io.fabric.carrier_fds() {
+            let r = self.poll.registry().register(
+                &mut mio::unix::SourceFd(&fd),
+                FABRIC_CARRIER,
+                Interest::READABLE,
+            );
+            if let Err(e) = r {
+                tracing::warn!("railover: cannot watch the fabric's port events ({e})");
+            }
+        }
         let watcher = match LinkWatcher::open() {
             Ok(w) => w,
             Err(e) => {
@@ -391,6 +402,11 @@ impl<F: Fabric> Reactor<F> {
             match token {
                 WAKER => {}
                 NETLINK => self.link_events(now),
+                FABRIC_CARRIER => {
+                    for (i, up) in self.io.fabric.carrier_events() {
+                        self.engine.carrier(i, up, now, &mut self.io);
+                    }
+                }
                 Token(t) if t & LISTENER_BIT != 0 => self.accepting.push(t & !LISTENER_BIT),
                 Token(k) => self.engine.service_lane(k, now, &mut self.io),
             }

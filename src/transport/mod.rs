@@ -88,6 +88,18 @@ pub trait Fabric: Debug + Send + 'static {
         self.nics().iter().position(|n| n.name == ifname)
     }
 
+    /// Descriptors that turn readable when the fabric has carrier news of its own, which
+    /// netlink may not carry (verbs: each device's async events, `PORT_ERR`/`PORT_ACTIVE`).
+    /// Called once; the reactor then calls [`Fabric::carrier_events`] on readiness.
+    fn carrier_fds(&mut self) -> Vec<std::os::fd::RawFd> {
+        Vec::new()
+    }
+
+    /// Carrier changes the fabric saw itself since the last call: `(nic, up)`.
+    fn carrier_events(&mut self) -> Vec<(usize, bool)> {
+        Vec::new()
+    }
+
     /// Listens on NIC `nic`. Returns the endpoint and the address peers connect to.
     fn listen(&mut self, nic: usize) -> io::Result<(Self::Listener, SocketAddr)>;
 

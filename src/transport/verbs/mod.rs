@@ -40,6 +40,8 @@ use sys::{wc, Completion};
 pub struct VerbsFabric {
     nics: Vec<FabricNic>,
     verbs: Vec<VerbsNic>,
+    /// One open context per device, kept for its async events (port up/down).
+    watched: Vec<std::sync::Arc<sys::Context>>,
 }
 
 impl VerbsFabric {
@@ -64,6 +66,7 @@ impl VerbsFabric {
         Ok(VerbsFabric {
             nics: fabric,
             verbs: nics,
+            watched: Vec::new(),
         })
     }
 
@@ -96,6 +99,34 @@ impl Fabric for VerbsFabric {
             .iter()
             .position(|n| n.netdev.as_deref() == Some(ifname))
             .or_else(|| self.nics.iter().position(|n| n.name == ifname))
+    }
+
+    fn carrier_fds(&mut self) -> Vec<std::os::fd::RawFd> {
+        let mut devices: Vec<&str> = self.verbs.iter().map(|n| n.device.as_str()).collect();
+        devices.dedup();
+        let mut fds = Vec::new();
+        for d in devices {
+            match sys::Context::open(d).and_then(|c| Ok((c.async_fd()?, c))) {
+                Ok((fd, c)) => {
+                    fds.push(fd);
+                    self.watched.push(c);
+                }
+                Err(e) => tracing::warn!(
+                    "railover: cannot watch {d}'s async events ({e}); its ports' state comes from netlink and lane timeouts"
+                ),
+            }
+        }
+        fds
+    }
+
+    fn carrier_events(&mut self) -> Vec<(usize, bool)> {
+        let mut out = Vec::new();
+        for c in &self.watched {
+            while let Some(ev) = c.next_async_event() {
+                out.extend(carrier_of(&self.verbs, c.name(), &ev));
+            }
+        }
+        out
     }
 
     fn listen(&mut self, nic: usize) -> io::Result<(VerbsListen, SocketAddr)> {
@@ -206,6 +237,22 @@ impl Source for VerbsListen {
     }
 }
 
+/// What async event `ev` of device `device` says about the carrier of `nics`' ports:
+/// `PORT_ERR` is that port down, `PORT_ACTIVE` up, `DEVICE_FATAL` every port down.
+pub fn carrier_of(nics: &[VerbsNic], device: &str, ev: &sys::AsyncEvent) -> Vec<(usize, bool)> {
+    use sys::event::{DEVICE_FATAL, PORT_ACTIVE, PORT_ERR};
+    let (up, port) = match (ev.kind, ev.port) {
+        (PORT_ACTIVE, Some(p)) => (true, Some(p)),
+        (PORT_ERR, Some(p)) => (false, Some(p)),
+        (DEVICE_FATAL, _) => (false, None),
+        _ => return Vec::new(),
+    };
+    (nics.iter().enumerate())
+        .filter(|(_, n)| n.device == device && port.map_or(true, |p| p == n.port))
+        .map(|(i, _)| (i, up))
+        .collect()
+}
+
 /// The `io::Error` a failed completion means, in the kinds [`super::Fabric`] documents:
 /// the peer refusing our access (its QP or memory is gone) is `ConnectionReset`, "the
 /// peer went away"; retries exhausted is `TimedOut`; a flushed request (the QP was
@@ -258,6 +305,43 @@ mod tests {
             netdev: Some(netdev.into()),
             pci_path: None,
         }
+    }
+
+    #[test]
+    fn port_events_are_the_carrier_of_that_port() {
+        let mut two_port = roce_nic("mlx5_0", "ens1f0", [192, 0, 2, 1]);
+        two_port.port = 2;
+        let nics = [
+            roce_nic("mlx5_0", "ens1f0", [192, 0, 2, 1]),
+            two_port,
+            roce_nic("rxe1", "eth1", [198, 51, 100, 1]),
+        ];
+        let ev = |kind, port| sys::AsyncEvent {
+            kind,
+            port,
+            qp_num: None,
+        };
+        use sys::event::*;
+        assert_eq!(
+            carrier_of(&nics, "mlx5_0", &ev(PORT_ERR, Some(2))),
+            [(1, false)]
+        );
+        assert_eq!(
+            carrier_of(&nics, "mlx5_0", &ev(PORT_ACTIVE, Some(1))),
+            [(0, true)]
+        );
+        assert_eq!(
+            carrier_of(&nics, "rxe1", &ev(PORT_ERR, Some(1))),
+            [(2, false)]
+        );
+        assert_eq!(
+            carrier_of(&nics, "mlx5_0", &ev(DEVICE_FATAL, None)),
+            [(0, false), (1, false)]
+        );
+        assert!(carrier_of(&nics, "rxe1", &ev(PORT_ERR, Some(2))).is_empty());
+        assert!(carrier_of(&nics, "rxe7", &ev(PORT_ERR, Some(1))).is_empty());
+        assert!(carrier_of(&nics, "rxe1", &ev(PORT_ERR, None)).is_empty());
+        assert!(carrier_of(&nics, "rxe1", &ev(QP_FATAL, None)).is_empty());
     }
 
     #[test]
