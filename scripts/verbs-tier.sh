@@ -329,7 +329,7 @@ check "failover over verbs: traffic failed back onto rxe0" grep -qE 'VT: fo.err\
 fpbytes=$(grep 'VT: fp| ' "$a" | sed -n 's/.*"role":"recv".*"bytes":\([0-9]*\).*/\1/p' | tail -1)
 fobytes=$(grep 'VT: fo| ' "$a" | sed -n 's/.*"role":"recv".*"bytes":\([0-9]*\).*/\1/p' | tail -1)
 fomove=$(grep -o 'failover comm=.*' "$b" | head -1)
-foback=$(grep -o 'failback comm=.*' "$b" "$a" | head -1)
+foback=$(grep -ho 'failback comm=.*' "$b" "$a" | head -1)
 echo "verbs tier: baseline ib_write_bw ${bw:-?}; ib_write_lat ${lat:-?}"
 echo "verbs tier: plugin over verbs lanes (fault-peer, 3 comms on 3 rails, 256 KiB messages): ${fpbytes:-?} bytes verified in a 4 s send window (~$(( ${fpbytes:-0} * 8 / 4 / 1000000 )) Mb/s aggregate)"
 echo "verbs tier: failover over verbs lanes (eth0 down 4 s on the sender): ${fobytes:-?} bytes verified in a 24 s window; ${fomove:-no failover line}; ${foback:-no failback line}"
