@@ -188,7 +188,8 @@ impl Runtime {
 
 /// Applies `RAILOVER_TRANSPORT`: the verbs NICs to run on, or `None` for TCP. No
 /// libibverbs or no kernel RDMA support is zero devices, silently. `auto` stays on TCP
-/// for now (the verbs lanes do not fail over yet) and says at INFO what it found.
+/// for now (verbs lanes copy through a ring and are tested on Soft-RoCE only) and says at
+/// INFO what it found.
 fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
     let why_none = |found: &verbs::Discovery| {
         found
@@ -213,7 +214,7 @@ fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
                 );
             } else {
                 tracing::info!(
-                    "railover: fabric TCP (RAILOVER_TRANSPORT=auto: verbs NICs {} found; verbs lanes do not fail over yet, RAILOVER_TRANSPORT=verbs uses them)",
+                    "railover: fabric TCP (RAILOVER_TRANSPORT=auto: verbs NICs {} found; verbs lanes are not the default yet, RAILOVER_TRANSPORT=verbs uses them)",
                     found.nics.iter().map(|n| n.label()).collect::<Vec<_>>().join(", ")
                 );
             }
