@@ -12,8 +12,8 @@ use crate::conn::health;
 use crate::conn::lane::{sample_interval, Cause};
 use crate::conn::path::{Loss, Moved, Placed, Replaced};
 use crate::conn::wire::Purpose;
-use crate::routing::FailReason;
 use crate::routing::{CommId, CommSpec, Event, NicId, PeerId};
+use crate::routing::{FailReason, MoveReason};
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
 use crate::telemetry::sampler::{NicNow, Totals};
 use crate::transport::fair::LaneSample;
@@ -591,6 +591,9 @@ impl Engine {
         let Some(comm) = self.comms.get_mut(c) else {
             return;
         };
+        let left = (comm.path.lanes())
+            .find(|(_, l)| l.stripes.contains(&mv.lane))
+            .map(|(k, _)| k);
         let (placed, abandoned) = comm.path.handle_move(mv.lane, mv.to, mv.reason, now);
         if let Some(old) = abandoned {
             if self.lanes.contains(old) {
@@ -598,8 +601,21 @@ impl Engine {
             }
             self.drop_lane(old, io);
         }
-        // The stripe left a lane, which may now have nothing to carry.
+        // The stripe left a lane, which may now have nothing to carry: on a healthy pair
+        // (a fail-back) it drains and retires; on a failed pair what it holds may never
+        // arrive (a brown-out, a one-way failure under another comm), so it is let go
+        // now and what it held goes out again on the comm's other lanes.
         self.draining.push(c);
+        if let (MoveReason::Failover(reason), Some(k)) = (mv.reason, left) {
+            let idle = self.comms[c]
+                .path
+                .carrier(k)
+                .is_some_and(|l| l.stripes.is_empty());
+            if idle && self.lanes.contains(k) {
+                let e = ConnError::Io(format!("its pair {} failed", mv.from));
+                self.fail_lane(k, Cause::new(e, reason), now, io);
+            }
+        }
         let epoch = match placed {
             Placed::Waiting(_) => return,
             Placed::Joined(_) => {
