@@ -34,7 +34,10 @@ impl Engine {
         now: Instant,
         io: &mut dyn Io,
     ) {
-        self.add_lane(k, Role::Handshake { listener: id }, now, PREAUTH_DEADLINE);
+        // A fabric slow enough to need a longer completion timeout (Soft-RoCE under
+        // emulation: 25 ms per RDMA write) needs as much longer for a handshake.
+        let deadline = PREAUTH_DEADLINE.max(self.setup.completion_timeout * 2);
+        self.add_lane(k, Role::Handshake { listener: id }, now, deadline);
         let (ticket, evict) = self.gate.admit(k, listener);
         let lane = &mut self.lanes[k];
         lane.nic = nic;

@@ -1107,11 +1107,18 @@ mod tests {
                 .parse()
                 .unwrap()
         };
-        let before = t.render();
-        for pairs in [1, 3, 7, 0] {
-            t.record_comm_spread(pairs);
-        }
-        let after = t.render();
+        // The simulation's reactors, in this binary too, record spreads of their own: take
+        // a round that no other test's recording interleaved with (+Inf grew by exactly 3).
+        let (before, after) = (0..50)
+            .map(|_| {
+                let before = t.render();
+                for pairs in [1, 3, 7, 0] {
+                    t.record_comm_spread(pairs);
+                }
+                (before, t.render())
+            })
+            .find(|(b, a)| bucket(a, "+Inf") - bucket(b, "+Inf") == 3.0)
+            .expect("a round without another test's spreads");
         assert!(
             after.contains("# TYPE railover_comm_spread histogram"),
             "{after}"
