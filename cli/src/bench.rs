@@ -54,6 +54,19 @@ pub enum Output {
     Markdown,
 }
 
+impl Output {
+    /// The output `--json` / `--markdown` ask for (they override each other).
+    pub fn from_flags(json: bool, markdown: bool) -> Output {
+        if json {
+            Output::Json
+        } else if markdown {
+            Output::Markdown
+        } else {
+            Output::Text
+        }
+    }
+}
+
 impl Default for Opts {
     fn default() -> Opts {
         Opts {
@@ -218,13 +231,7 @@ pub fn parse(a: Args) -> Result<Opts, String> {
         rate_mbit: a.rate.map_or(d.rate_mbit, |r| r as u64),
         idle: a.idle_seconds.unwrap_or(idle),
         quick: a.quick,
-        output: if a.json {
-            Output::Json
-        } else if a.markdown {
-            Output::Markdown
-        } else {
-            Output::Text
-        },
+        output: Output::from_flags(a.json, a.markdown),
         inside: a.in_testbed,
     };
     if o.min_bytes > o.max_bytes {

@@ -64,13 +64,7 @@ impl From<&crate::bench::Args> for Opts {
             steady: a.steady,
             down: a.down,
             after: a.after,
-            output: if a.json {
-                Output::Json
-            } else if a.markdown {
-                Output::Markdown
-            } else {
-                Output::Text
-            },
+            output: Output::from_flags(a.json, a.markdown),
             plot: a.plot.clone(),
         }
     }
