@@ -221,10 +221,7 @@ impl Engine {
             (Step::Comm, &Role::Comm(c)) => {
                 if self.comm_inbound(c, k, item)? {
                     // Retired by the sender: its share moved to the comm's other lanes.
-                    let lane = &mut self.lanes[k];
-                    lane.role = Role::Closing;
-                    lane.m.linger(now);
-                    self.arm(now + LINGER);
+                    self.linger(k, now);
                     self.comms[c].machine.handle_lane_down(k);
                 }
                 self.pump(c);

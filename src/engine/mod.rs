@@ -527,13 +527,13 @@ impl Engine {
         let mut draining = std::mem::take(&mut self.draining);
         draining.sort_unstable();
         draining.dedup();
-        let mut retired = false;
+        let mut retire = Vec::new();
         for c in draining {
             let Some(comm) = self.comms.get_mut(c) else {
                 continue;
             };
             for k in comm.path.idle() {
-                let Some(lane) = self.lanes.get_mut(k) else {
+                let Some(lane) = self.lanes.get(k) else {
                     comm.path.handle_retired(k);
                     continue;
                 };
@@ -542,15 +542,24 @@ impl Engine {
                     continue;
                 }
                 comm.path.handle_retired(k);
-                lane.writer
-                    .push_ctrl(&Header::new(Kind::Retire, 0, 0).encode());
-                lane.role = Role::Closing;
-                lane.m.linger(now);
-                self.dirty.push(k);
-                retired = true;
+                retire.push(k);
             }
         }
-        if retired {
+        for k in retire {
+            self.lanes[k]
+                .writer
+                .push_ctrl(&Header::new(Kind::Retire, 0, 0).encode());
+            self.linger(k, now);
+        }
+    }
+
+    /// Lane `k` carries nothing more: it closes once its last bytes are out, or at the
+    /// linger deadline.
+    fn linger(&mut self, k: usize, now: Instant) {
+        if let Some(lane) = self.lanes.get_mut(k) {
+            lane.role = Role::Closing;
+            lane.m.linger(now);
+            self.dirty.push(k);
             self.arm(now + LINGER);
         }
     }
@@ -592,10 +601,7 @@ impl Engine {
                 self.drop_lane(k, io);
             } else {
                 // Let the last acks and CTS reach the peer, but do not wait for it.
-                lane.role = Role::Closing;
-                lane.m.linger(now);
-                self.arm(now + LINGER);
-                self.dirty.push(k);
+                self.linger(k, now);
             }
         }
     }
