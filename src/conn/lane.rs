@@ -428,6 +428,20 @@ impl LaneMachine {
         self.timeout / 4
     }
 
+    /// What an expired deadline was waiting for, for the log: a handshake dropped by
+    /// its deadline says how far it got.
+    fn overdue(&self) -> &'static str {
+        match (&self.phase, &self.auth) {
+            (Phase::Listening, Some(Auth::Listener(_))) => "no Proof after our Challenge",
+            (Phase::Listening, _) => "no Hello",
+            (Phase::Connecting(Purpose::Probe), _) => "the probe was not answered",
+            (Phase::Connecting(_), _) => "no Welcome from the listener",
+            (Phase::ProbeSink, _) => "the probe's payload did not cross",
+            (Phase::Closing, _) => "the close did not finish",
+            (Phase::Carrying, _) => "the lane's deadline passed",
+        }
+    }
+
     /// When [`LaneMachine::handle_timeout`] next has something to do.
     pub fn poll_timeout(&self) -> Option<Instant> {
         if self.failed.is_some() {
@@ -447,7 +461,7 @@ impl LaneMachine {
         }
         if self.deadline.is_some_and(|d| d <= now) {
             self.deadline = None;
-            let e = ConnError::Io("handshake, probe or close timed out".into());
+            let e = ConnError::Io(format!("timed out: {}", self.overdue()));
             self.fail(Cause::new(e, FailReason::Timeout));
             return;
         }
@@ -623,10 +637,10 @@ mod tests {
             "no silence verdict before it carries"
         );
         m.handle_timeout(t0 + 2000 * MS);
-        assert_eq!(
-            m.poll_failure().map(|c| c.reason),
-            Some(FailReason::Timeout)
-        );
+        let c = m.poll_failure().expect("the handshake is overdue");
+        assert_eq!(c.reason, FailReason::Timeout);
+        // The log says how far the handshake got.
+        assert!(c.error.to_string().contains("no Hello"), "{}", c.error);
 
         let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
         m.handle_rx(t0 + 1500 * MS);
