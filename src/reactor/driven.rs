@@ -26,19 +26,50 @@ impl<F: Fabric> Driven<F> {
         &self.0.queue
     }
 
-    /// One turn at `now`: commands, every lane and listener, every timer that is due.
-    pub(crate) fn step(&mut self, now: Instant) {
+    /// What a poll would report: the lanes `ready` says have an event (every one, for a
+    /// level-triggered view; those with news, for an edge-triggered one) and every
+    /// listener. Taken before the turn, as a reactor's poll returns before it acts.
+    pub(crate) fn poll(&self, mut ready: impl FnMut(&F::Lane) -> bool) -> Vec<Token> {
+        let r = &self.0;
+        (r.io.lanes.iter().enumerate())
+            .filter(|(_, s)| s.as_ref().is_some_and(&mut ready))
+            .map(|(k, _)| Token(k))
+            .chain(r.listeners.iter().map(|(k, _)| Token(k | LISTENER_BIT)))
+            .collect()
+    }
+
+    /// Whether `f` holds for any lane.
+    pub(crate) fn any_lane(&self, f: impl FnMut(&F::Lane) -> bool) -> bool {
+        self.0.io.lanes.iter().flatten().any(f)
+    }
+
+    /// One turn at `now`: commands, the lanes and listeners of `ready` (from
+    /// [`Driven::poll`]), every timer that is due.
+    pub(crate) fn step(&mut self, now: Instant, ready: &[Token]) {
         let r = &mut self.0;
         r.before_poll(now);
         if r.shutdown {
             return;
         }
-        let ready: Vec<Token> = (r.io.lanes.iter().enumerate())
-            .filter(|(_, s)| s.is_some())
-            .map(|(k, _)| Token(k))
-            .chain(r.listeners.iter().map(|(k, _)| Token(k | LISTENER_BIT)))
-            .collect();
-        r.after_poll(&ready, now);
+        r.after_poll(ready, now);
+    }
+
+    /// Lanes holding bytes that no event will announce and that the reactor has not
+    /// put down to read next turn: each would sit until its peer happens to send more.
+    pub(crate) fn unannounced(&self) -> Vec<usize> {
+        let io = &self.0.io;
+        (io.lanes.iter().enumerate())
+            .filter(|(k, s)| {
+                s.as_ref().is_some_and(|l| io.fabric.unread(l)) && !io.unread.contains(k)
+            })
+            .map(|(k, _)| k)
+            .collect()
+    }
+
+    /// The reactor has lanes to read before it may wait (as its own loop polls with a
+    /// zero timeout then).
+    pub(crate) fn has_unread(&self) -> bool {
+        !self.0.io.unread.is_empty()
     }
 
     /// The earliest time a timer is due; the simulation's clock may jump there.

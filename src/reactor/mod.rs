@@ -138,6 +138,8 @@ struct Sockets<F: Fabric> {
     /// Sockets of lanes on a NIC cut by fault injection: kept open and never served, as
     /// a dead cable would leave them, until the NIC is restored.
     graveyard: Vec<F::Lane>,
+    /// Lanes holding bytes no event will announce ([`Fabric::unread`]): read next turn.
+    unread: Vec<usize>,
 }
 
 impl<F: Fabric> Sockets<F> {
@@ -172,14 +174,26 @@ impl<F: Fabric> engine::Io for Sockets<F> {
 
     fn read(&mut self, k: usize, reader: &mut FrameReader) -> Result<Option<Inbound>, ReadError> {
         match self.lanes.get_mut(k).and_then(Option::as_mut) {
-            Some(sock) => self.fabric.read(sock, reader),
+            Some(sock) => {
+                let got = self.fabric.read(sock, reader);
+                if matches!(got, Ok(None)) && self.fabric.unread(sock) {
+                    self.unread.push(k);
+                }
+                got
+            }
             None => Err(ReadError::Io(Self::missing())),
         }
     }
 
     fn write(&mut self, k: usize, writer: &mut FrameWriter) -> io::Result<()> {
         match self.lanes.get_mut(k).and_then(Option::as_mut) {
-            Some(sock) => self.fabric.write(sock, writer),
+            Some(sock) => {
+                let res = self.fabric.write(sock, writer);
+                if self.fabric.unread(sock) {
+                    self.unread.push(k);
+                }
+                res
+            }
             None => Err(Self::missing()),
         }
     }
@@ -283,6 +297,7 @@ impl<F: Fabric> Reactor<F> {
             fabric,
             lanes: Vec::new(),
             graveyard: Vec::new(),
+            unread: Vec::new(),
         };
         Ok(Reactor {
             poll,
@@ -337,7 +352,8 @@ impl<F: Fabric> Reactor<F> {
             if self.shutdown {
                 break;
             }
-            let again = self.engine.has_again() || !self.accepting.is_empty();
+            let again =
+                self.engine.has_again() || !self.accepting.is_empty() || !self.io.unread.is_empty();
             let busy = again || self.requests_in_flight();
             let mut timeout = self.budget.timeout(now, busy, self.next_wakeup());
             if again {
@@ -391,6 +407,12 @@ impl<F: Fabric> Reactor<F> {
             return;
         }
         for k in self.engine.take_again() {
+            self.engine.service_lane(k, now, &mut self.io);
+        }
+        let mut unread = std::mem::take(&mut self.io.unread);
+        unread.sort_unstable();
+        unread.dedup();
+        for k in unread {
             self.engine.service_lane(k, now, &mut self.io);
         }
         self.engine.drive(now, &mut self.io);

@@ -20,10 +20,14 @@ pub(crate) struct SimFabric {
     net: SharedNet,
     node: usize,
     nics: Vec<FabricNic>,
+    /// Lanes behave as verbs lanes do: every `read` and `write` first reaps what
+    /// arrived into the lane's own buffer (a verbs lane's ring), consuming the event
+    /// that announced it, so only [`Fabric::unread`] tells the reactor it is there.
+    reaping: bool,
 }
 
 impl SimFabric {
-    pub(crate) fn new(net: SharedNet, node: usize, nics: usize) -> SimFabric {
+    pub(crate) fn new(net: SharedNet, node: usize, nics: usize, reaping: bool) -> SimFabric {
         SimFabric {
             net,
             node,
@@ -33,6 +37,17 @@ impl SimFabric {
                     ip: ip_of(node, i),
                 })
                 .collect(),
+            reaping,
+        }
+    }
+
+    fn lane(&self, conn: usize, end: usize) -> SimLane {
+        SimLane {
+            net: self.net.clone(),
+            conn,
+            end,
+            fenced: false,
+            reaped: Reaped::default(),
         }
     }
 }
@@ -44,6 +59,65 @@ pub(crate) struct SimLane {
     conn: usize,
     end: usize,
     fenced: bool,
+    reaped: Reaped,
+}
+
+impl SimLane {
+    /// Whether something happened on this end since the last call (an edge-triggered
+    /// poll's event for it).
+    pub(crate) fn take_news(&self) -> bool {
+        self.net.lock().take_news(self.conn, self.end)
+    }
+
+    /// Whether a poll would report this end now.
+    pub(crate) fn has_news(&self) -> bool {
+        self.net.lock().has_news(self.conn, self.end)
+    }
+}
+
+/// What a reaping lane took from the network and has not handed to a reader yet.
+#[derive(Debug, Default)]
+struct Reaped {
+    bytes: std::collections::VecDeque<u8>,
+    eof: bool,
+    err: Option<io::ErrorKind>,
+}
+
+impl Reaped {
+    /// Everything the network holds for the lane, and its event with it.
+    fn reap(&mut self, net: &mut Net, conn: usize, end: usize) {
+        let mut buf = [0u8; 16 << 10];
+        while !self.eof && self.err.is_none() {
+            match net.read(conn, end, &mut buf) {
+                Ok(0) => self.eof = true,
+                Ok(n) => self.bytes.extend(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => self.err = Some(e.kind()),
+            }
+        }
+        net.take_news(conn, end);
+    }
+
+    fn pending(&self) -> bool {
+        !self.bytes.is_empty() || self.eof || self.err.is_some()
+    }
+}
+
+impl io::Read for Reaped {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if !self.bytes.is_empty() {
+            let n = buf.len().min(self.bytes.len());
+            for (o, b) in buf.iter_mut().zip(self.bytes.drain(..n)) {
+                *o = b;
+            }
+            return Ok(n);
+        }
+        match (self.err, self.eof) {
+            (Some(kind), _) => Err(kind.into()),
+            (None, true) => Ok(0),
+            (None, false) => Err(io::ErrorKind::WouldBlock.into()),
+        }
+    }
 }
 
 impl Drop for SimLane {
@@ -64,7 +138,7 @@ impl Drop for SimListener {
     }
 }
 
-// Readiness is a hint and `Driven::step` services every lane: nothing to register.
+// `Driven::step` decides which lanes are ready: nothing to register.
 macro_rules! no_registration {
     ($t:ty) => {
         impl Source for $t {
@@ -132,27 +206,12 @@ impl Fabric for SimFabric {
 
     fn accept(&mut self, l: &mut SimListener) -> io::Result<Option<(SimLane, Option<usize>)>> {
         let got = self.net.lock().accept(l.addr);
-        Ok(got.map(|(conn, nic)| {
-            (
-                SimLane {
-                    net: self.net.clone(),
-                    conn,
-                    end: 1,
-                    fenced: false,
-                },
-                Some(nic),
-            )
-        }))
+        Ok(got.map(|(conn, nic)| (self.lane(conn, 1), Some(nic))))
     }
 
     fn connect(&mut self, nic: usize, to: SocketAddr) -> io::Result<SimLane> {
         let conn = self.net.lock().connect(self.node, nic, to)?;
-        Ok(SimLane {
-            net: self.net.clone(),
-            conn,
-            end: 0,
-            fenced: false,
-        })
+        Ok(self.lane(conn, 0))
     }
 
     fn read(
@@ -161,6 +220,10 @@ impl Fabric for SimFabric {
         reader: &mut FrameReader,
     ) -> Result<Option<Inbound>, ReadError> {
         let mut net = self.net.lock();
+        if self.reaping {
+            lane.reaped.reap(&mut net, lane.conn, lane.end);
+            return reader.next(&mut lane.reaped);
+        }
         reader.next(&mut Io {
             net: &mut net,
             conn: lane.conn,
@@ -170,11 +233,18 @@ impl Fabric for SimFabric {
 
     fn write(&mut self, lane: &mut SimLane, writer: &mut FrameWriter) -> io::Result<()> {
         let mut net = self.net.lock();
+        if self.reaping {
+            lane.reaped.reap(&mut net, lane.conn, lane.end);
+        }
         writer.flush(&mut Io {
             net: &mut net,
             conn: lane.conn,
             end: lane.end,
         })
+    }
+
+    fn unread(&self, lane: &SimLane) -> bool {
+        self.reaping && lane.reaped.pending()
     }
 
     fn progress(&self, lane: &SimLane) -> LaneProgress {

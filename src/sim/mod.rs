@@ -29,7 +29,8 @@ use crate::telemetry::metrics::Telemetry;
 use crate::topology::{PathType, RailRule};
 use crate::transport::memory::SimMem;
 use check::{COMPLETION_TIMEOUT, HANG_BOUND};
-use fabric::{SharedNet, SimFabric};
+use fabric::{SharedNet, SimFabric, SimLane};
+use mio::Token;
 use net::{Net, Time, Wire};
 use schedule::{Action, Scenario};
 
@@ -135,6 +136,10 @@ struct Sim {
     mems: Vec<Arc<SimMem>>,
     /// A spinning timer was reported.
     spun: bool,
+    /// The reactors' polls that returned at the end of the last turn.
+    polled: Option<Vec<Vec<Token>>>,
+    /// Stranded bytes were reported (once a run).
+    stranded: bool,
 }
 
 /// Where a run ended.
@@ -166,21 +171,53 @@ impl Sim {
         self.nodes[node].is_some()
     }
 
-    /// One turn of everything at `self.now`.
+    /// Every reactor's poll, as it returns now.
+    fn poll(&self) -> Vec<Vec<Token>> {
+        let edge = self.s.reaping;
+        (self.nodes.iter())
+            .map(|d| {
+                d.as_ref()
+                    .map_or(Vec::new(), |d| d.poll(|l| !edge || l.take_news()))
+            })
+            .collect()
+    }
+
+    /// One turn of everything at `self.now`. The reactors act on the polls that returned
+    /// at the end of the last turn: what the wire delivered since lands while they act,
+    /// as bytes do between a real poll and the work it triggers, and is reported by the
+    /// next poll unless a lane's own call took it in first.
     fn turn(&mut self) {
         let now = self.now;
+        let polled = match self.polled.take() {
+            Some(p) => p,
+            None => self.poll(),
+        };
         self.net.lock().advance(now);
         let at = self.base + now;
-        for d in self.nodes.iter_mut().flatten() {
-            d.step(at);
+        for (n, ready) in polled.iter().enumerate() {
+            let Some(d) = self.nodes[n].as_mut() else {
+                continue;
+            };
+            d.step(at, ready);
+            let lost = d.unannounced();
+            if !lost.is_empty() && !std::mem::replace(&mut self.stranded, true) {
+                self.violate(format!(
+                    "node {n}: lanes {lost:?} hold bytes that no event will announce and that are not put down to be read"
+                ));
+            }
         }
         self.net.lock().advance(now);
+        self.polled = Some(self.poll());
     }
 
     /// The next time anything is due, after a turn at `self.now`.
     fn next_time(&self, extra: Option<Time>) -> Time {
         let mut t = self.net.lock().next_event();
         for d in self.nodes.iter().flatten() {
+            // A lane to read now: one put down to be read, or news a poll would report.
+            if d.has_unread() || (self.s.reaping && d.any_lane(SimLane::has_news)) {
+                return self.now;
+            }
             let w = d
                 .next_wakeup()
                 .map(|w| w.saturating_duration_since(self.base));
@@ -670,9 +707,12 @@ pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
     net.lock().trace = trace;
     let nodes: Vec<Option<Driven<SimFabric>>> = (0..2)
         .map(|n| {
-            Driven::new(setup(&s, n), SimFabric::new(net.clone(), n, s.nics))
-                .map(Some)
-                .expect("a simulated reactor starts")
+            Driven::new(
+                setup(&s, n),
+                SimFabric::new(net.clone(), n, s.nics, s.reaping),
+            )
+            .map(Some)
+            .expect("a simulated reactor starts")
         })
         .collect();
     let mut sim = Sim {
@@ -690,6 +730,8 @@ pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
         violations: Vec::new(),
         mems: Vec::new(),
         spun: false,
+        polled: None,
+        stranded: false,
     };
     sim.run();
     // The reactors go first: they hold views of the lent memory.

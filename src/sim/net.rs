@@ -72,6 +72,9 @@ struct End {
     err: Option<io::ErrorKind>,
     sent: u64,
     acked: u64,
+    /// Something the owner may act on happened since it last asked (an edge-triggered
+    /// poll's event): bytes, the end of the stream, an error, room to write.
+    news: bool,
 }
 
 /// Bytes from end `d` to end `1 - d`.
@@ -397,6 +400,16 @@ impl Net {
         Ok(n)
     }
 
+    /// Whether anything happened at end `e` of `c` since the last call: what an
+    /// edge-triggered poll reports, once.
+    pub(crate) fn take_news(&mut self, c: usize, e: usize) -> bool {
+        std::mem::take(&mut self.conns[c].ends[e].news)
+    }
+
+    pub(crate) fn has_news(&self, c: usize, e: usize) -> bool {
+        self.conns[c].ends[e].news
+    }
+
     /// Bytes end `e` handed over, and of those the peer acknowledged.
     pub(crate) fn progress(&self, c: usize, e: usize) -> (u64, u64) {
         let end = &self.conns[c].ends[e];
@@ -495,6 +508,7 @@ impl Net {
                         if !k.ends[1].open && !k.ends[1].established {
                             k.ends[1].open = true;
                             k.ends[1].established = true;
+                            k.ends[1].news = true;
                             l.backlog.push_back(c);
                         }
                         k.setup = Setup::SynAck(now + lat * 2);
@@ -503,6 +517,7 @@ impl Net {
                         let k = &mut self.conns[c];
                         if ups[1] {
                             k.ends[0].err = Some(io::ErrorKind::ConnectionRefused);
+                            k.ends[0].news = true;
                             k.setup = Setup::Done;
                         } else {
                             k.setup = Setup::SynSent(now + self.wire.syn_retry);
@@ -514,6 +529,7 @@ impl Net {
                 let k = &mut self.conns[c];
                 if ups[1] && ups[0] {
                     k.ends[0].established = true;
+                    k.ends[0].news = true;
                     k.setup = Setup::Done;
                     k.dirs[0].kick = now;
                     self.note(|| format!("conn {c}: established"));
@@ -551,7 +567,10 @@ impl Net {
                     return;
                 };
                 let [a, b] = &mut k.ends;
-                let (_, to) = if d == 0 { (a, b) } else { (b, a) };
+                let (from, to) = if d == 0 { (a, b) } else { (b, a) };
+                // The sender's buffer has room again; the receiver has bytes or a FIN.
+                from.news = true;
+                to.news = true;
                 let dir = &mut k.dirs[d];
                 if !to.open {
                     // Nobody holds the other end: its kernel answers with a reset.
@@ -577,6 +596,7 @@ impl Net {
                 let k = &mut self.conns[c];
                 if let Some((_, total)) = k.dirs[d].acks.pop_front() {
                     k.ends[d].acked = k.ends[d].acked.max(total);
+                    k.ends[d].news = true;
                 }
             }
             Ev::Rst(d) => {
@@ -589,6 +609,7 @@ impl Net {
                 if to.err.is_none() {
                     to.err = Some(io::ErrorKind::ConnectionReset);
                 }
+                to.news = true;
                 let dir = &mut k.dirs[1 - d];
                 dir.buf.clear();
                 dir.inflight = 0;

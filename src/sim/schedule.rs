@@ -61,6 +61,10 @@ pub(crate) struct Scenario {
     pub comms: Vec<CommPlan>,
     /// Sorted by time.
     pub faults: Vec<Fault>,
+    /// The fabric behaves as verbs lanes do: readiness is an edge (only news wakes a
+    /// lane), and a lane's `write` reaps what arrived, consuming its event. Odd seeds;
+    /// chosen without drawing from the generator, so schedules stay as they were.
+    pub reaping: bool,
 }
 
 const KINDS: &[&str] = &[
@@ -144,6 +148,7 @@ impl Scenario {
             rail_any,
             comms,
             faults: Vec::new(),
+            reaping: seed % 2 == 1,
         };
         s.faults = faults(&mut g, &s);
         s.faults.sort_by_key(|f| f.at);
@@ -422,11 +427,16 @@ impl fmt::Display for Scenario {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "seed {} ({}): 2 nodes x {} NICs, rail rule {}",
+            "seed {} ({}): 2 nodes x {} NICs, rail rule {}, {} fabric",
             self.seed,
             self.kind,
             self.nics,
-            if self.rail_any { "any" } else { "same" }
+            if self.rail_any { "any" } else { "same" },
+            if self.reaping {
+                "verbs-like (edge readiness, reaping writes)"
+            } else {
+                "socket-like"
+            }
         )?;
         for (i, c) in self.comms.iter().enumerate() {
             writeln!(

@@ -131,6 +131,16 @@ pub trait Fabric: Debug + Send + 'static {
     /// `writer`, in order. Never raises a signal for a peer that went away.
     fn write(&mut self, lane: &mut Self::Lane, writer: &mut FrameWriter) -> io::Result<()>;
 
+    /// Whether `lane` holds inbound bytes (or its end) that no readiness event will
+    /// announce: a fabric that reaps completions inside `write`, or in the last step of a
+    /// `read`, can take in bytes whose event it has already consumed. The reactor asks
+    /// after every `write` and every `read` that returned `Ok(None)`, and reads such a
+    /// lane on its next turn without waiting. A socket fabric leaves bytes in the kernel,
+    /// which signals them: the default says no.
+    fn unread(&self, _lane: &Self::Lane) -> bool {
+        false
+    }
+
     /// The lane's delivery progress; cheap enough to call every tick for every lane.
     fn progress(&self, lane: &Self::Lane) -> LaneProgress;
 

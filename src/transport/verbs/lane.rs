@@ -338,6 +338,13 @@ impl VerbsLane {
         })
     }
 
+    /// Bytes in the ring, or the peer's close, not yet read. A completion reaped by a
+    /// `write` (or after a `read`'s last look) puts bytes here whose completion-channel
+    /// event is already consumed: nothing else would announce them.
+    pub fn has_unread(&self) -> bool {
+        self.is_ready() && (self.ring.readable().1 > 0 || self.peer_closed)
+    }
+
     pub fn is_ready(&self) -> bool {
         matches!(self.phase, Phase::Ready)
     }

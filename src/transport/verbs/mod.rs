@@ -208,6 +208,10 @@ impl Fabric for VerbsFabric {
         writer.flush(lane)
     }
 
+    fn unread(&self, lane: &VerbsLane) -> bool {
+        lane.has_unread()
+    }
+
     fn progress(&self, lane: &VerbsLane) -> LaneProgress {
         let (sent, acked) = lane.progress();
         LaneProgress { sent, acked }
