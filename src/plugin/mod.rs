@@ -186,70 +186,63 @@ impl Runtime {
     }
 }
 
-/// Applies `RAILOVER_TRANSPORT`: the verbs NICs to run on, or `None` for TCP. No
-/// libibverbs or no kernel RDMA support is zero devices, silently. `auto` stays on TCP
-/// for now (verbs lanes copy through a ring and are tested on Soft-RoCE only) and says at
-/// INFO what it found.
+/// Applies `RAILOVER_TRANSPORT`: the verbs NICs to run on, or `None` for TCP, and says
+/// at INFO which and why. No libibverbs or no kernel RDMA support is zero devices,
+/// silently.
 fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
-    let why_none = |found: &verbs::Discovery| {
-        found
+    if config.transport == TransportChoice::Tcp {
+        tracing::info!("railover: fabric TCP (RAILOVER_TRANSPORT=tcp)");
+        return Ok(None);
+    }
+    let found = verbs::discover(&config.hca, &config.sysfs_root);
+    let (nics, line) = decide_fabric(config.transport, found)?;
+    tracing::info!("railover: {line}");
+    Ok(nics)
+}
+
+/// What `choice` makes of what discovery `found`: the verbs NICs to run on (`None`:
+/// TCP) and the line that says so. `auto` takes verbs whenever a usable NIC exists.
+fn decide_fabric(
+    choice: TransportChoice,
+    mut found: verbs::Discovery,
+) -> Result<(Option<Vec<VerbsNic>>, String), Error> {
+    // Lanes bootstrap over TCP between the NICs' addresses.
+    let (usable, no_ip): (Vec<VerbsNic>, Vec<VerbsNic>) =
+        found.nics.drain(..).partition(|n| n.ip().is_some());
+    found.skipped.extend(no_ip.iter().map(|n| {
+        format!(
+            "{}: no IP address to bootstrap lanes from (InfiniBand without IPoIB is not supported yet)",
+            n.label()
+        )
+    }));
+    let var = match choice {
+        TransportChoice::Auto => "RAILOVER_TRANSPORT=auto",
+        TransportChoice::Verbs => "RAILOVER_TRANSPORT=verbs",
+        TransportChoice::Tcp => return Ok((None, "fabric TCP (RAILOVER_TRANSPORT=tcp)".into())),
+    };
+    if usable.is_empty() {
+        let why = found
             .absent
             .clone()
             .unwrap_or_else(|| match found.skipped.is_empty() {
                 true => "libibverbs lists no device".into(),
                 false => found.skipped.join("; "),
-            })
-    };
-    match config.transport {
-        TransportChoice::Tcp => {
-            tracing::info!("railover: fabric TCP (RAILOVER_TRANSPORT=tcp)");
-            Ok(None)
-        }
-        TransportChoice::Auto => {
-            let found = verbs::discover(&config.hca, &config.sysfs_root);
-            if found.nics.is_empty() {
-                tracing::info!(
-                    "railover: fabric TCP (RAILOVER_TRANSPORT=auto: no usable verbs NIC: {})",
-                    why_none(&found)
-                );
-            } else {
-                tracing::info!(
-                    "railover: fabric TCP (RAILOVER_TRANSPORT=auto: verbs NICs {} found; verbs lanes are not the default yet, RAILOVER_TRANSPORT=verbs uses them)",
-                    found.nics.iter().map(|n| n.label()).collect::<Vec<_>>().join(", ")
-                );
-            }
-            Ok(None)
-        }
-        TransportChoice::Verbs => {
-            let mut found = verbs::discover(&config.hca, &config.sysfs_root);
-            // Lanes bootstrap over TCP between the NICs' addresses.
-            let (usable, no_ip): (Vec<VerbsNic>, Vec<VerbsNic>) =
-                found.nics.drain(..).partition(|n| n.ip().is_some());
-            found.nics = usable;
-            found.skipped.extend(no_ip.iter().map(|n| {
-                format!(
-                    "{}: no IP address to bootstrap lanes from (InfiniBand without IPoIB is not supported yet)",
-                    n.label()
-                )
-            }));
-            if found.nics.is_empty() {
-                return Err(Error::InvalidUsage(format!(
-                    "RAILOVER_TRANSPORT=verbs, but there is no usable verbs NIC: {}",
-                    why_none(&found)
-                )));
-            }
-            tracing::info!(
-                "railover: fabric verbs (RAILOVER_TRANSPORT=verbs): {}",
-                found
-                    .nics
-                    .iter()
-                    .map(|n| n.label())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            Ok(Some(found.nics))
-        }
+            });
+        return match choice {
+            TransportChoice::Verbs => Err(Error::InvalidUsage(format!(
+                "{var}, but there is no usable verbs NIC: {why}"
+            ))),
+            _ => Ok((
+                None,
+                format!("fabric TCP ({var}: no usable verbs NIC: {why})"),
+            )),
+        };
     }
+    let names: Vec<String> = usable.iter().map(|n| n.label()).collect();
+    Ok((
+        Some(usable),
+        format!("fabric verbs ({var}): {}", names.join(", ")),
+    ))
 }
 
 /// The interfaces `RAILOVER_IFNAME` selects; a WARN naming the filter and every interface
@@ -724,10 +717,6 @@ mod fabric_tests {
             choose_fabric(&with(TransportChoice::Tcp)),
             Ok(None)
         ));
-        assert!(
-            matches!(choose_fabric(&with(TransportChoice::Auto)), Ok(None)),
-            "auto stays on TCP while verbs lanes cannot fail over"
-        );
         match choose_fabric(&with(TransportChoice::Verbs)) {
             // This machine has no RDMA: refused, naming the variable and the reason.
             Err(e) => {
@@ -740,5 +729,71 @@ mod fabric_tests {
             Ok(Some(nics)) => assert!(nics.iter().all(|n| n.ip().is_some())),
             Ok(None) => panic!("verbs chosen but no verbs NICs returned"),
         }
+    }
+
+    fn roce(device: &str, ip: Option<[u8; 4]>) -> VerbsNic {
+        use crate::transport::verbs::sys::{GidEntry, PortAttr, LINK_LAYER_ETHERNET, PORT_ACTIVE};
+        let gids: Vec<GidEntry> = ip
+            .map(|ip| GidEntry {
+                index: 1,
+                gid: std::net::Ipv4Addr::from(ip).to_ipv6_mapped().octets(),
+                gid_type: 2,
+                ndev_ifindex: 2,
+            })
+            .into_iter()
+            .collect();
+        VerbsNic {
+            device: device.into(),
+            port: 1,
+            guid: 1,
+            attr: PortAttr {
+                state: PORT_ACTIVE,
+                link_layer: LINK_LAYER_ETHERNET,
+                ..Default::default()
+            },
+            speed_mbps: 100_000,
+            gid_index: ip.map(|_| 1),
+            gids,
+            netdev: None,
+            pci_path: None,
+        }
+    }
+
+    #[test]
+    fn auto_takes_verbs_when_a_usable_nic_exists_and_tcp_otherwise() {
+        let found = |nics| verbs::Discovery {
+            nics,
+            ..Default::default()
+        };
+        let two = vec![roce("mlx5_0", Some([192, 0, 2, 1])), roce("mlx5_1", None)];
+        let (nics, line) = decide_fabric(TransportChoice::Auto, found(two.clone())).unwrap();
+        let nics = nics.expect("auto runs on verbs NICs when there are some");
+        assert_eq!(nics.len(), 1, "a port without an IP cannot bootstrap lanes");
+        assert_eq!(nics[0].device, "mlx5_0");
+        assert_eq!(line, "fabric verbs (RAILOVER_TRANSPORT=auto): mlx5_0:1");
+
+        let (nics, line) =
+            decide_fabric(TransportChoice::Auto, found(vec![roce("mlx5_1", None)])).unwrap();
+        assert!(nics.is_none(), "nothing usable: TCP");
+        assert!(
+            line.starts_with(
+                "fabric TCP (RAILOVER_TRANSPORT=auto: no usable verbs NIC: mlx5_1:1: no IP address"
+            ),
+            "{line}"
+        );
+        let absent = verbs::Discovery {
+            absent: Some("libibverbs.so.1 is not installed".into()),
+            ..Default::default()
+        };
+        let (nics, line) = decide_fabric(TransportChoice::Auto, absent.clone()).unwrap();
+        assert!(nics.is_none());
+        assert!(
+            line.ends_with("libibverbs.so.1 is not installed)"),
+            "{line}"
+        );
+        let e = decide_fabric(TransportChoice::Verbs, absent).unwrap_err();
+        assert!(e.to_string().contains("RAILOVER_TRANSPORT=verbs, but there is no usable verbs NIC: libibverbs.so.1 is not installed"), "{e}");
+        let (nics, _) = decide_fabric(TransportChoice::Verbs, found(two)).unwrap();
+        assert_eq!(nics.map(|n| n.len()), Some(1));
     }
 }

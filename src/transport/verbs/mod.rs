@@ -4,7 +4,8 @@
 //! GID and speed selection ([`device`]), and [`VerbsFabric`]: lanes that are RC QPs moving
 //! the lane's byte stream through registered rings ([`lane`]), set up over a bootstrap TCP
 //! connection to the address the trait passes. Tested on Soft-RoCE in QEMU
-//! (`scripts/verbs-tier.sh`); `RAILOVER_TRANSPORT=verbs` selects it, `auto` still uses TCP.
+//! (`scripts/verbs-tier.sh`); `RAILOVER_TRANSPORT=verbs` selects it, and so does `auto`
+//! when a usable port exists.
 
 pub mod device;
 pub mod lane;
