@@ -379,7 +379,7 @@ unsafe extern "C" fn reg_mr_dma_buf(
         unsafe { write_opt(mhandle, std::ptr::null_mut()) };
         COMMS.get(comm)?;
         Err(Error::InvalidUsage(
-            "DMA-BUF registration is not available: railover advertises host memory only until its RDMA fabric is enabled".into(),
+            "DMA-BUF registration is not available: railover advertises host memory only (NCCL_PTR_HOST); its lanes copy through their own registered rings and never register NCCL's buffers with a NIC".into(),
         ))
     })
 }

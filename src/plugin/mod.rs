@@ -560,7 +560,7 @@ pub fn reg_mr(
             Ok(r)
         }
         NCCL_PTR_CUDA => Err(Error::InvalidUsage(
-            "GPU memory (NCCL_PTR_CUDA) cannot be registered: railover advertises host memory only until its RDMA fabric is enabled".into(),
+            "GPU memory (NCCL_PTR_CUDA) cannot be registered: railover advertises host memory only (NCCL_PTR_HOST); its lanes copy messages with the CPU through their own registered rings".into(),
         )),
         other => Err(Error::InvalidArgument(format!("unknown memory type {other}"))),
     }
