@@ -55,12 +55,14 @@ pub enum Loss {
 /// How a move ended, for its log line and metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Moved {
-    /// Home again after being away this long.
-    Failback { away: Duration },
-    /// Moved off a failed pair: what detected it, how long the failure went unnoticed,
-    /// how long from detection to traffic flowing again, and how many pairs the comm now
-    /// runs over.
+    /// Home again after being away this long, from `from` (the backup pair the first
+    /// stripe to go home left).
+    Failback { from: Option<Pair>, away: Duration },
+    /// Moved off the failed pair `from`: what detected it, how long the failure went
+    /// unnoticed, how long from detection to traffic flowing again, and how many pairs
+    /// the comm now runs over.
     Failover {
+        from: Option<Pair>,
         reason: FailReason,
         detection: Duration,
         resume: Duration,
@@ -155,6 +157,9 @@ pub struct PathMachine {
     detection: Option<Duration>,
     /// When the comm first left its original pair (for the fail-back's "away" time).
     away_since: Option<Instant>,
+    /// The pair the move under way started from: the failed one, or the backup a
+    /// fail-back leaves. Later hops of the same move do not replace it.
+    left: Option<Pair>,
     stranded: Option<Stranded>,
 }
 
@@ -178,6 +183,7 @@ impl PathMachine {
             resumed: None,
             detection: None,
             away_since: None,
+            left: None,
             stranded: None,
         }
     }
@@ -248,6 +254,7 @@ impl PathMachine {
         now: Instant,
     ) -> Loss {
         let carrier = self.lanes.remove(&k);
+        let carrier_pair = carrier.as_ref().and_then(|c| c.pair);
         let peer_gone = matches!(error, ConnError::PeerClosed);
         let protocol = matches!(error, ConnError::Protocol(_));
         if self.sender {
@@ -265,6 +272,9 @@ impl PathMachine {
                 }
                 Some(&s) => {
                     self.detected.get_or_insert((now, reason));
+                    if self.left.is_none() {
+                        self.left = carrier_pair;
+                    }
                     Loss::Failover(s)
                 }
                 None => Loss::Carry,
@@ -359,6 +369,11 @@ impl PathMachine {
             self.detected.get_or_insert((now, r));
         }
         self.moving = Some(reason);
+        if self.left.is_none() {
+            self.left = (self.lanes.values())
+                .find(|c| c.stripes.contains(&stripe))
+                .and_then(|c| c.pair);
+        }
         self.orphans.remove(&stripe);
         for c in self.lanes.values_mut() {
             c.stripes.retain(|&s| s != stripe);
@@ -432,8 +447,10 @@ impl PathMachine {
         let reason = self.moving.take()?;
         let detected = self.detected.take();
         let resumed = self.resumed.take().unwrap_or(now);
+        let from = self.left.take();
         Some(match reason {
             MoveReason::Failback => Moved::Failback {
+                from,
                 away: self
                     .away_since
                     .take()
@@ -443,6 +460,7 @@ impl PathMachine {
                 let (t0, reason) = detected.unwrap_or((now, r));
                 self.away_since.get_or_insert(t0);
                 Moved::Failover {
+                    from,
                     reason,
                     detection: self.detection.take().unwrap_or_default(),
                     resume: resumed.saturating_duration_since(t0),
@@ -722,11 +740,13 @@ mod tests {
         assert_eq!(
             s.settle(t0 + 300 * MS),
             Some(Moved::Failover {
+                from: Some(pair(0)),
                 reason: FailReason::Timeout,
                 detection: 1000 * MS,
                 resume: 200 * MS,
                 spread: 2
-            })
+            }),
+            "named after the pair that failed, not the last hop"
         );
         assert_eq!(stripes_of(&s), vec![(10, 2), (11, 1)]);
         assert_eq!(s.detected(), None);
@@ -754,7 +774,10 @@ mod tests {
         assert!(s.handle_moved(12, t0 + 5100 * MS));
         assert_eq!(
             s.settle(t0 + 5100 * MS),
-            Some(Moved::Failback { away: 5100 * MS })
+            Some(Moved::Failback {
+                from: Some(pair(1)),
+                away: 5100 * MS
+            })
         );
         assert_eq!(s.idle(), vec![10, 11]);
         assert!(s.handle_retired(10));
@@ -788,6 +811,7 @@ mod tests {
         assert_eq!(
             s.settle(t0 + 50 * MS),
             Some(Moved::Failover {
+                from: Some(pair(0)),
                 reason: FailReason::LinkDown,
                 detection: Duration::ZERO,
                 resume: 40 * MS,

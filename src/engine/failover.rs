@@ -353,6 +353,11 @@ impl Engine {
             .filter_map(|(_, l)| l.pair.map(|p| (l.stripes.len(), p)))
             .max_by_key(|&(n, p)| (n, std::cmp::Reverse(p)))
             .map_or(from, |(_, p)| p);
+        // Where the move began (the failed pair), not the hop that completed it.
+        let from = match moved {
+            Moved::Failback { from: Some(f), .. } | Moved::Failover { from: Some(f), .. } => f,
+            _ => from,
+        };
         comm.lazily += comm.shared.moved_to(to.local.0 as usize);
         comm.shared.spread_over(comm.path.spread());
         let lazily = std::mem::take(&mut comm.lazily);
@@ -369,7 +374,7 @@ impl Engine {
         };
         let t = self.setup.telemetry.clone();
         match moved {
-            Moved::Failback { away } => {
+            Moved::Failback { away, .. } => {
                 let f = Failback {
                     comm: c as u64,
                     from,
@@ -384,6 +389,7 @@ impl Engine {
                 detection,
                 resume,
                 spread,
+                ..
             } => {
                 let f = Failover {
                     comm: c as u64,
