@@ -134,7 +134,8 @@ impl Runtime {
         };
         let telemetry = setup.telemetry.clone();
         let spawned = match verbs_nics {
-            Some(v) => VerbsFabric::new(v).and_then(|f| ReactorHandle::spawn(setup, f)),
+            Some(v) => VerbsFabric::with_settings(v, config.verbs)
+                .and_then(|f| ReactorHandle::spawn(setup, f)),
             None => ReactorHandle::spawn(
                 setup,
                 TcpFabric::new(&nics.iter().map(|n| n.tcp.clone()).collect::<Vec<_>>()),
@@ -206,7 +207,7 @@ fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
             Ok(None)
         }
         TransportChoice::Auto => {
-            let found = verbs::discover(&config.hca, &config.sysfs_root);
+            let found = verbs::discover(&config.hca, &config.verbs.gid, &config.sysfs_root);
             if found.nics.is_empty() {
                 tracing::info!(
                     "railover: fabric TCP (RAILOVER_TRANSPORT=auto: no usable verbs NIC: {})",
@@ -221,7 +222,7 @@ fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
             Ok(None)
         }
         TransportChoice::Verbs => {
-            let mut found = verbs::discover(&config.hca, &config.sysfs_root);
+            let mut found = verbs::discover(&config.hca, &config.verbs.gid, &config.sysfs_root);
             // Lanes bootstrap over TCP between the NICs' addresses.
             let (usable, no_ip): (Vec<VerbsNic>, Vec<VerbsNic>) =
                 found.nics.drain(..).partition(|n| n.ip().is_some());
@@ -239,13 +240,14 @@ fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
                 )));
             }
             tracing::info!(
-                "railover: fabric verbs (RAILOVER_TRANSPORT=verbs): {}",
+                "railover: fabric verbs (RAILOVER_TRANSPORT=verbs): {}; {}",
                 found
                     .nics
                     .iter()
                     .map(|n| n.label())
                     .collect::<Vec<_>>()
-                    .join(", ")
+                    .join(", "),
+                config.verbs
             );
             Ok(Some(found.nics))
         }

@@ -23,7 +23,8 @@ use super::sys::{
     event, wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, RemoteQp,
     Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
 };
-use super::{completion_error, QP_TIMING};
+use super::{completion_error, qp_timing};
+use crate::config::VerbsSettings;
 
 /// Bytes of each end's ring (and of the sender's staging region).
 pub const RING: usize = 4 << 20;
@@ -91,13 +92,26 @@ impl QpHello {
     }
 }
 
-/// The local half of a QP's addressing, from discovery.
-pub fn local_port(nic: &VerbsNic) -> LocalPort {
+/// The local half of a QP's addressing, from discovery and the settings.
+pub fn local_port(nic: &VerbsNic, settings: &VerbsSettings) -> LocalPort {
     LocalPort {
         port: nic.port,
         sgid_index: nic.gid_index.unwrap_or(0) as u8,
-        traffic_class: 0,
-        service_level: 0,
+        traffic_class: settings.traffic_class,
+        service_level: settings.service_level,
+    }
+}
+
+/// Where our QP sends, from the peer's hello: by LID alone on an InfiniBand port that
+/// needs no GRH, by GID (with a GRH) otherwise; the path MTU is the smaller of both ends.
+pub fn remote_qp(peer: &QpHello, grh: bool, local_mtu: u32) -> RemoteQp {
+    RemoteQp {
+        qp_num: peer.qpn,
+        psn: peer.psn,
+        lid: peer.lid,
+        gid: peer.gid,
+        global: grh,
+        mtu: local_mtu.min(peer.mtu),
     }
 }
 
@@ -279,6 +293,7 @@ pub struct VerbsLane {
     sock: mio::net::TcpStream,
     port: LocalPort,
     grh: bool,
+    timing: super::sys::QpTiming,
     mine: QpHello,
     peer: Option<QpHello>,
     phase: Phase,
@@ -292,7 +307,11 @@ pub struct VerbsLane {
 impl VerbsLane {
     /// A lane on `nic` over the (possibly still connecting) bootstrap socket: resources
     /// allocated, QP in INIT, our hello queued.
-    pub fn new(nic: &VerbsNic, sock: mio::net::TcpStream) -> io::Result<VerbsLane> {
+    pub fn new(
+        nic: &VerbsNic,
+        sock: mio::net::TcpStream,
+        settings: &VerbsSettings,
+    ) -> io::Result<VerbsLane> {
         let ctx = Context::open(&nic.device)?;
         let pd = Pd::new(&ctx)?;
         let ch = CompChannel::new(&ctx)?;
@@ -326,8 +345,9 @@ impl VerbsLane {
             cq,
             ctx,
             sock,
-            port: local_port(nic),
+            port: local_port(nic, settings),
             grh: needs_grh(nic),
+            timing: qp_timing(settings),
             mine,
             peer: None,
             ring: Ring::new(RING),
@@ -416,18 +436,9 @@ impl VerbsLane {
                     format!("the peer's ring is {} bytes, ours {RING}", peer.len),
                 ));
             }
-            self.qp.to_rtr(
-                &self.port,
-                &RemoteQp {
-                    qp_num: peer.qpn,
-                    psn: peer.psn,
-                    lid: peer.lid,
-                    gid: peer.gid,
-                    global: self.grh,
-                    mtu: self.mine.mtu.min(peer.mtu),
-                },
-            )?;
-            self.qp.to_rts(self.mine.psn, QP_TIMING)?;
+            self.qp
+                .to_rtr(&self.port, &remote_qp(&peer, self.grh, self.mine.mtu))?;
+            self.qp.to_rts(self.mine.psn, self.timing)?;
             for _ in 0..MAX_RECV {
                 self.qp.post_recv(WR_RECV)?;
             }
@@ -710,6 +721,68 @@ mod tests {
             len: RING as u64,
         };
         assert_eq!(QpHello::decode(&h.encode()), h);
+    }
+
+    fn nic(link_layer: u8, flags: u8) -> VerbsNic {
+        VerbsNic {
+            device: "mlx5_0".into(),
+            port: 1,
+            guid: 1,
+            attr: super::super::sys::PortAttr {
+                link_layer,
+                flags,
+                lid: 17,
+                ..Default::default()
+            },
+            speed_mbps: 0,
+            gids: vec![super::super::sys::GidEntry {
+                index: 3,
+                gid: [7; 16],
+                gid_type: 2,
+                ndev_ifindex: 0,
+            }],
+            gid_index: Some(3),
+            netdev: None,
+            pci_path: None,
+        }
+    }
+
+    #[test]
+    fn ib_ports_address_by_lid_and_roce_ports_by_gid() {
+        use super::super::sys::LINK_LAYER_INFINIBAND;
+        let peer = QpHello {
+            qpn: 9,
+            psn: 5,
+            lid: 42,
+            mtu: 5,
+            gid: [1; 16],
+            addr: 0,
+            rkey: 0,
+            len: RING as u64,
+        };
+        let ib = nic(LINK_LAYER_INFINIBAND, 0);
+        assert!(!needs_grh(&ib));
+        let r = remote_qp(&peer, needs_grh(&ib), 3);
+        assert_eq!(
+            (r.global, r.lid, r.qp_num, r.psn, r.mtu),
+            (false, 42, 9, 5, 3)
+        );
+        assert!(needs_grh(&nic(LINK_LAYER_INFINIBAND, QPF_GRH_REQUIRED)));
+        let roce = nic(LINK_LAYER_ETHERNET, 0);
+        assert!(needs_grh(&roce));
+        let r = remote_qp(&peer, needs_grh(&roce), 5);
+        assert_eq!((r.global, r.gid, r.mtu), (true, [1; 16], 5));
+        let s = VerbsSettings {
+            traffic_class: 106,
+            service_level: 3,
+            ..Default::default()
+        };
+        let p = local_port(&roce, &s);
+        assert_eq!(
+            (p.port, p.sgid_index, p.traffic_class, p.service_level),
+            (1, 3, 106, 3)
+        );
+        assert_eq!(local_gid(&roce), [7; 16]);
     }
 
     /// Moves bytes from `a` to `b` as the lane does, with the given read sizes; returns
