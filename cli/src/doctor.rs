@@ -131,7 +131,11 @@ fn report(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> Result<Box<Docto
 struct VerbsSection {
     /// Why there are no verbs devices at all (no libibverbs, no kernel support).
     absent: Option<String>,
+    /// The QP settings verbs lanes would use (`RAILOVER_IB_*`, `RAILOVER_QPS_PER_LANE`).
+    settings: String,
     nics: Vec<VerbsNicReport>,
+    /// Ports whose GID is not the kind asked for, and what was used instead.
+    notes: Vec<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -166,9 +170,9 @@ fn verbs_section(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> VerbsSect
                 .map(PathBuf::from)
         })
         .unwrap_or_else(|| PathBuf::from("/sys"));
-    let found = device::inventory(&root);
     // `report` has checked the settings already; an error here cannot happen.
     let config = Config::from_lookup(env).unwrap_or_default();
+    let found = device::inventory(&config.verbs.gid, &root);
     let topo = Topology::discover(&root).ok();
     summarize(&found, &config, topo.as_ref())
 }
@@ -192,6 +196,8 @@ fn summarize(found: &Discovery, config: &Config, topo: Option<&Topology>) -> Ver
         .unwrap_or_else(|_| vec![None; as_nics.len()]);
     VerbsSection {
         absent: found.absent.clone(),
+        settings: config.verbs.to_string(),
+        notes: found.notes.clone(),
         nics: found
             .nics
             .iter()
@@ -224,6 +230,7 @@ fn render_verbs(v: &VerbsSection) -> String {
     use std::fmt::Write as _;
     let mut o =
         String::from("\nVerbs NICs (RDMA; the verbs fabric carries no lanes yet, TCP is used):\n");
+    let _ = writeln!(o, "  QP settings: {}", v.settings);
     if v.nics.is_empty() {
         let why = v.absent.as_deref().unwrap_or("libibverbs lists no device");
         let _ = writeln!(o, "  none: {why}");
@@ -256,6 +263,9 @@ fn render_verbs(v: &VerbsSection) -> String {
                 "    no RoCE v1/v2 GID: this port cannot carry RoCE traffic"
             );
         }
+    }
+    for n in &v.notes {
+        let _ = writeln!(o, "  note: {n}");
     }
     o
 }
@@ -351,6 +361,28 @@ mod tests {
         assert!(text.contains("*gid[1] RoCEv2 ::ffff:10.0.0.1"), "{text}");
         assert!(text.contains(" gid[0] RoCEv2 fe80::1"), "{text}");
         assert!(text.contains("mtu 1024"), "{text}");
+        assert!(
+            text.contains("QP settings: gid auto (RoCE v2, AF_INET), timeout 16 retry 6"),
+            "{text}"
+        );
+        let mut tuned = Config::default();
+        tuned.verbs.timeout = 20;
+        tuned.verbs.gid.index = Some(1);
+        tuned.verbs.qps_per_lane = 4;
+        let text = render_verbs(&summarize(
+            &Discovery {
+                notes: vec!["rxe0:1: no RoCE v2 GID with an AF_INET address".into()],
+                ..found.clone()
+            },
+            &tuned,
+            None,
+        ));
+        assert!(
+            text.contains("QP settings: gid index 1, timeout 20 retry 6")
+                && text.contains("4 QP(s) per lane")
+                && text.contains("note: rxe0:1: no RoCE v2 GID"),
+            "{text}"
+        );
         let none = render_verbs(&summarize(
             &Discovery {
                 absent: Some("libibverbs.so.1 is not installed".into()),
@@ -381,6 +413,13 @@ mod tests {
         };
         assert!(
             e.contains("RAILOVER_RAIL_RULE") && e.contains("same"),
+            "{e}"
+        );
+        let Err(e) = run_with(dir.path(), &[("RAILOVER_IB_RETRY_CNT", "9")]) else {
+            panic!("accepted a bad retry count")
+        };
+        assert!(
+            e.contains("RAILOVER_IB_RETRY_CNT") && e.contains("0 to 7"),
             "{e}"
         );
     }

@@ -65,12 +65,15 @@ pub fn run(args: &Args) -> i32 {
             return 2;
         }
     };
-    let found = verbs::discover(&cfg.hca, &cfg.sysfs_root);
+    let found = verbs::discover(&cfg.hca, &cfg.verbs.gid, &cfg.sysfs_root);
     if let Some(why) = &found.absent {
         println!("verbs-check: no verbs devices: {why}");
     }
     for s in &found.skipped {
         println!("verbs-check: skipped {s}");
+    }
+    for s in &found.notes {
+        println!("verbs-check: note {s}");
     }
     for n in &found.nics {
         println!(

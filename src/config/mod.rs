@@ -8,6 +8,7 @@
 //! ([`RouterConfig`]) live here for that reason, and `routing` takes them from here.
 
 pub mod router;
+pub mod verbs;
 
 use std::fmt;
 use std::path::PathBuf;
@@ -17,6 +18,7 @@ use crate::topology::rails::RailMap;
 use crate::topology::{PathType, RailRule};
 
 pub use router::RouterConfig;
+pub use verbs::{AddrFamily, GidPolicy, VerbsSettings};
 
 /// A rejected environment value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -226,6 +228,8 @@ pub struct Config {
     pub transport: TransportChoice,
     /// `RAILOVER_HCA`: which verbs devices and ports are NICs.
     pub hca: HcaFilter,
+    /// `RAILOVER_IB_*` and `RAILOVER_QPS_PER_LANE`: GID choice and QP settings of verbs lanes.
+    pub verbs: VerbsSettings,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
     /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`, `RAILOVER_GIVEUP_MS`.
     pub router: RouterConfig,
@@ -245,6 +249,7 @@ impl Default for Config {
             stripes: None,
             transport: TransportChoice::Auto,
             hca: HcaFilter::default(),
+            verbs: VerbsSettings::default(),
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
             router: RouterConfig::default(),
@@ -412,6 +417,7 @@ impl Config {
                 accepted: "a comma-separated list of RDMA device names or prefixes, each optionally :PORT (e.g. mlx5_0:1), optionally starting with ^ (exclude) and/or = (exact)",
             })?;
         }
+        cfg.verbs = VerbsSettings::from_lookup(&get)?;
         if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
             cfg.router.failback_probes_k = parse_u64(&v, 1, 1000).ok_or(ConfigError {
                 var: "RAILOVER_FAILBACK_PROBES",
@@ -580,6 +586,17 @@ mod tests {
             ("RAILOVER_HCA", "mlx5_0:256"),
             ("RAILOVER_HCA", ":1"),
             ("RAILOVER_HCA", "mlx5 0"),
+            ("RAILOVER_IB_GID_INDEX", "256"),
+            ("RAILOVER_IB_GID_INDEX", "first"),
+            ("RAILOVER_IB_ROCE_VERSION", "3"),
+            ("RAILOVER_IB_ADDR_FAMILY", "AF_UNIX"),
+            ("RAILOVER_IB_TIMEOUT", "0"),
+            ("RAILOVER_IB_TIMEOUT", "32"),
+            ("RAILOVER_IB_RETRY_CNT", "8"),
+            ("RAILOVER_IB_TC", "256"),
+            ("RAILOVER_IB_SL", "16"),
+            ("RAILOVER_QPS_PER_LANE", "0"),
+            ("RAILOVER_QPS_PER_LANE", "17"),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();
             assert_eq!(err.var, var);

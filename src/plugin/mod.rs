@@ -134,7 +134,8 @@ impl Runtime {
         };
         let telemetry = setup.telemetry.clone();
         let spawned = match verbs_nics {
-            Some(v) => VerbsFabric::new(v).and_then(|f| ReactorHandle::spawn(setup, f)),
+            Some(v) => VerbsFabric::with_settings(v, config.verbs)
+                .and_then(|f| ReactorHandle::spawn(setup, f)),
             None => ReactorHandle::spawn(
                 setup,
                 TcpFabric::new(&nics.iter().map(|n| n.tcp.clone()).collect::<Vec<_>>()),
@@ -194,9 +195,12 @@ fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
         tracing::info!("railover: fabric TCP (RAILOVER_TRANSPORT=tcp)");
         return Ok(None);
     }
-    let found = verbs::discover(&config.hca, &config.sysfs_root);
+    let found = verbs::discover(&config.hca, &config.verbs.gid, &config.sysfs_root);
     let (nics, line) = decide_fabric(config.transport, found)?;
-    tracing::info!("railover: {line}");
+    match nics {
+        Some(_) => tracing::info!("railover: {line}; {}", config.verbs),
+        None => tracing::info!("railover: {line}"),
+    }
     Ok(nics)
 }
 

@@ -119,6 +119,14 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_STRIPES", "many", "many");
   bad_value("RAILOVER_TRANSPORT", "rdma", "rdma");
   bad_value("RAILOVER_HCA", "mlx5_0:x", "mlx5_0:x");
+  bad_value("RAILOVER_IB_GID_INDEX", "first", "first");
+  bad_value("RAILOVER_IB_ROCE_VERSION", "3", "3");
+  bad_value("RAILOVER_IB_ADDR_FAMILY", "AF_UNIX", "AF_UNIX");
+  bad_value("RAILOVER_IB_TIMEOUT", "32", "32");
+  bad_value("RAILOVER_IB_RETRY_CNT", "8", "8");
+  bad_value("RAILOVER_IB_TC", "256", "256");
+  bad_value("RAILOVER_IB_SL", "16", "16");
+  bad_value("RAILOVER_QPS_PER_LANE", "17", "17");
   bad_value("LOCAL_RANK", "first", "first");
 
   /* Not UTF-8: an error for every variable, shown with U+FFFD for the bad bytes. Some
@@ -134,6 +142,10 @@ int main(int argc, char** argv) {
       "RAILOVER_METRICS_PORT",     "RAILOVER_METRICS_ADDR",
       "RAILOVER_GIVEUP_MS",        "RAILOVER_STRIPES",
       "RAILOVER_TRANSPORT",        "RAILOVER_HCA",
+      "RAILOVER_IB_GID_INDEX",     "RAILOVER_IB_ROCE_VERSION",
+      "RAILOVER_IB_ADDR_FAMILY",   "RAILOVER_IB_TIMEOUT",
+      "RAILOVER_IB_RETRY_CNT",     "RAILOVER_IB_TC",
+      "RAILOVER_IB_SL",            "RAILOVER_QPS_PER_LANE",
       "LOCAL_RANK",
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)

@@ -7,7 +7,7 @@
 use std::net::{IpAddr, Ipv6Addr};
 use std::path::Path;
 
-use crate::config::HcaFilter;
+use crate::config::{AddrFamily, GidPolicy, HcaFilter};
 
 use super::sys::{self, Context, GidEntry, PortAttr, LINK_LAYER_ETHERNET, LINK_LAYER_INFINIBAND};
 
@@ -61,10 +61,13 @@ pub struct Discovery {
     pub absent: Option<String>,
     /// Ports seen but not used, with the reason (filtered out, not active, no GID).
     pub skipped: Vec<String>,
+    /// Ports used with a note: a GID other than the one asked for (logged at WARN).
+    pub notes: Vec<String>,
 }
 
-/// Lists every port `filter` selects that is ACTIVE with an IB or Ethernet link layer.
-pub fn discover(filter: &HcaFilter, sysfs_root: &Path) -> Discovery {
+/// Lists every port `filter` selects that is ACTIVE with an IB or Ethernet link layer and
+/// has a GID `gid` accepts ([`choose_gid`]).
+pub fn discover(filter: &HcaFilter, gid: &GidPolicy, sysfs_root: &Path) -> Discovery {
     let listed = match sys::device_list() {
         Ok(l) => l,
         Err(errno) => {
@@ -121,7 +124,16 @@ pub fn discover(filter: &HcaFilter, sysfs_root: &Path) -> Discovery {
                 .filter_map(|i| ctx.query_gid(port, i))
                 .filter(|g| g.gid != [0; 16])
                 .collect();
-            let gid_index = pick_gid(&gids, attr.link_layer);
+            let (gid_index, no_gid) = match choose_gid(&gids, attr.link_layer, gid) {
+                Ok(c) => {
+                    if let Some(why) = c.fallback {
+                        tracing::warn!("railover: {label}: {why}");
+                        out.notes.push(format!("{label}: {why}"));
+                    }
+                    (Some(c.index), None)
+                }
+                Err(why) => (None, Some(why)),
+            };
             let dir = sysfs_root.join("class/infiniband").join(&dev.name);
             let netdev = netdev_of(sysfs_root, &dev.name, port, gid_index);
             let pci_path = realpath(&dir.join("device")).or_else(|| {
@@ -144,8 +156,8 @@ pub fn discover(filter: &HcaFilter, sysfs_root: &Path) -> Discovery {
                     .push(format!("{label}: port not ACTIVE (state {})", attr.state));
                 continue;
             }
-            if attr.link_layer == LINK_LAYER_ETHERNET && gid_index.is_none() {
-                out.skipped.push(format!("{label}: no RoCE GID"));
+            if let Some(why) = no_gid {
+                out.skipped.push(format!("{label}: {why}"));
                 continue;
             }
             out.nics.push(nic);
@@ -155,8 +167,8 @@ pub fn discover(filter: &HcaFilter, sysfs_root: &Path) -> Discovery {
 }
 
 /// Every port of every device, whatever its state or the filter (for `railover doctor`).
-pub fn inventory(sysfs_root: &Path) -> Discovery {
-    let mut d = discover(&HcaFilter::default(), sysfs_root);
+pub fn inventory(gid: &GidPolicy, sysfs_root: &Path) -> Discovery {
+    let mut d = discover(&HcaFilter::default(), gid, sysfs_root);
     // `discover` keeps only the usable ports; the doctor wants them all, so list the
     // skipped ones again from the devices themselves.
     if d.absent.is_none() && !d.skipped.is_empty() {
@@ -182,6 +194,9 @@ pub fn inventory(sysfs_root: &Path) -> Discovery {
                     .filter_map(|i| ctx.query_gid(port, i))
                     .filter(|g| g.gid != [0; 16])
                     .collect();
+                let gid_index = choose_gid(&gids, attr.link_layer, gid)
+                    .ok()
+                    .map(|c| c.index);
                 d.nics.push(VerbsNic {
                     device: dev.name.clone(),
                     port,
@@ -191,14 +206,9 @@ pub fn inventory(sysfs_root: &Path) -> Discovery {
                         attr.active_speed_ex,
                         attr.active_width,
                     ),
-                    gid_index: pick_gid(&gids, attr.link_layer),
+                    gid_index,
                     attr,
-                    netdev: netdev_of(
-                        sysfs_root,
-                        &dev.name,
-                        port,
-                        pick_gid(&gids, attr.link_layer),
-                    ),
+                    netdev: netdev_of(sysfs_root, &dev.name, port, gid_index),
                     gids,
                     pci_path: None,
                 });
@@ -314,27 +324,93 @@ pub fn gid_ip(gid: &[u8; 16]) -> IpAddr {
     }
 }
 
-/// The GID index a path uses, as NCCL picks it with `NCCL_IB_ROCE_VERSION_NUM=2` and
-/// `NCCL_IB_ADDR_FAMILY=AF_INET`: on InfiniBand index 0; on RoCE the lowest index among
-/// the best of RoCE v2 over v1, and IPv4-mapped over global IPv6 over link-local IPv6.
+/// The GID index a path uses with the default policy (RoCE v2, `AF_INET`); see
+/// [`choose_gid`].
 pub fn pick_gid(gids: &[GidEntry], link_layer: u8) -> Option<u32> {
-    if link_layer == LINK_LAYER_INFINIBAND {
-        return gids.iter().map(|g| g.index).min().or(Some(0));
-    }
-    let rank = |g: &GidEntry| {
-        let version = match g.gid_type {
-            2 => 0,
-            1 => 1,
-            _ => return None,
-        };
-        let family = match gid_ip(&g.gid) {
-            IpAddr::V4(_) => 0,
-            IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80 => 2,
-            IpAddr::V6(_) => 1,
-        };
-        Some((version, family, g.index))
+    choose_gid(gids, link_layer, &GidPolicy::default())
+        .ok()
+        .map(|c| c.index)
+}
+
+/// The GID [`choose_gid`] picked, and why it is not the one asked for, if it is not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GidChoice {
+    pub index: u32,
+    pub fallback: Option<String>,
+}
+
+/// The GID index a path uses, as NCCL picks it (`NCCL_IB_GID_INDEX`,
+/// `NCCL_IB_ROCE_VERSION_NUM`, `NCCL_IB_ADDR_FAMILY`). A fixed index must hold a GID. On
+/// InfiniBand `auto` is the lowest index (0). On RoCE `auto` is the lowest index of the
+/// asked RoCE version and family (for IPv6, global before link-local); when the port has
+/// none, the nearest other RoCE GID with a `fallback` note saying so (the peer must end up
+/// with the same version). `Err` says why there is no GID to use.
+pub fn choose_gid(
+    gids: &[GidEntry],
+    link_layer: u8,
+    policy: &GidPolicy,
+) -> Result<GidChoice, String> {
+    let exact = |index| GidChoice {
+        index,
+        fallback: None,
     };
-    gids.iter().filter_map(rank).min().map(|(_, _, i)| i)
+    if let Some(i) = policy.index {
+        if gids.iter().any(|g| g.index == i)
+            || (link_layer == LINK_LAYER_INFINIBAND && gids.is_empty() && i == 0)
+        {
+            return Ok(exact(i));
+        }
+        let have: Vec<String> = gids.iter().map(|g| g.index.to_string()).collect();
+        return Err(format!(
+            "RAILOVER_IB_GID_INDEX={i}, but the port has no GID {i} (it has {})",
+            if have.is_empty() {
+                "none".to_string()
+            } else {
+                have.join(", ")
+            }
+        ));
+    }
+    if link_layer == LINK_LAYER_INFINIBAND {
+        return Ok(exact(gids.iter().map(|g| g.index).min().unwrap_or(0)));
+    }
+    let want_version = u32::from(policy.roce_version);
+    // (version differs, family differs, link-local, older version, index): lowest wins.
+    let rank = |g: &GidEntry| {
+        if g.gid_type != 1 && g.gid_type != 2 {
+            return None;
+        }
+        let (family, link_local) = match gid_ip(&g.gid) {
+            IpAddr::V4(_) => (AddrFamily::Inet, false),
+            IpAddr::V6(v6) => (AddrFamily::Inet6, v6.segments()[0] & 0xffc0 == 0xfe80),
+        };
+        Some((
+            g.gid_type != want_version,
+            family != policy.family,
+            link_local,
+            2 - g.gid_type,
+            g.index,
+        ))
+    };
+    let Some(best) = gids.iter().filter_map(rank).min() else {
+        return Err("no RoCE v1/v2 GID".into());
+    };
+    let index = best.4;
+    if !best.0 && !best.1 {
+        return Ok(exact(index));
+    }
+    let g = gids
+        .iter()
+        .find(|g| g.index == index)
+        .expect("ranked from gids");
+    Ok(GidChoice {
+        index,
+        fallback: Some(format!(
+            "no RoCE v{want_version} GID with an {} address (RAILOVER_IB_ROCE_VERSION, RAILOVER_IB_ADDR_FAMILY); using GID {index} ({} {}) instead, which the peer must match",
+            policy.family,
+            gid_type_name(g.gid_type),
+            gid_ip(&g.gid)
+        )),
+    })
 }
 
 /// Port speed in Mbit/s from `active_speed`/`active_speed_ex` and `active_width`
@@ -405,6 +481,92 @@ mod tests {
             gid_ip(&table[3].gid),
             "192.0.2.1".parse::<IpAddr>().unwrap()
         );
+    }
+
+    #[test]
+    fn gid_choice_follows_version_family_and_index() {
+        let table = [
+            gid(0, 1, "fe80::5054:ff:feaa:1"),
+            gid(1, 2, "fe80::5054:ff:feaa:1"),
+            gid(2, 1, "192.0.2.1"),
+            gid(3, 2, "192.0.2.1"),
+            gid(4, 1, "2001:db8::1"),
+            gid(5, 2, "2001:db8::1"),
+        ];
+        let pol = |index, roce_version, family| GidPolicy {
+            index,
+            roce_version,
+            family,
+        };
+        let pick = |t: &[GidEntry], p: GidPolicy| choose_gid(t, LINK_LAYER_ETHERNET, &p);
+        let exact = |index| {
+            Ok(GidChoice {
+                index,
+                fallback: None,
+            })
+        };
+        assert_eq!(pick(&table, pol(None, 2, AddrFamily::Inet)), exact(3));
+        assert_eq!(pick(&table, pol(None, 1, AddrFamily::Inet)), exact(2));
+        assert_eq!(
+            pick(&table, pol(None, 2, AddrFamily::Inet6)),
+            exact(5),
+            "global first"
+        );
+        assert_eq!(pick(&table, pol(None, 1, AddrFamily::Inet6)), exact(4));
+        assert_eq!(
+            pick(&table[..2], pol(None, 1, AddrFamily::Inet6)),
+            exact(0),
+            "link-local"
+        );
+        // A fixed index is taken as it is, whatever its type.
+        assert_eq!(pick(&table, pol(Some(0), 2, AddrFamily::Inet)), exact(0));
+        let e = pick(&table, pol(Some(9), 2, AddrFamily::Inet)).unwrap_err();
+        assert!(
+            e.contains("RAILOVER_IB_GID_INDEX=9") && e.contains("0, 1, 2, 3, 4, 5"),
+            "{e}"
+        );
+        let e = pick(&[], pol(Some(0), 2, AddrFamily::Inet)).unwrap_err();
+        assert!(e.contains("it has none"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_gid_kind_falls_back_with_a_note_or_fails() {
+        let pick = |t: &[GidEntry], roce_version, family| {
+            choose_gid(
+                t,
+                LINK_LAYER_ETHERNET,
+                &GidPolicy {
+                    index: None,
+                    roce_version,
+                    family,
+                },
+            )
+        };
+        // Only RoCE v1 GIDs, v2 asked: the v1 GID of the asked family, with a note.
+        let v1_only = [gid(0, 1, "fe80::1"), gid(1, 1, "192.0.2.1")];
+        let c = pick(&v1_only, 2, AddrFamily::Inet).unwrap();
+        assert_eq!(c.index, 1);
+        let why = c.fallback.unwrap();
+        assert!(
+            why.contains("no RoCE v2 GID with an AF_INET address")
+                && why.contains("using GID 1 (RoCEv1 192.0.2.1)"),
+            "{why}"
+        );
+        // An IPv6-only port, IPv4 asked: the global v2 GID, with a note.
+        let v6_only = [gid(0, 2, "fe80::1"), gid(1, 2, "2001:db8::2")];
+        let c = pick(&v6_only, 2, AddrFamily::Inet).unwrap();
+        assert_eq!(c.index, 1);
+        assert!(c.fallback.unwrap().contains("2001:db8::2"));
+        // No RoCE GID at all (an IB-type entry on an Ethernet port): none.
+        assert_eq!(
+            pick(&[gid(0, 0, "fe80::1")], 2, AddrFamily::Inet),
+            Err("no RoCE v1/v2 GID".to_string())
+        );
+        assert!(pick(&[], 1, AddrFamily::Inet6).is_err());
+        // InfiniBand: the lowest index, whatever version and family say.
+        let ib = [gid(2, 0, "fe80::7"), gid(1, 0, "fe80::8")];
+        let c = choose_gid(&ib, LINK_LAYER_INFINIBAND, &GidPolicy::default()).unwrap();
+        assert_eq!((c.index, c.fallback), (1, None));
     }
 
     #[test]
@@ -484,9 +646,13 @@ mod tests {
     #[test]
     fn discovery_without_rdma_is_empty_and_says_why() {
         // The CI machine has no RDMA kernel support: no NICs, a reason, nothing else.
-        let d = discover(&HcaFilter::default(), Path::new("/sys"));
+        let d = discover(
+            &HcaFilter::default(),
+            &GidPolicy::default(),
+            Path::new("/sys"),
+        );
         if d.absent.is_some() {
-            assert!(d.nics.is_empty() && d.skipped.is_empty());
+            assert!(d.nics.is_empty() && d.skipped.is_empty() && d.notes.is_empty());
         }
     }
 }

@@ -1,6 +1,6 @@
-//! One verbs lane: an RC QP carrying the lane's byte stream through a ring of registered
-//! memory at each end, with a TCP connection beside it for the QP handshake and for
-//! noticing that the peer closed.
+//! One verbs lane: one or more RC QPs (`RAILOVER_QPS_PER_LANE`) carrying the lane's byte
+//! stream through a ring of registered memory at each end, with a TCP connection beside
+//! it for the QP handshake and for noticing that the peer closed.
 //!
 //! The sender copies bytes into its staging region at the ring offset they will occupy
 //! at the peer and RDMA-WRITEs them there with an immediate holding the length; the
@@ -9,11 +9,17 @@
 //! bit set, so the sender never overwrites unread bytes. Every WRITE_WITH_IMM consumes a
 //! posted receive, which the receiver reposts as it reaps them.
 //!
+//! With several QPs, data write k goes on QP k mod q (so one lane can keep a fast port
+//! busy); the receiver puts completed writes into the stream in that same order
+//! ([`Ring`]). Credit returns use QP 0. Any QP's error fails the lane; the fence moves
+//! them all to ERR.
+//!
 //! This is the byte-stream shape the [`Fabric`](super::super::Fabric) trait asks for; it
 //! costs a copy at each end. NCCL's IB transport instead writes straight into the
 //! receive buffer the receiver advertised (a clear-to-send FIFO), which needs the trait to
 //! carry receive buffers and their keys to the fabric.
 
+use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +29,8 @@ use super::sys::{
     event, wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, RemoteQp,
     Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
 };
-use super::{completion_error, QP_TIMING};
+use super::{completion_error, qp_timing};
+use crate::config::VerbsSettings;
 
 /// Bytes of each end's ring (and of the sender's staging region).
 pub const RING: usize = 4 << 20;
@@ -91,13 +98,78 @@ impl QpHello {
     }
 }
 
-/// The local half of a QP's addressing, from discovery.
-pub fn local_port(nic: &VerbsNic) -> LocalPort {
+/// A lane's hello: the number of QPs (one byte), then each QP's [`QpHello`].
+pub fn encode_hellos(qps: &[QpHello]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(1 + qps.len() * QpHello::LEN);
+    b.push(qps.len() as u8);
+    for q in qps {
+        b.extend_from_slice(&q.encode());
+    }
+    b
+}
+
+/// The bytes a lane hello with `qps` QPs takes.
+pub fn hellos_len(qps: usize) -> usize {
+    1 + qps * QpHello::LEN
+}
+
+/// Reads the count of a peer's hello: `Err` unless it opens `qps` QPs per lane, as we do.
+pub fn check_hello_count(count: u8, qps: usize) -> Result<(), String> {
+    if usize::from(count) == qps {
+        return Ok(());
+    }
+    Err(format!(
+        "the peer opens {count} QP(s) per verbs lane, this end {qps}: set RAILOVER_QPS_PER_LANE the same on both ends"
+    ))
+}
+
+/// Decodes a peer's lane hello of `qps` QPs: one ring (address, key, size) for all.
+pub fn decode_hellos(b: &[u8], qps: usize) -> Result<Vec<QpHello>, String> {
+    let Some(&count) = b.first() else {
+        return Err("an empty verbs hello".into());
+    };
+    check_hello_count(count, qps)?;
+    if b.len() != hellos_len(qps) {
+        return Err(format!(
+            "a verbs hello of {} bytes, {} expected",
+            b.len(),
+            hellos_len(qps)
+        ));
+    }
+    let hellos: Vec<QpHello> = b[1..]
+        .chunks_exact(QpHello::LEN)
+        .map(|c| QpHello::decode(c.try_into().expect("chunks of LEN")))
+        .collect();
+    let first = hellos[0];
+    if hellos
+        .iter()
+        .any(|h| (h.addr, h.rkey, h.len) != (first.addr, first.rkey, first.len))
+    {
+        return Err("the peer's QPs name different rings".into());
+    }
+    Ok(hellos)
+}
+
+/// The local half of a QP's addressing, from discovery and the settings.
+pub fn local_port(nic: &VerbsNic, settings: &VerbsSettings) -> LocalPort {
     LocalPort {
         port: nic.port,
         sgid_index: nic.gid_index.unwrap_or(0) as u8,
-        traffic_class: 0,
-        service_level: 0,
+        traffic_class: settings.traffic_class,
+        service_level: settings.service_level,
+    }
+}
+
+/// Where our QP sends, from the peer's hello: by LID alone on an InfiniBand port that
+/// needs no GRH, by GID (with a GRH) otherwise; the path MTU is the smaller of both ends.
+pub fn remote_qp(peer: &QpHello, grh: bool, local_mtu: u32) -> RemoteQp {
+    RemoteQp {
+        qp_num: peer.qpn,
+        psn: peer.psn,
+        lid: peer.lid,
+        gid: peer.gid,
+        global: grh,
+        mtu: local_mtu.min(peer.mtu),
     }
 }
 
@@ -118,20 +190,32 @@ pub fn local_gid(nic: &VerbsNic) -> [u8; 16] {
 /// A lane's ring accounting, both directions, without I/O: where the next bytes go at
 /// the peer, how much the peer may still take, what arrived here and what credit is owed.
 /// Offsets are positions in the stream; `% size` places them in a ring.
+///
+/// A lane may spread its writes over several QPs: data write k goes on QP k mod q, so
+/// the receiver, which sees each QP's completions in order but not the QPs' relative
+/// order, queues completed lengths per QP and adds them to the stream in the same
+/// round-robin order. Credit returns go on QP 0.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ring {
     size: u64,
-    /// Sender: bytes posted, bytes the peer acknowledged, bytes it freed; WRs in flight.
+    /// Sender: bytes posted, bytes the peer acknowledged, bytes it freed.
     head: u64,
     acked: u64,
     credited: u64,
-    outstanding: u32,
-    /// Receiver: bytes arrived, read, and returned as credit.
+    /// Sender: WRs in flight per QP, and the QP of the next data write.
+    outstanding: Vec<u32>,
+    next_send: usize,
+    /// Receiver: bytes arrived (in stream order), read, and returned as credit.
     received: u64,
     consumed: u64,
     credit_sent: u64,
+    /// Receiver: lengths of data writes completed per QP, not yet in the stream because
+    /// an earlier write (on another QP) has not completed; the QP of the next write.
+    landed: Vec<VecDeque<u32>>,
+    next_recv: usize,
+    /// Bytes in `landed`.
+    waiting: u64,
 }
-
 /// What an immediate told the receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Imm {
@@ -157,57 +241,89 @@ impl Imm {
 }
 
 impl Ring {
-    /// A ring of `size` bytes (below 2^31, so lengths fit an immediate).
+    /// A ring of `size` bytes (below 2^31, so lengths fit an immediate) on one QP.
     pub fn new(size: usize) -> Ring {
+        Ring::with_qps(size, 1)
+    }
+
+    /// A ring of `size` bytes whose writes are spread over `qps` QPs.
+    pub fn with_qps(size: usize, qps: usize) -> Ring {
         assert!(size > 0 && (size as u64) < u64::from(CREDIT_FLAG));
+        assert!(qps > 0);
         Ring {
             size: size as u64,
             head: 0,
             acked: 0,
             credited: 0,
-            outstanding: 0,
+            outstanding: vec![0; qps],
+            next_send: 0,
             received: 0,
             consumed: 0,
             credit_sent: 0,
+            landed: vec![VecDeque::new(); qps],
+            next_recv: 0,
+            waiting: 0,
         }
     }
 
+    pub fn qps(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// The QP the next data write must go on.
+    pub fn send_qp(&self) -> usize {
+        self.next_send
+    }
+
     /// Where the next bytes go (ring offset) and how many fit there contiguously; 0 when
-    /// the peer's ring is full or `slots` work requests are already in flight.
+    /// the peer's ring is full or `slots` work requests are already in flight on the QP
+    /// the next write goes on.
     pub fn send_window(&self, slots: u32) -> (usize, usize) {
         let off = self.head % self.size;
-        if self.outstanding >= slots {
+        if self.outstanding[self.next_send] >= slots {
             return (off as usize, 0);
         }
         let free = self.size - (self.head - self.credited);
         (off as usize, free.min(self.size - off) as usize)
     }
 
-    /// `n` bytes were posted at the send window.
+    /// `n` bytes were posted at the send window, on QP [`Ring::send_qp`].
     pub fn posted(&mut self, n: usize) {
         self.head += n as u64;
-        self.outstanding += 1;
+        self.outstanding[self.next_send] += 1;
+        self.next_send = (self.next_send + 1) % self.qps();
     }
 
-    /// A credit return was posted.
+    /// A credit return was posted (on QP 0).
     pub fn posted_credit(&mut self) {
-        self.outstanding += 1;
+        self.outstanding[0] += 1;
         self.credit_sent = self.consumed;
     }
 
-    /// A send completed; `data` bytes of it were data.
-    pub fn send_done(&mut self, data: u64) {
-        self.outstanding = self.outstanding.saturating_sub(1);
+    /// A send on QP `qp` completed; `data` bytes of it were data.
+    pub fn send_done(&mut self, qp: usize, data: u64) {
+        if let Some(o) = self.outstanding.get_mut(qp) {
+            *o = o.saturating_sub(1);
+        }
         self.acked += data;
     }
 
-    /// An immediate arrived. `Err` when the peer broke the protocol (wrote past the
-    /// space we gave, or freed more than we sent).
-    pub fn arrived(&mut self, imm: Imm) -> Result<(), &'static str> {
+    /// An immediate arrived on QP `qp`. `Err` when the peer broke the protocol (wrote
+    /// past the space we gave, or freed more than we sent).
+    pub fn arrived(&mut self, qp: usize, imm: Imm) -> Result<(), &'static str> {
         match imm {
             Imm::Data(n) => {
-                self.received += u64::from(n);
-                if self.received - self.consumed > self.size {
+                let Some(q) = self.landed.get_mut(qp) else {
+                    return Err("a write arrived on a QP the lane does not have");
+                };
+                q.push_back(n);
+                self.waiting += u64::from(n);
+                while let Some(n) = self.landed[self.next_recv].pop_front() {
+                    self.waiting -= u64::from(n);
+                    self.received += u64::from(n);
+                    self.next_recv = (self.next_recv + 1) % self.landed.len();
+                }
+                if self.received + self.waiting - self.consumed > self.size {
                     return Err("the peer wrote past the free space of our ring");
                 }
             }
@@ -239,7 +355,7 @@ impl Ring {
     pub fn credit_due(&self, max_send: u32) -> Option<u32> {
         let owed = self.consumed - self.credit_sent;
         let drained = self.consumed == self.received;
-        if owed == 0 || (owed < self.size / 4 && !drained) || self.outstanding >= max_send {
+        if owed == 0 || (owed < self.size / 4 && !drained) || self.outstanding[0] >= max_send {
             return None;
         }
         Some(owed as u32)
@@ -271,7 +387,8 @@ enum Phase {
 pub struct VerbsLane {
     // Field order is drop order: the QP before the regions it reads and writes, and
     // before its CQ; the context (held by all of them) goes last.
-    qp: Qp,
+    /// Data write k goes on `qps[k % qps.len()]`; credit returns on `qps[0]`.
+    qps: Vec<Qp>,
     send: Mr,
     recv: Mr,
     cq: Arc<Cq>,
@@ -279,7 +396,9 @@ pub struct VerbsLane {
     sock: mio::net::TcpStream,
     port: LocalPort,
     grh: bool,
-    mine: QpHello,
+    timing: super::sys::QpTiming,
+    mine: Vec<QpHello>,
+    /// The peer's ring (from its first QP's hello; all name the same).
     peer: Option<QpHello>,
     phase: Phase,
     ring: Ring,
@@ -292,45 +411,56 @@ pub struct VerbsLane {
 impl VerbsLane {
     /// A lane on `nic` over the (possibly still connecting) bootstrap socket: resources
     /// allocated, QP in INIT, our hello queued.
-    pub fn new(nic: &VerbsNic, sock: mio::net::TcpStream) -> io::Result<VerbsLane> {
+    pub fn new(
+        nic: &VerbsNic,
+        sock: mio::net::TcpStream,
+        settings: &VerbsSettings,
+    ) -> io::Result<VerbsLane> {
         let ctx = Context::open(&nic.device)?;
         let pd = Pd::new(&ctx)?;
         let ch = CompChannel::new(&ctx)?;
         ctx.async_fd()?;
-        let cq = Cq::new(&ctx, &ch, (MAX_SEND + MAX_RECV + 16) as i32)?;
-        let qp = Qp::new_rc(&pd, &cq, MAX_SEND, MAX_RECV)?;
+        let n = usize::from(settings.qps_per_lane.max(1));
+        let cq = Cq::new(&ctx, &ch, (n as u32 * (MAX_SEND + MAX_RECV) + 16) as i32)?;
         let send = Mr::new(&pd, RING)?;
         let recv = Mr::new(&pd, RING)?;
-        qp.to_init(nic.port)?;
-        let mut psn = [0u8; 4];
-        getrandom::getrandom(&mut psn).map_err(|e| io::Error::other(e.to_string()))?;
-        let mine = QpHello {
-            qpn: qp.qp_num(),
-            psn: u32::from_le_bytes(psn) & 0xff_ffff,
-            lid: nic.attr.lid,
-            mtu: nic.attr.active_mtu,
-            gid: local_gid(nic),
-            addr: recv.addr(),
-            rkey: recv.rkey(),
-            len: RING as u64,
-        };
+        let mut qps = Vec::with_capacity(n);
+        let mut mine = Vec::with_capacity(n);
+        for _ in 0..n {
+            let qp = Qp::new_rc(&pd, &cq, MAX_SEND, MAX_RECV)?;
+            qp.to_init(nic.port)?;
+            let mut psn = [0u8; 4];
+            getrandom::getrandom(&mut psn).map_err(|e| io::Error::other(e.to_string()))?;
+            mine.push(QpHello {
+                qpn: qp.qp_num(),
+                psn: u32::from_le_bytes(psn) & 0xff_ffff,
+                lid: nic.attr.lid,
+                mtu: nic.attr.active_mtu,
+                gid: local_gid(nic),
+                addr: recv.addr(),
+                rkey: recv.rkey(),
+                len: RING as u64,
+            });
+            qps.push(qp);
+        }
         Ok(VerbsLane {
             phase: Phase::Handshake {
-                out: mine.encode().to_vec(),
+                out: encode_hellos(&mine),
                 out_off: 0,
-                got: Vec::with_capacity(QpHello::LEN + 1),
+                got: Vec::with_capacity(hellos_len(n) + 1),
             },
-            qp,
+            qps,
             send,
             recv,
             cq,
             ctx,
             sock,
-            port: local_port(nic),
+            port: local_port(nic, settings),
             grh: needs_grh(nic),
+            timing: qp_timing(settings),
             mine,
             peer: None,
-            ring: Ring::new(RING),
+            ring: Ring::with_qps(RING, n),
             peer_closed: false,
             fenced: false,
             error: None,
@@ -396,10 +526,11 @@ impl VerbsLane {
                 Err(e) => return Err(e),
             }
         }
-        let want = QpHello::LEN + 1;
+        let n = self.qps.len();
+        let want = hellos_len(n) + 1;
         while got.len() < want {
-            let mut b = [0u8; QpHello::LEN + 1];
-            let room = want - got.len();
+            let mut b = [0u8; 512];
+            let room = (want - got.len()).min(b.len());
             match self.sock.read(&mut b[..room]) {
                 Ok(0) => {
                     return Err(io::Error::new(
@@ -413,38 +544,34 @@ impl VerbsLane {
                 Err(e) => return Err(e),
             }
         }
-        if self.peer.is_none() && got.len() >= QpHello::LEN {
-            let mut b = [0u8; QpHello::LEN];
-            b.copy_from_slice(&got[..QpHello::LEN]);
-            let peer = QpHello::decode(&b);
-            if peer.len != RING as u64 {
+        if let Some(&count) = got.first() {
+            // A peer with another QP count sends a hello of another length: stop here.
+            check_hello_count(count, n)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        }
+        if self.peer.is_none() && got.len() >= hellos_len(n) {
+            let peers = decode_hellos(&got[..hellos_len(n)], n)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            if peers[0].len != RING as u64 {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
-                    format!("the peer's ring is {} bytes, ours {RING}", peer.len),
+                    format!("the peer's ring is {} bytes, ours {RING}", peers[0].len),
                 ));
             }
-            self.qp.to_rtr(
-                &self.port,
-                &RemoteQp {
-                    qp_num: peer.qpn,
-                    psn: peer.psn,
-                    lid: peer.lid,
-                    gid: peer.gid,
-                    global: self.grh,
-                    mtu: self.mine.mtu.min(peer.mtu),
-                },
-            )?;
-            self.qp.to_rts(self.mine.psn, QP_TIMING)?;
-            for _ in 0..MAX_RECV {
-                self.qp.post_recv(WR_RECV)?;
+            for ((qp, mine), peer) in self.qps.iter().zip(&self.mine).zip(&peers) {
+                qp.to_rtr(&self.port, &remote_qp(peer, self.grh, mine.mtu))?;
+                qp.to_rts(mine.psn, self.timing)?;
+                for _ in 0..MAX_RECV {
+                    qp.post_recv(WR_RECV)?;
+                }
             }
-            self.peer = Some(peer);
+            self.peer = Some(peers[0]);
             // Receives are posted: the peer may write once it reads this.
             out.push(b'R');
             return self.handshake();
         }
         if got.len() == want && *out_off == out.len() {
-            if got[QpHello::LEN] != b'R' {
+            if got[hellos_len(n)] != b'R' {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     "bad ready byte in the verbs handshake",
@@ -485,7 +612,7 @@ impl VerbsLane {
                 event::PORT_ERR => ev.port == Some(self.port.port),
                 event::DEVICE_FATAL | event::CQ_ERR => true,
                 event::QP_FATAL | event::QP_REQ_ERR | event::QP_ACCESS_ERR => {
-                    ev.qp_num == Some(self.qp.qp_num())
+                    (self.qps.iter()).any(|q| ev.qp_num == Some(q.qp_num()))
                 }
                 _ => false,
             };
@@ -528,6 +655,15 @@ impl VerbsLane {
             let e = completion_error(c);
             return Err(self.fail(e.kind(), e.to_string()));
         }
+        let Some(qp) = self.qps.iter().position(|q| q.qp_num() == c.qp_num) else {
+            return Err(self.fail(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "a verbs completion of QP {}, not one of this lane's",
+                    c.qp_num
+                ),
+            ));
+        };
         if c.wr_id == WR_RECV {
             let Some(imm) = c.imm else {
                 return Err(self.fail(
@@ -535,13 +671,13 @@ impl VerbsLane {
                     "a verbs receive completed without an immediate".into(),
                 ));
             };
-            if let Err(why) = self.ring.arrived(Imm::decode(imm)) {
+            if let Err(why) = self.ring.arrived(qp, Imm::decode(imm)) {
                 return Err(self.fail(io::ErrorKind::InvalidData, why.into()));
             }
-            return self.qp.post_recv(WR_RECV);
+            return self.qps[qp].post_recv(WR_RECV);
         }
         let data = if c.wr_id & WR_CREDIT == 0 { c.wr_id } else { 0 };
-        self.ring.send_done(data);
+        self.ring.send_done(qp, data);
         Ok(())
     }
 
@@ -550,7 +686,7 @@ impl VerbsLane {
             return Ok(());
         };
         let peer = self.peer.expect("ready lanes know their peer");
-        self.qp.post_write(&RdmaWrite {
+        self.qps[0].post_write(&RdmaWrite {
             local: &self.send,
             offset: 0,
             len: 0,
@@ -564,10 +700,12 @@ impl VerbsLane {
         Ok(())
     }
 
-    /// The fence: the QP goes to ERR, the socket will close with a reset.
+    /// The fence: every QP goes to ERR, the socket will close with a reset.
     pub fn fence(&mut self) {
         self.fenced = true;
-        let _ = self.qp.to_err();
+        for qp in &self.qps {
+            let _ = qp.to_err();
+        }
         let _ = socket2::SockRef::from(&self.sock).set_linger(Some(Duration::ZERO));
     }
 
@@ -655,7 +793,7 @@ impl Write for VerbsLane {
             return Ok(0);
         }
         let peer = self.peer.expect("ready lanes know their peer");
-        self.qp.post_write(&RdmaWrite {
+        self.qps[self.ring.send_qp()].post_write(&RdmaWrite {
             local: &self.send,
             offset: off,
             len: n,
@@ -719,31 +857,119 @@ mod tests {
         assert_eq!(QpHello::decode(&h.encode()), h);
     }
 
+    fn nic(link_layer: u8, flags: u8) -> VerbsNic {
+        VerbsNic {
+            device: "mlx5_0".into(),
+            port: 1,
+            guid: 1,
+            attr: super::super::sys::PortAttr {
+                link_layer,
+                flags,
+                lid: 17,
+                ..Default::default()
+            },
+            speed_mbps: 0,
+            gids: vec![super::super::sys::GidEntry {
+                index: 3,
+                gid: [7; 16],
+                gid_type: 2,
+                ndev_ifindex: 0,
+            }],
+            gid_index: Some(3),
+            netdev: None,
+            pci_path: None,
+        }
+    }
+
+    #[test]
+    fn ib_ports_address_by_lid_and_roce_ports_by_gid() {
+        use super::super::sys::LINK_LAYER_INFINIBAND;
+        let peer = QpHello {
+            qpn: 9,
+            psn: 5,
+            lid: 42,
+            mtu: 5,
+            gid: [1; 16],
+            addr: 0,
+            rkey: 0,
+            len: RING as u64,
+        };
+        let ib = nic(LINK_LAYER_INFINIBAND, 0);
+        assert!(!needs_grh(&ib));
+        let r = remote_qp(&peer, needs_grh(&ib), 3);
+        assert_eq!(
+            (r.global, r.lid, r.qp_num, r.psn, r.mtu),
+            (false, 42, 9, 5, 3)
+        );
+        assert!(needs_grh(&nic(LINK_LAYER_INFINIBAND, QPF_GRH_REQUIRED)));
+        let roce = nic(LINK_LAYER_ETHERNET, 0);
+        assert!(needs_grh(&roce));
+        let r = remote_qp(&peer, needs_grh(&roce), 5);
+        assert_eq!((r.global, r.gid, r.mtu), (true, [1; 16], 5));
+        let s = VerbsSettings {
+            traffic_class: 106,
+            service_level: 3,
+            ..Default::default()
+        };
+        let p = local_port(&roce, &s);
+        assert_eq!(
+            (p.port, p.sgid_index, p.traffic_class, p.service_level),
+            (1, 3, 106, 3)
+        );
+        assert_eq!(local_gid(&roce), [7; 16]);
+    }
+
     /// Moves bytes from `a` to `b` as the lane does, with the given read sizes; returns
-    /// the stream `b` read.
-    fn pump(a: &mut Ring, b: &mut Ring, send: &[u8], reads: usize) -> Vec<u8> {
+    /// the stream `b` read. A write's bytes land in `b`'s ring only when its completion
+    /// is delivered; `seed` (0: in order) picks which QP's next completion comes next and
+    /// how many are left in flight, as a NIC may order completions across QPs.
+    fn pump(a: &mut Ring, b: &mut Ring, send: &[u8], reads: usize, seed: u64) -> Vec<u8> {
         let size = a.size as usize;
         let mut peer_ring = vec![0u8; size];
         let mut out = Vec::new();
         let mut sent = 0;
-        let mut in_flight = Vec::new();
+        let mut in_flight: Vec<VecDeque<(usize, Vec<u8>)>> = vec![VecDeque::new(); a.qps()];
+        let mut rng = seed;
+        let mut next = move |n: usize| {
+            rng = rng
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (rng >> 33) as usize % n
+        };
         for _ in 0..100_000 {
             if out.len() == send.len() {
                 break;
             }
-            let (off, room) = a.send_window(8);
-            let n = room.min(send.len() - sent);
-            if n > 0 {
-                peer_ring[off..off + n].copy_from_slice(&send[sent..sent + n]);
+            // Up to three writes, of uneven sizes so the QPs' writes differ.
+            for _ in 0..3 {
+                let (off, room) = a.send_window(8);
+                let n = room.min(send.len() - sent).min(1 + next(40));
+                if n == 0 {
+                    break;
+                }
+                let qp = a.send_qp();
+                in_flight[qp].push_back((off, send[sent..sent + n].to_vec()));
                 sent += n;
                 a.posted(n);
-                in_flight.push(n);
             }
-            // Deliver everything in flight, in order.
-            for n in in_flight.drain(..) {
-                b.arrived(Imm::decode(Imm::Data(n as u32).encode()))
+            // Deliver completions: in order, or a random QP's next one at a time.
+            loop {
+                let busy: Vec<usize> = (0..in_flight.len())
+                    .filter(|&q| !in_flight[q].is_empty())
+                    .collect();
+                if busy.is_empty() || (seed != 0 && next(4) == 0) {
+                    break;
+                }
+                let qp = if seed == 0 {
+                    busy[0]
+                } else {
+                    busy[next(busy.len())]
+                };
+                let (off, bytes) = in_flight[qp].pop_front().unwrap();
+                peer_ring[off..off + bytes.len()].copy_from_slice(&bytes);
+                b.arrived(qp, Imm::decode(Imm::Data(bytes.len() as u32).encode()))
                     .unwrap();
-                a.send_done(n as u64);
+                a.send_done(qp, bytes.len() as u64);
             }
             let (off, avail) = b.readable();
             let n = avail.min(reads);
@@ -751,8 +977,8 @@ mod tests {
             b.consume(n);
             if let Some(c) = b.credit_due(8) {
                 b.posted_credit();
-                a.arrived(Imm::decode(Imm::Credit(c).encode())).unwrap();
-                b.send_done(0);
+                a.arrived(0, Imm::decode(Imm::Credit(c).encode())).unwrap();
+                b.send_done(0, 0);
             }
         }
         out
@@ -763,10 +989,100 @@ mod tests {
         let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
         for reads in [1, 7, 64, 100, 1000] {
             let (mut a, mut b) = (Ring::new(64), Ring::new(64));
-            assert_eq!(pump(&mut a, &mut b, &data, reads), data, "reads of {reads}");
+            assert_eq!(
+                pump(&mut a, &mut b, &data, reads, 0),
+                data,
+                "reads of {reads}"
+            );
             assert_eq!(a.progress(), (data.len() as u64, data.len() as u64));
             assert_eq!(a.unacked(), 0);
         }
+    }
+
+    #[test]
+    fn completions_out_of_order_across_qps_still_make_an_in_order_stream() {
+        let data: Vec<u8> = (0..20_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
+        for qps in [2, 3, 16] {
+            for seed in 1..=20 {
+                let (mut a, mut b) = (Ring::with_qps(256, qps), Ring::with_qps(256, qps));
+                let got = pump(&mut a, &mut b, &data, 1 + seed as usize * 37, seed);
+                assert!(got == data, "{qps} QPs, seed {seed}: the stream differs");
+                assert_eq!(a.unacked(), 0);
+                assert!(a.outstanding.iter().all(|&o| o == 0));
+            }
+        }
+    }
+
+    #[test]
+    fn a_later_qps_write_waits_for_the_earlier_ones() {
+        let (mut a, mut b) = (Ring::with_qps(100, 3), Ring::with_qps(100, 3));
+        for (n, qp) in [(10, 0), (20, 1), (30, 2), (5, 0)] {
+            assert_eq!(a.send_qp(), qp, "write k goes on QP k mod 3");
+            a.posted(n);
+        }
+        assert_eq!(a.outstanding, [2, 1, 1]);
+        b.arrived(2, Imm::Data(30)).unwrap();
+        b.arrived(1, Imm::Data(20)).unwrap();
+        assert_eq!(b.readable(), (0, 0), "write 0 (QP 0) has not completed");
+        b.arrived(0, Imm::Data(10)).unwrap();
+        assert_eq!(b.readable(), (0, 60));
+        b.arrived(0, Imm::Data(5)).unwrap();
+        assert_eq!(b.readable(), (0, 65));
+        // Credit returns go on QP 0 and count against its send queue only.
+        b.consume(65);
+        assert_eq!(b.credit_due(1), Some(65));
+        b.posted_credit();
+        assert_eq!(b.outstanding, [1, 0, 0]);
+        assert_eq!(b.credit_due(1), None);
+        // A QP the lane lacks, and writes queued past the free space, are refused.
+        assert!(b.arrived(3, Imm::Data(1)).is_err());
+        let mut c = Ring::with_qps(100, 2);
+        c.arrived(1, Imm::Data(60)).unwrap();
+        assert!(
+            c.arrived(1, Imm::Data(50)).is_err(),
+            "110 bytes waiting in a 100-byte ring"
+        );
+        // The sender stops when the next QP's send queue is full, not another's.
+        let mut d = Ring::with_qps(100, 2);
+        d.posted(1);
+        assert_eq!(d.send_window(1).1, 99, "QP 1 is free");
+        d.posted(1);
+        assert_eq!(d.send_window(1).1, 0, "QP 0 is full");
+        d.send_done(0, 1);
+        assert_eq!(d.send_window(1).1, 98);
+    }
+
+    #[test]
+    fn lane_hellos_round_trip_and_refuse_another_qp_count() {
+        let h = |i: u32| QpHello {
+            qpn: 100 + i,
+            psn: 7 * i,
+            lid: 3,
+            mtu: 5,
+            gid: [i as u8; 16],
+            addr: 0x1000,
+            rkey: 9,
+            len: RING as u64,
+        };
+        let three = [h(0), h(1), h(2)];
+        let b = encode_hellos(&three);
+        assert_eq!(b.len(), hellos_len(3));
+        assert_eq!(b[0], 3);
+        assert_eq!(decode_hellos(&b, 3).unwrap(), three);
+        let e = decode_hellos(&b, 2).unwrap_err();
+        assert!(
+            e.contains("peer opens 3 QP(s)")
+                && e.contains("this end 2")
+                && e.contains("RAILOVER_QPS_PER_LANE"),
+            "{e}"
+        );
+        assert!(decode_hellos(&b[..b.len() - 1], 3).is_err(), "short");
+        assert!(decode_hellos(&[], 1).is_err());
+        let mut other = three;
+        other[1].rkey = 10;
+        let e = decode_hellos(&encode_hellos(&other), 3).unwrap_err();
+        assert!(e.contains("different rings"), "{e}");
+        assert!(check_hello_count(1, 1).is_ok() && check_hello_count(2, 1).is_err());
     }
 
     #[test]
@@ -777,8 +1093,8 @@ mod tests {
         assert_eq!(a.send_window(8), (60, 40));
         a.posted(40);
         assert_eq!(a.send_window(8).1, 0, "full");
-        b.arrived(Imm::Data(60)).unwrap();
-        b.arrived(Imm::Data(40)).unwrap();
+        b.arrived(0, Imm::Data(60)).unwrap();
+        b.arrived(0, Imm::Data(40)).unwrap();
         b.consume(10);
         assert_eq!(
             b.credit_due(8),
@@ -789,7 +1105,7 @@ mod tests {
         assert_eq!(b.credit_due(8), Some(100), "all read: everything is owed");
         b.posted_credit();
         assert_eq!(b.credit_due(8), None);
-        a.arrived(Imm::Credit(100)).unwrap();
+        a.arrived(0, Imm::Credit(100)).unwrap();
         assert_eq!(a.send_window(8), (0, 100), "wrapped to the start");
         assert_eq!(a.send_window(2).1, 0, "but two WRs are in flight");
     }
@@ -797,12 +1113,12 @@ mod tests {
     #[test]
     fn protocol_violations_are_refused() {
         let mut r = Ring::new(100);
-        r.arrived(Imm::Data(100)).unwrap();
-        assert!(r.arrived(Imm::Data(1)).is_err(), "past the free space");
+        r.arrived(0, Imm::Data(100)).unwrap();
+        assert!(r.arrived(0, Imm::Data(1)).is_err(), "past the free space");
         let mut r = Ring::new(100);
         r.posted(10);
         assert!(
-            r.arrived(Imm::Credit(11)).is_err(),
+            r.arrived(0, Imm::Credit(11)).is_err(),
             "credit for unsent bytes"
         );
         assert_eq!(Imm::decode(Imm::Credit(5).encode()), Imm::Credit(5));

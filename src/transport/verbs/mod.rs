@@ -14,15 +14,24 @@ pub mod sys;
 pub use device::{discover, Discovery, VerbsNic};
 pub use lane::VerbsLane;
 
-/// QP timing: 4.096 us * 2^16 = 268 ms per attempt, 7 attempts, so the NIC gives up after
-/// about 1.9 s. railover's own completion timeout (1 s by default) decides before that;
-/// NCCL's defaults (`NCCL_IB_TIMEOUT=20`, `RETRY_CNT=7`) keep a dead path for about 34 s.
-/// Not 7 retries: Soft-RoCE (rxe) takes a retry count of 7 as "retry forever" (seen in the
-/// Soft-RoCE tier: a write to a fenced peer never completed).
+/// The default QP timing (`RAILOVER_IB_TIMEOUT`, `RAILOVER_IB_RETRY_CNT`): 4.096 us * 2^16
+/// = 268 ms per attempt, 7 attempts, so the NIC gives up after about 1.9 s. railover's own
+/// completion timeout (1 s by default) decides before that; NCCL's defaults
+/// (`NCCL_IB_TIMEOUT=20`, `RETRY_CNT=7`) keep a dead path for about 34 s. Not 7 retries:
+/// Soft-RoCE (rxe) takes a retry count of 7 as "retry forever" (seen in the Soft-RoCE
+/// tier: a write to a fenced peer never completed).
 pub const QP_TIMING: sys::QpTiming = sys::QpTiming {
     timeout: 16,
     retry_cnt: 6,
 };
+
+/// The QP timing `settings` ask for.
+pub fn qp_timing(settings: &VerbsSettings) -> sys::QpTiming {
+    sys::QpTiming {
+        timeout: settings.timeout,
+        retry_cnt: settings.retry_cnt,
+    }
+}
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -33,6 +42,7 @@ use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 use super::frames::{FrameReader, FrameWriter, Inbound, ReadError};
 use super::{Fabric, FabricNic, LaneProgress};
+use crate::config::VerbsSettings;
 use sys::{wc, Completion};
 
 /// The verbs fabric over the ports discovery found. A NIC's address is the IP of its RoCE
@@ -43,12 +53,18 @@ pub struct VerbsFabric {
     verbs: Vec<VerbsNic>,
     /// One open context per device, kept for its async events (port up/down).
     watched: Vec<std::sync::Arc<sys::Context>>,
+    settings: VerbsSettings,
 }
 
 impl VerbsFabric {
     /// The fabric over `nics`; every one must have an IP address (RoCE ports do; IB ports
-    /// need IPoIB, which discovery does not look for yet).
+    /// need IPoIB, which discovery does not look for yet), with the default QP settings.
     pub fn new(nics: Vec<VerbsNic>) -> io::Result<VerbsFabric> {
+        VerbsFabric::with_settings(nics, VerbsSettings::default())
+    }
+
+    /// The fabric over `nics`, its lanes' QPs set up as `settings` say.
+    pub fn with_settings(nics: Vec<VerbsNic>, settings: VerbsSettings) -> io::Result<VerbsFabric> {
         let fabric = nics
             .iter()
             .map(|n| {
@@ -68,6 +84,7 @@ impl VerbsFabric {
             nics: fabric,
             verbs: nics,
             watched: Vec::new(),
+            settings,
         })
     }
 
@@ -157,7 +174,7 @@ impl Fabric for VerbsFabric {
                         // Not one of ours (a wildcard listener would be): drop it.
                         continue;
                     };
-                    let lane = VerbsLane::new(&self.verbs[nic], stream)?;
+                    let lane = VerbsLane::new(&self.verbs[nic], stream, &self.settings)?;
                     Ok(Some((lane, Some(nic))))
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
@@ -183,7 +200,11 @@ impl Fabric for VerbsFabric {
             Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
             Err(e) => return Err(e),
         }
-        VerbsLane::new(&self.verbs[nic], mio::net::TcpStream::from_std(sock.into()))
+        VerbsLane::new(
+            &self.verbs[nic],
+            mio::net::TcpStream::from_std(sock.into()),
+            &self.settings,
+        )
     }
 
     fn read(
@@ -363,6 +384,23 @@ mod tests {
         assert_eq!(f.nic_of_link("rxe0"), Some(0));
         assert_eq!(f.nic_of_link("eth3"), None);
         assert_eq!(f.nic_of_link("lo"), None);
+    }
+
+    #[test]
+    fn the_default_timing_is_the_settings_default() {
+        assert_eq!(qp_timing(&VerbsSettings::default()), QP_TIMING);
+        let s = VerbsSettings {
+            timeout: 20,
+            retry_cnt: 7,
+            ..Default::default()
+        };
+        assert_eq!(
+            qp_timing(&s),
+            sys::QpTiming {
+                timeout: 20,
+                retry_cnt: 7
+            }
+        );
     }
 
     #[test]

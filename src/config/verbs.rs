@@ -1,0 +1,241 @@
+//! The verbs fabric's QP settings (`RAILOVER_IB_*`, `RAILOVER_QPS_PER_LANE`), parsed into
+//! types ([`super`] calls [`VerbsSettings::from_lookup`]). They follow NCCL's `NCCL_IB_*`
+//! namesakes, except for the QP timing defaults (see [`VerbsSettings::default`]).
+
+use std::fmt;
+
+use super::{parse_u64, ConfigError};
+
+/// Which address family a RoCE GID must carry (`NCCL_IB_ADDR_FAMILY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AddrFamily {
+    /// An IPv4-mapped GID.
+    #[default]
+    Inet,
+    /// An IPv6 GID (global before link-local).
+    Inet6,
+}
+
+impl fmt::Display for AddrFamily {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AddrFamily::Inet => "AF_INET",
+            AddrFamily::Inet6 => "AF_INET6",
+        })
+    }
+}
+
+/// How a port's GID is chosen: a fixed index, or by RoCE version and address family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GidPolicy {
+    /// `RAILOVER_IB_GID_INDEX`: `None` is `auto`.
+    pub index: Option<u32>,
+    /// `RAILOVER_IB_ROCE_VERSION`: 1 or 2.
+    pub roce_version: u8,
+    /// `RAILOVER_IB_ADDR_FAMILY`.
+    pub family: AddrFamily,
+}
+
+impl Default for GidPolicy {
+    fn default() -> Self {
+        GidPolicy {
+            index: None,
+            roce_version: 2,
+            family: AddrFamily::Inet,
+        }
+    }
+}
+
+/// QP settings of verbs lanes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerbsSettings {
+    pub gid: GidPolicy,
+    /// `RAILOVER_IB_TIMEOUT`: local ACK timeout exponent, 4.096 us x 2^timeout per attempt.
+    pub timeout: u8,
+    /// `RAILOVER_IB_RETRY_CNT`: retransmissions after the first attempt.
+    pub retry_cnt: u8,
+    /// `RAILOVER_IB_TC`: GRH traffic class (RoCE DSCP/ECN byte).
+    pub traffic_class: u8,
+    /// `RAILOVER_IB_SL`: service level.
+    pub service_level: u8,
+    /// `RAILOVER_QPS_PER_LANE`: RC QPs one lane spreads its writes over.
+    pub qps_per_lane: u8,
+}
+
+impl Default for VerbsSettings {
+    /// Timeout 16 with 6 retries: the NIC gives up after 4.096 us x 2^16 x 7 = 1.9 s, above
+    /// railover's own 1 s completion timeout, which so decides first. NCCL's 20/7 keep a
+    /// dead path for about 34 s; and Soft-RoCE takes a retry count of 7 as "forever".
+    fn default() -> Self {
+        VerbsSettings {
+            gid: GidPolicy::default(),
+            timeout: 16,
+            retry_cnt: 6,
+            traffic_class: 0,
+            service_level: 0,
+            qps_per_lane: 1,
+        }
+    }
+}
+
+impl VerbsSettings {
+    /// How long the NIC retries a write to a dead peer before it fails it:
+    /// 4.096 us x 2^timeout x (retry_cnt + 1).
+    pub fn nic_give_up(&self) -> std::time::Duration {
+        let ns = 4096u64 << self.timeout;
+        std::time::Duration::from_nanos(ns * (u64::from(self.retry_cnt) + 1))
+    }
+
+    pub fn from_lookup(
+        get: &impl Fn(&'static str) -> Option<String>,
+    ) -> Result<VerbsSettings, ConfigError> {
+        let mut s = VerbsSettings::default();
+        let int = |var: &'static str, min: u64, max: u64, accepted: &'static str| {
+            get(var)
+                .map(|v| {
+                    parse_u64(&v, min, max).ok_or(ConfigError {
+                        var,
+                        value: v.clone(),
+                        accepted,
+                    })
+                })
+                .transpose()
+        };
+        if let Some(v) = get("RAILOVER_IB_GID_INDEX") {
+            s.gid.index = match v.trim().to_ascii_lowercase().as_str() {
+                "auto" | "-1" => None,
+                n => Some(parse_u64(n, 0, 255).ok_or(ConfigError {
+                    var: "RAILOVER_IB_GID_INDEX",
+                    value: v.clone(),
+                    accepted: "auto (by RAILOVER_IB_ROCE_VERSION and RAILOVER_IB_ADDR_FAMILY) or a GID index from 0 to 255",
+                })? as u32),
+            };
+        }
+        if let Some(n) = int("RAILOVER_IB_ROCE_VERSION", 1, 2, "1 or 2")? {
+            s.gid.roce_version = n as u8;
+        }
+        if let Some(v) = get("RAILOVER_IB_ADDR_FAMILY") {
+            s.gid.family = match v.trim().to_ascii_uppercase().as_str() {
+                "AF_INET" | "INET" | "IPV4" => AddrFamily::Inet,
+                "AF_INET6" | "INET6" | "IPV6" => AddrFamily::Inet6,
+                _ => {
+                    return Err(ConfigError {
+                        var: "RAILOVER_IB_ADDR_FAMILY",
+                        value: v,
+                        accepted: "AF_INET or AF_INET6",
+                    })
+                }
+            };
+        }
+        if let Some(n) = int(
+            "RAILOVER_IB_TIMEOUT",
+            1,
+            31,
+            "an ACK timeout exponent from 1 to 31 (4.096 us x 2^n per attempt)",
+        )? {
+            s.timeout = n as u8;
+        }
+        if let Some(n) = int("RAILOVER_IB_RETRY_CNT", 0, 7, "a retry count from 0 to 7")? {
+            s.retry_cnt = n as u8;
+        }
+        if let Some(n) = int("RAILOVER_IB_TC", 0, 255, "a traffic class from 0 to 255")? {
+            s.traffic_class = n as u8;
+        }
+        if let Some(n) = int("RAILOVER_IB_SL", 0, 15, "a service level from 0 to 15")? {
+            s.service_level = n as u8;
+        }
+        if let Some(n) = int("RAILOVER_QPS_PER_LANE", 1, 16, "an integer from 1 to 16")? {
+            s.qps_per_lane = n as u8;
+        }
+        Ok(s)
+    }
+}
+
+impl fmt::Display for VerbsSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.gid.index {
+            Some(i) => write!(f, "gid index {i}")?,
+            None => write!(
+                f,
+                "gid auto (RoCE v{}, {})",
+                self.gid.roce_version, self.gid.family
+            )?,
+        }
+        write!(
+            f,
+            ", timeout {} retry {} (NIC gives up after {:.1} s), tc {} sl {}, {} QP(s) per lane",
+            self.timeout,
+            self.retry_cnt,
+            self.nic_give_up().as_secs_f64(),
+            self.traffic_class,
+            self.service_level,
+            self.qps_per_lane
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn parse(pairs: &[(&'static str, &str)]) -> Result<VerbsSettings, ConfigError> {
+        let pairs: Vec<(&str, String)> = pairs.iter().map(|(k, v)| (*k, v.to_string())).collect();
+        VerbsSettings::from_lookup(&|k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn defaults_and_good_values() {
+        assert_eq!(parse(&[]).unwrap(), VerbsSettings::default());
+        let s = parse(&[
+            ("RAILOVER_IB_GID_INDEX", "3"),
+            ("RAILOVER_IB_ROCE_VERSION", "1"),
+            ("RAILOVER_IB_ADDR_FAMILY", "af_inet6"),
+            ("RAILOVER_IB_TIMEOUT", "20"),
+            ("RAILOVER_IB_RETRY_CNT", "7"),
+            ("RAILOVER_IB_TC", "106"),
+            ("RAILOVER_IB_SL", "3"),
+            ("RAILOVER_QPS_PER_LANE", "4"),
+        ])
+        .unwrap();
+        assert_eq!(
+            s.gid,
+            GidPolicy {
+                index: Some(3),
+                roce_version: 1,
+                family: AddrFamily::Inet6
+            }
+        );
+        assert_eq!(
+            (s.timeout, s.retry_cnt, s.traffic_class, s.service_level),
+            (20, 7, 106, 3)
+        );
+        assert_eq!(s.qps_per_lane, 4);
+        assert_eq!(
+            parse(&[("RAILOVER_IB_GID_INDEX", " Auto")])
+                .unwrap()
+                .gid
+                .index,
+            None
+        );
+    }
+
+    #[test]
+    fn the_nic_gives_up_as_the_readme_says() {
+        // 4.096 us x 2^16 x 7 = 1.879 s; NCCL's 20/7: 4.096 us x 2^20 x 8 = 34.4 s.
+        let d = VerbsSettings::default().nic_give_up();
+        assert_eq!(d, Duration::from_nanos(4096 * 65536 * 7));
+        assert!(d > Duration::from_millis(1800) && d < Duration::from_millis(1900));
+        let nccl = VerbsSettings {
+            timeout: 20,
+            retry_cnt: 7,
+            ..Default::default()
+        };
+        assert_eq!(nccl.nic_give_up().as_secs(), 34);
+        let text = VerbsSettings::default().to_string();
+        assert!(
+            text.contains("RoCE v2, AF_INET") && text.contains("1.9 s"),
+            "{text}"
+        );
+    }
+}
