@@ -114,3 +114,40 @@ impl Request {
         self.state.load(Ordering::Acquire) != PENDING
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use mio::{Poll, Token, Waker};
+
+    use super::*;
+    use crate::handoff::{CommandQueue, Side};
+
+    fn comm() -> Arc<CommShared> {
+        let poll = Poll::new().unwrap();
+        let q = Arc::new(CommandQueue::new(
+            Waker::new(poll.registry(), Token(0)).unwrap(),
+        ));
+        Arc::new(CommShared::new(Side::Recv, 0, q, 0))
+    }
+
+    #[test]
+    fn a_grouped_request_finishes_with_its_last_buffer_and_fails_if_one_did() {
+        let r = Request::group(comm(), 3);
+        r.settle(2, Ok(7));
+        r.settle(0, Ok(0));
+        assert_eq!(
+            r.status(),
+            Ok(Status::Pending),
+            "buffer 1 is still arriving"
+        );
+        r.settle(1, Ok(4));
+        assert_eq!(r.status(), Ok(Status::Done(0)));
+        assert_eq!(r.sizes().collect::<Vec<_>>(), vec![0, 4, 7]);
+
+        let r = Request::group(comm(), 2);
+        r.settle(0, Err(Error::InvalidUsage("too big".into())));
+        assert!(!r.is_finished(), "the other buffer may still be written");
+        r.settle(1, Ok(1));
+        assert_eq!(r.status(), Err(Error::InvalidUsage("too big".into())));
+    }
+}
