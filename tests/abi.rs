@@ -100,6 +100,13 @@ fn conformance(version: u32) {
         failures.join("\n")
     );
     assert!(
+        out.contains("grouped receive of 8 buffers")
+            && out
+                .lines()
+                .any(|l| l.starts_with("PASS recv.grouped_receive")),
+        "driver v{version} did not run a grouped receive of maxRecvs=8 buffers"
+    );
+    assert!(
         out.lines().any(|l| l.starts_with("PASS recv.data"))
             && out.lines().any(|l| l.starts_with("PASS send.data")),
         "driver v{version} never reached the data phase"

@@ -193,22 +193,36 @@ fn process_lifecycle() {
     a.finalize().unwrap();
     assert_eq!(reactor_threads(), 1, "another context is still alive");
 
-    // 3. Out of request slots: *request = NULL ("call again"), not an error.
+    // 3. Out of request slots: *request = NULL ("call again"), not an error. A receive
+    // comm takes 32 requests; a send comm 32 x maxRecvs, as many sends as 32 grouped
+    // receives of 8 buffers hold.
     let (mut h, l) = b.listen(0).unwrap();
     let (s, r) = connect_pair(&b, 0, &mut h, &l, Duration::from_secs(30)).unwrap();
-    let bufs: Vec<_> = (0..33).map(|_| s.register(4).unwrap()).collect();
+    let bufs: Vec<_> = (0..257).map(|_| s.register(4).unwrap()).collect();
     let mut reqs = Vec::new();
-    for buf in &bufs[..32] {
+    for buf in &bufs[..256] {
         // No receive is posted, so nothing can complete: the slots stay taken.
         reqs.push(
             s.isend(buf, 4)
                 .unwrap()
-                .expect("32 requests per comm are supported"),
+                .expect("32 x 8 send requests per comm are supported"),
         );
     }
     assert!(
-        s.isend(&bufs[32], 4).unwrap().is_none(),
-        "the 33rd gets a NULL request"
+        s.isend(&bufs[256], 4).unwrap().is_none(),
+        "the 257th send gets a NULL request"
+    );
+    let mut rbufs: Vec<_> = (0..33).map(|_| r.register(4).unwrap()).collect();
+    for buf in &mut rbufs[..32] {
+        reqs.push(
+            r.irecv(buf, 4)
+                .unwrap()
+                .expect("32 receive requests per comm are supported"),
+        );
+    }
+    assert!(
+        r.irecv(&mut rbufs[32], 4).unwrap().is_none(),
+        "the 33rd receive gets a NULL request"
     );
     drop((reqs, s, r, l));
 

@@ -56,7 +56,7 @@ fn sizes_from_zero_to_64_mib_arrive_intact() {
     assert!(ctx.devices().unwrap() >= 1);
     let props = ctx.properties(0).unwrap();
     assert_eq!(props.name, "lo");
-    assert_eq!(props.max_recvs, 1);
+    assert_eq!(props.max_recvs, 8);
     let (s, r, _l) = pair(&ctx);
     for (i, &len) in [0usize, 1, 4095, 4096, 65537, 1 << 20, 64 << 20]
         .iter()
@@ -106,6 +106,96 @@ fn eight_in_flight_keep_order() {
     for (i, b) in rbufs.iter().enumerate() {
         assert!(b.bytes().unwrap()[..sizes[i]] == pattern(100 + i as u64, sizes[i])[..]);
     }
+}
+
+#[test]
+fn a_grouped_receive_of_eight_takes_each_send_by_tag() {
+    let ctx = setup();
+    let (s, r, _l) = pair(&ctx);
+    // Twice, so the second group follows the first on the same comm.
+    for round in 0..2u64 {
+        let tags: Vec<i32> = (0..8).map(|k| 40 + k).collect();
+        // Buffer k gets tag 40+k and a size of its own; one is zero bytes.
+        let len = |k: usize| {
+            if k == 3 {
+                0
+            } else {
+                1000 * k + 17 * round as usize + 1
+            }
+        };
+        let mut rbufs: Vec<Buffer> = (0..8).map(|_| r.register(16384).unwrap()).collect();
+        for b in &mut rbufs {
+            fill(b, &[0xEE; 16384]);
+        }
+        let mut group: Vec<(&mut Buffer, usize, i32)> = (rbufs.iter_mut())
+            .zip(&tags)
+            .map(|(b, &t)| (b, 16384, t))
+            .collect();
+        let mut rr = r.irecv_group(&mut group).unwrap().expect("slot");
+        drop(group);
+        // The sends come in another order than the buffers.
+        let order = [5usize, 0, 7, 3, 1, 6, 2, 4];
+        let mut sends = Vec::new();
+        for &k in &order {
+            let mut b = s.register(len(k).max(1)).unwrap();
+            fill(&mut b, &pattern(round * 8 + k as u64, len(k)));
+            let q = s.isend_tagged(&b, len(k), tags[k]).unwrap().expect("slot");
+            sends.push((b, q));
+        }
+        let end = deadline();
+        let sizes = loop {
+            if let Some(sizes) = rr.test_all().unwrap() {
+                break sizes;
+            }
+            assert!(Instant::now() < end, "grouped receive did not complete");
+            std::thread::yield_now();
+        };
+        assert_eq!(
+            sizes,
+            (0..8).map(len).collect::<Vec<_>>(),
+            "sizes by buffer"
+        );
+        for (k, b) in rbufs.iter().enumerate() {
+            let got = b.bytes().unwrap();
+            assert!(
+                got[..len(k)] == pattern(round * 8 + k as u64, len(k))[..],
+                "round {round}: buffer {k} holds another send's bytes"
+            );
+            assert!(
+                got[len(k)..].iter().all(|&x| x == 0xEE),
+                "buffer {k} overrun"
+            );
+        }
+        for (_, q) in &mut sends {
+            wait(q).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_send_whose_tag_no_buffer_of_the_group_has_fails_its_comm() {
+    let ctx = setup();
+    let (s, r, _l) = pair(&ctx);
+    let mut a = r.register(64).unwrap();
+    let mut b = r.register(64).unwrap();
+    let _rr = r
+        .irecv_group(&mut [(&mut a, 64, 1), (&mut b, 64, 2)])
+        .unwrap()
+        .expect("slot");
+    let sb = s.register(8).unwrap();
+    let sb2 = s.register(8).unwrap();
+    let mut ok = s.isend_tagged(&sb, 8, 1).unwrap().expect("slot");
+    let mut bad = s.isend_tagged(&sb2, 8, 3).unwrap().expect("slot");
+    // Usage error (ncclInvalidUsage) for the send no buffer takes; the comm fails.
+    assert_eq!(wait(&mut bad), Err(driver::Code(5)));
+    let _ = wait(&mut ok);
+    let sb3 = s.register(8).unwrap();
+    let mut later = s.isend_tagged(&sb3, 8, 2).unwrap().expect("slot");
+    assert_eq!(
+        wait(&mut later),
+        Err(driver::Code(5)),
+        "the comm stays failed"
+    );
 }
 
 #[test]

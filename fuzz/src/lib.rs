@@ -17,8 +17,8 @@ use railover::conn::auth::{
     self, AuthError, CommId, Initiator, Random, Responder, Secret, Session,
 };
 use railover::conn::wire::{
-    Challenge, Header, Hello, Kind, NicAddr, Proof, Purpose, Welcome, WireError, HEADER_LEN,
-    MAX_BODY, MAX_DATA,
+    Challenge, Group, Header, Hello, Kind, NicAddr, Proof, Purpose, Welcome, WireError, HEADER_LEN,
+    MAX_BODY, MAX_DATA, MAX_GROUP,
 };
 use railover::topology::{PathType, RailRule, Topology};
 use railover::transport::frames::{FrameReader, Inbound, ReadError};
@@ -92,13 +92,18 @@ impl<'a> Input<'a> {
 // ---------------------------------------------------------------- wire_header
 
 /// `Header::decode` on arbitrary bytes: a decoded header re-encodes to the same 24
-/// bytes and respects its kind's length bound; a header built from the bytes survives
-/// encode → decode (or is refused as too long, exactly when it is).
+/// bytes and respects its kind's length bound (a `Cts`: its capacity, and a valid group);
+/// a header built from the bytes survives encode → decode (or is refused as too long, or
+/// a `Cts` for a bad group, exactly when it is).
 pub fn wire_header(data: &[u8]) {
     match Header::decode(data) {
         Ok(h) => {
             assert_eq!(&h.encode()[..], &data[..HEADER_LEN], "re-encode {h:?}");
-            assert!(h.len <= max_len(h.kind), "{h:?} over its bound");
+            assert!(bounded_len(&h) <= max_len(h.kind), "{h:?} over its bound");
+            assert!(
+                h.kind != Kind::Cts || group_ok(&h),
+                "{h:?} with a bad group"
+            );
         }
         Err(WireError::Short(_)) => assert!(data.len() < HEADER_LEN),
         Err(_) => assert!(data.len() >= HEADER_LEN),
@@ -113,11 +118,30 @@ pub fn wire_header(data: &[u8]) {
     };
     match Header::decode(&h.encode()) {
         Ok(back) => assert_eq!(back, h),
+        Err(WireError::Malformed("CTS group")) => {
+            assert!(kind == Kind::Cts && !group_ok(&h), "{h:?}")
+        }
         Err(WireError::TooLong { len, max, .. }) => {
-            assert!(len == h.len && len > max && max == max_len(kind), "{h:?}")
+            assert!(
+                len == bounded_len(&h) && len > max && max == max_len(kind),
+                "{h:?}"
+            )
         }
         Err(e) => panic!("{h:?} encoded, then refused: {e}"),
     }
+}
+
+/// The length a header's bound applies to: a `Cts` keeps its group above the capacity.
+fn bounded_len(h: &Header) -> u64 {
+    match h.kind {
+        Kind::Cts => Group::of_cts(h).0,
+        _ => h.len,
+    }
+}
+
+fn group_ok(h: &Header) -> bool {
+    let (_, g) = Group::of_cts(h);
+    (1..=MAX_GROUP).contains(&g.count) && g.index < g.count
 }
 
 fn max_len(kind: Kind) -> u64 {
@@ -844,6 +868,14 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
     let stream: Vec<u8> = [
         hello.clone(),
         Header::new(Kind::Cts, 1, 4096).encode().to_vec(),
+        Group {
+            tag: 7,
+            index: 2,
+            count: 8,
+        }
+        .cts(3, 4096)
+        .encode()
+        .to_vec(),
         Header::new(Kind::Data, 1, 5).encode().to_vec(),
         b"hello".to_vec(),
         Header::new(Kind::Ack, 2, 0).encode().to_vec(),

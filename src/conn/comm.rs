@@ -10,7 +10,7 @@
 //! idempotent, so whichever lane survives carries them), and settle the requests
 //! [`CommMachine::poll_outcome`] gives.
 
-use super::wire::{Header, Kind};
+use super::wire::{Group, Header, Kind};
 use super::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
 };
@@ -74,6 +74,36 @@ impl<T> CommMachine<T> {
         Ok(())
     }
 
+    /// Sender: NCCL posted a send of `len` bytes with `tag`; a receive comm hands the
+    /// token back.
+    pub fn post_send(&mut self, len: u64, tag: i32, token: T) -> Result<(), T> {
+        let CommMachine::Send(m) = self else {
+            return Err(token);
+        };
+        m.post_tagged(len, tag, token);
+        Ok(())
+    }
+
+    /// Receiver: NCCL posted a grouped receive, `(capacity, tag, token)` for each of its
+    /// 1 to [`MAX_GROUP`](super::wire::MAX_GROUP) buffers; a send comm hands the tokens
+    /// back.
+    pub fn post_recv(&mut self, subs: Vec<(u64, i32, T)>) -> Result<(), Vec<T>> {
+        let CommMachine::Recv(m) = self else {
+            return Err(subs.into_iter().map(|(_, _, t)| t).collect());
+        };
+        m.post_group(subs);
+        Ok(())
+    }
+
+    /// Sender: a send's tag matched no free receive of its group when it was posted;
+    /// the comm must fail with this error.
+    pub fn take_fault(&mut self) -> Option<ConnError> {
+        match self {
+            CommMachine::Send(m) => m.take_fault(),
+            CommMachine::Recv(_) => None,
+        }
+    }
+
     /// A frame without payload from the peer.
     pub fn handle_frame(&mut self, h: &Header) -> Result<Heard, ConnError> {
         match (self, h.kind) {
@@ -82,7 +112,8 @@ impl<T> CommMachine<T> {
                 "the receiver has heard nothing on this lane for the completion timeout".into(),
             )),
             (CommMachine::Send(m), Kind::Cts) => {
-                m.handle_cts(h.seq, h.len).map(|()| Heard::Control)
+                let (capacity, group) = Group::of_cts(h);
+                (m.handle_cts_in(h.seq, capacity, group)).map(|()| Heard::Control)
             }
             (CommMachine::Send(m), Kind::Ack) => m.handle_ack(h.seq).map(|()| Heard::Progress),
             (CommMachine::Recv(m), Kind::Truncated) => {
@@ -152,7 +183,11 @@ impl<T> CommMachine<T> {
             return None;
         };
         m.poll_transmit().map(|c| match c {
-            Control::Cts { seq, capacity } => Header::new(Kind::Cts, seq, capacity),
+            Control::Cts {
+                seq,
+                capacity,
+                group,
+            } => group.cts(seq, capacity),
             Control::Ack { delivered } => Header::new(Kind::Ack, delivered, 0),
         })
     }

@@ -20,6 +20,7 @@ pub mod wire;
 
 pub use recv::{Control, Placement, RecvEvent, RecvMachine};
 pub use send::{SendEvent, SendMachine, Transmit};
+pub use wire::Group;
 
 /// Why a message or a comm failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -27,6 +28,10 @@ pub enum ConnError {
     /// The send was larger than the posted receive (a usage error on both sides).
     #[error("message of {len} bytes is larger than the posted receive of {capacity} bytes")]
     Truncated { len: u64, capacity: u64 },
+    /// A send's tag matched no free receive of the grouped receive it fell in (a usage
+    /// error): the comm fails rather than deliver it into the wrong buffer.
+    #[error("unmatched send: {0}")]
+    Unmatched(String),
     /// The peer broke the protocol; the lane is closed.
     #[error("protocol error: {0}")]
     Protocol(String),
@@ -73,7 +78,11 @@ mod tests {
         for _ in 0..(sends.len() * 4 + 4) {
             while let Some(c) = r.poll_transmit() {
                 match c {
-                    Control::Cts { seq, capacity } => s.handle_cts(seq, capacity).unwrap(),
+                    Control::Cts {
+                        seq,
+                        capacity,
+                        group,
+                    } => s.handle_cts_in(seq, capacity, group).unwrap(),
                     Control::Ack { delivered } => s.handle_ack(delivered).unwrap(),
                 }
             }
@@ -105,13 +114,27 @@ mod tests {
     /// Three lanes, frames delivered in a seeded interleaving; lane 1 dies after `kill`
     /// steps with whatever it still carried, and its payload in progress is cut short.
     fn striped(seed: u64, n: u64, kill: usize) -> (Vec<u64>, usize) {
-        let mut rng = crate::routing::rng::SplitMix64::new(seed);
         let mut s = SendMachine::default();
         let mut r = RecvMachine::default();
         for i in 0..n {
             s.post(100 + i, i);
             r.post(1000, i);
         }
+        let mut rng = crate::routing::rng::SplitMix64::new(seed);
+        drive_striped(&mut rng, s, r, kill, |seq, len, _| {
+            assert_eq!(len, 100 + seq, "seed {seed}: message {seq} intact");
+        })
+    }
+
+    /// Runs `s` and `r` over three lanes as [`striped`] does; `check` sees each
+    /// completed receive (sequence number, length, token).
+    fn drive_striped<T: std::fmt::Debug, U>(
+        rng: &mut crate::routing::rng::SplitMix64,
+        mut s: SendMachine<U>,
+        mut r: RecvMachine<T>,
+        kill: usize,
+        mut check: impl FnMut(u64, u64, T),
+    ) -> (Vec<u64>, usize) {
         let mut up = [true; 3];
         let mut to_recv: [std::collections::VecDeque<Wire>; 3] = Default::default();
         let mut to_send: [std::collections::VecDeque<Wire>; 3] = Default::default();
@@ -149,17 +172,21 @@ mod tests {
                 }
             } else if let Some(Wire::Ctl(c)) = to_send[l].pop_front() {
                 match c {
-                    Control::Cts { seq, capacity } => s.handle_cts(seq, capacity).unwrap(),
+                    Control::Cts {
+                        seq,
+                        capacity,
+                        group,
+                    } => s.handle_cts_in(seq, capacity, group).unwrap(),
                     Control::Ack { delivered } => s.handle_ack(delivered).unwrap(),
                 }
             }
             while let Some(e) = r.poll_event() {
                 match e {
-                    RecvEvent::Completed { seq, len, .. } => {
-                        assert_eq!(len, 100 + seq, "seed {seed}: message {seq} intact");
+                    RecvEvent::Completed { seq, len, token } => {
+                        check(seq, len, token);
                         completed.push(seq);
                     }
-                    RecvEvent::Failed { .. } => panic!("seed {seed}: {e:?}"),
+                    RecvEvent::Failed { .. } => panic!("{e:?}"),
                 }
             }
             let sent = std::iter::from_fn(|| s.poll_event()).count();
@@ -168,11 +195,7 @@ mod tests {
                 return (completed, step);
             }
         }
-        panic!(
-            "seed {seed}: stuck with {} sends, {} receives",
-            s.pending(),
-            r.pending()
-        );
+        panic!("stuck with {} sends, {} receives", s.pending(), r.pending());
     }
 
     #[test]
@@ -182,6 +205,76 @@ mod tests {
             let (got, _) = striped(seed, 24, kill);
             assert_eq!(got, (0..24).collect::<Vec<u64>>(), "seed {seed}");
         }
+    }
+
+    #[test]
+    fn grouped_receives_take_each_send_by_tag_through_a_lane_death() {
+        for seed in 0..200 {
+            let mut rng = crate::routing::rng::SplitMix64::new(seed);
+            let mut s = SendMachine::default();
+            let mut r = RecvMachine::default();
+            let mut total = 0;
+            for g in 0..6u64 {
+                let n = 1 + rng.next_u64() % 8;
+                let mut tags: Vec<i32> = (0..n as i32).map(|k| 100 + k).collect();
+                let subs = tags.iter().map(|&t| (1000, t, (g, t))).collect();
+                r.post_group(subs);
+                // The sends of a group come in any order; the length names its buffer.
+                for i in (1..tags.len()).rev() {
+                    tags.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+                }
+                for &t in &tags {
+                    s.post_tagged(g * 1000 / 8 + t as u64, t, ());
+                }
+                total += n;
+            }
+            let kill = (seed as usize * 7) % 60;
+            let (got, _) = drive_striped(&mut rng, s, r, kill, |seq, len, (g, t)| {
+                assert_eq!(len, g * 1000 / 8 + t as u64, "seed {seed}: receive {seq}");
+            });
+            assert_eq!(got, (0..total).collect::<Vec<u64>>(), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn a_grouped_receive_gets_each_size_and_a_zero_byte_send() {
+        let mut s = SendMachine::default();
+        let mut r = RecvMachine::default();
+        r.post_group(vec![(100, 10, 'a'), (0, 20, 'b'), (50, 30, 'c')]);
+        r.post(10, 'd');
+        for (len, tag) in [(50, 30), (7, 10), (0, 20), (5, 99)] {
+            s.post_tagged(len, tag, ());
+        }
+        for _ in 0..8 {
+            while let Some(c) = r.poll_transmit() {
+                match c {
+                    Control::Cts {
+                        seq,
+                        capacity,
+                        group,
+                    } => s.handle_cts_in(seq, capacity, group).unwrap(),
+                    Control::Ack { delivered } => s.handle_ack(delivered).unwrap(),
+                }
+            }
+            while let Some(t) = s.poll_transmit(0) {
+                let Transmit::Data { seq, len } = t else {
+                    panic!("{t:?}");
+                };
+                assert!(matches!(
+                    r.handle_data(0, seq, len),
+                    Ok(Placement::Deliver { .. })
+                ));
+                r.payload_done(0, seq, len).unwrap();
+            }
+        }
+        let got: Vec<(char, u64)> = std::iter::from_fn(|| r.poll_event())
+            .map(|e| match e {
+                RecvEvent::Completed { len, token, .. } => (token, len),
+                RecvEvent::Failed { .. } => panic!("{e:?}"),
+            })
+            .collect();
+        assert_eq!(got, vec![('a', 7), ('b', 0), ('c', 50), ('d', 5)]);
+        assert_eq!(std::iter::from_fn(|| s.poll_event()).count(), 4);
     }
 
     #[test]

@@ -14,13 +14,18 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::wire::Group;
 use super::{ConnError, Stats};
 
 /// Control frames the receiver owes the sender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Control {
-    /// Clear-to-send: receive `seq` is posted with `capacity` bytes.
-    Cts { seq: u64, capacity: u64 },
+    /// Clear-to-send: receive `seq` is posted with `capacity` bytes, in `group`.
+    Cts {
+        seq: u64,
+        capacity: u64,
+        group: Group,
+    },
     /// Every message below `delivered` is in place.
     Ack { delivered: u64 },
 }
@@ -52,6 +57,7 @@ pub enum RecvEvent<T> {
 struct Posted<T> {
     seq: u64,
     capacity: u64,
+    group: Group,
     token: T,
     /// Settled, waiting for the receives before it: its length, or why it failed.
     done: Option<Result<u64, ConnError>>,
@@ -93,6 +99,35 @@ impl<T> Default for RecvMachine<T> {
 impl<T> RecvMachine<T> {
     /// Posts a receive of up to `capacity` bytes and owes the sender its CTS.
     pub fn post(&mut self, capacity: u64, token: T) -> u64 {
+        self.post_one(capacity, Group::SINGLE, token)
+    }
+
+    /// Posts a grouped receive: `(capacity, tag, token)` for each of its 1 to
+    /// [`MAX_GROUP`](super::wire::MAX_GROUP) receives. Each is a message of its own with
+    /// its own sequence number; the sender fills them with its next sends by tag. Returns
+    /// the first sequence number.
+    pub fn post_group(&mut self, subs: Vec<(u64, i32, T)>) -> u64 {
+        let first = self.next_seq;
+        let count = u8::try_from(subs.len()).expect("a group holds at most 8 receives");
+        assert!(
+            (1..=super::wire::MAX_GROUP).contains(&count),
+            "a group of {count} receives"
+        );
+        for (index, (capacity, tag, token)) in (0..).zip(subs) {
+            let group = if count == 1 {
+                Group {
+                    tag,
+                    ..Group::SINGLE
+                }
+            } else {
+                Group { tag, index, count }
+            };
+            self.post_one(capacity, group, token);
+        }
+        first
+    }
+
+    fn post_one(&mut self, capacity: u64, group: Group, token: T) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
         if let Some(error) = self.failed.clone() {
@@ -103,10 +138,15 @@ impl<T> RecvMachine<T> {
             self.posted.push_back(Posted {
                 seq,
                 capacity,
+                group,
                 token,
                 done: None,
             });
-            self.ctrl.push_back(Control::Cts { seq, capacity });
+            self.ctrl.push_back(Control::Cts {
+                seq,
+                capacity,
+                group,
+            });
         }
         seq
     }
@@ -264,6 +304,7 @@ impl<T> RecvMachine<T> {
             self.ctrl.push_back(Control::Cts {
                 seq: p.seq,
                 capacity: p.capacity,
+                group: p.group,
             });
         }
         self.delivered
@@ -320,11 +361,13 @@ mod tests {
             vec![
                 Control::Cts {
                     seq: 0,
-                    capacity: 100
+                    capacity: 100,
+                    group: Group::SINGLE,
                 },
                 Control::Cts {
                     seq: 1,
-                    capacity: 0
+                    capacity: 0,
+                    group: Group::SINGLE,
                 }
             ]
         );
@@ -514,11 +557,13 @@ mod tests {
             vec![
                 Control::Cts {
                     seq: 1,
-                    capacity: 100
+                    capacity: 100,
+                    group: Group::SINGLE,
                 },
                 Control::Cts {
                     seq: 2,
-                    capacity: 100
+                    capacity: 100,
+                    group: Group::SINGLE,
                 },
                 Control::Ack { delivered: 1 }
             ]
@@ -558,5 +603,38 @@ mod tests {
             Some(RecvEvent::Failed { token: 'c', .. })
         ));
         assert!(m.poll_transmit().is_none());
+    }
+
+    #[test]
+    fn a_grouped_receive_announces_each_buffer_with_its_tag_again_after_a_lane_change() {
+        let mut m = RecvMachine::default();
+        assert_eq!(m.post_group(vec![(7, 1, 'a')]), 0);
+        assert_eq!(m.post_group(vec![(10, 5, 'b'), (0, 6, 'c')]), 1);
+        let g = |tag, index, count| Group { tag, index, count };
+        let cts = |seq, capacity, group| Control::Cts {
+            seq,
+            capacity,
+            group,
+        };
+        assert_eq!(
+            ctrl(&mut m),
+            vec![
+                cts(0, 7, g(1, 0, 1)),
+                cts(1, 10, g(5, 0, 2)),
+                cts(2, 0, g(6, 1, 2))
+            ]
+        );
+        // The zero-byte buffer is filled first; the group's first still waits.
+        m.handle_data(0, 2, 0).unwrap();
+        m.payload_done(0, 2, 0).unwrap();
+        m.reannounce();
+        assert_eq!(
+            ctrl(&mut m),
+            vec![
+                cts(0, 7, g(1, 0, 1)),
+                cts(1, 10, g(5, 0, 2)),
+                Control::Ack { delivered: 0 }
+            ]
+        );
     }
 }

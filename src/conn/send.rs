@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::wire::Group;
 use super::{ConnError, Stats};
 
 /// How far ahead of the acknowledged point a CTS may reach: far beyond any real window
@@ -48,7 +49,12 @@ pub enum SendEvent<T> {
 
 #[derive(Debug)]
 struct Msg<T> {
-    seq: u64,
+    /// Its place among the sends: the `n`th send fills a receive of the group that
+    /// holds sequence number `n`.
+    ord: u64,
+    /// The receive it fills, once its group is matched; `None` before.
+    seq: Option<u64>,
+    tag: i32,
     len: u64,
     /// `None` once the message failed as truncated: its notice is still owed to the
     /// receiver until acknowledged, its request is settled.
@@ -57,21 +63,39 @@ struct Msg<T> {
     lane: Option<usize>,
 }
 
+/// One receive the receiver announced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Announced {
+    capacity: u64,
+    group: Group,
+    /// A send was matched to it.
+    taken: bool,
+}
+
 /// Sender-side bookkeeping of one comm. `T` is the caller's handle for a message
 /// (its buffer and request); the machine never looks inside it.
+///
+/// Grouped receives: the receiver numbers every receive of a group, and the sends fill
+/// them in order of posting, group by group; inside a group a send takes the first free
+/// receive with its tag (a group of one takes any tag). A send whose tag matches no free
+/// receive of its group fails the comm ([`ConnError::Unmatched`]).
 #[derive(Debug)]
 pub struct SendMachine<T> {
-    /// Posted and not yet acknowledged, in sequence order.
+    /// Posted and not yet acknowledged, in posting order; the matched ones first.
     queue: VecDeque<Msg<T>>,
-    next_seq: u64,
-    /// Receive capacities announced by CTS, by sequence number, from `acked` on.
-    cts: BTreeMap<u64, u64>,
+    next_ord: u64,
+    /// The group the next unmatched send falls in: its first and end sequence numbers.
+    group: (u64, u64),
+    /// Receives announced by CTS, by sequence number, from `acked` on.
+    cts: BTreeMap<u64, Announced>,
     /// Messages the receiver has acknowledged (cumulative).
     acked: u64,
     /// One past the highest sequence number ever transmitted.
     sent_end: u64,
     events: VecDeque<SendEvent<T>>,
     failed: Option<ConnError>,
+    /// A matching failure found while posting, for the owner to fail the comm with.
+    fault: Option<ConnError>,
     pub stats: Stats,
 }
 
@@ -79,41 +103,71 @@ impl<T> Default for SendMachine<T> {
     fn default() -> Self {
         SendMachine {
             queue: VecDeque::new(),
-            next_seq: 0,
+            next_ord: 0,
+            group: (0, 0),
             cts: BTreeMap::new(),
             acked: 0,
             sent_end: 0,
             events: VecDeque::new(),
             failed: None,
+            fault: None,
             stats: Stats::default(),
         }
     }
 }
 
 impl<T> SendMachine<T> {
-    /// Queues a message of `len` bytes; returns its sequence number. On a failed comm the
-    /// message fails at once.
-    pub fn post(&mut self, len: u64, token: T) -> u64 {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        if let Some(error) = self.failed.clone() {
-            self.acked = self.acked.max(seq + 1);
-            self.events
-                .push_back(SendEvent::Failed { seq, token, error });
-        } else {
-            self.queue.push_back(Msg {
-                seq,
-                len,
-                token: Some(token),
-                lane: None,
-            });
-        }
-        seq
+    /// Queues a message of `len` bytes with tag 0.
+    pub fn post(&mut self, len: u64, token: T) {
+        self.post_tagged(len, 0, token);
     }
 
-    /// The receiver posted receive `seq` with `capacity` bytes. Repeats (the receiver
-    /// announces again after a lane change, or over several lanes) are ignored.
+    /// Queues a message of `len` bytes with `tag`, which picks its receive inside a
+    /// grouped receive. On a failed comm the message fails at once. A tag that matches
+    /// no free receive of its group is kept for [`SendMachine::take_fault`].
+    pub fn post_tagged(&mut self, len: u64, tag: i32, token: T) {
+        let ord = self.next_ord;
+        self.next_ord += 1;
+        if let Some(error) = self.failed.clone() {
+            self.events.push_back(SendEvent::Failed {
+                seq: ord,
+                token,
+                error,
+            });
+            return;
+        }
+        self.queue.push_back(Msg {
+            ord,
+            seq: None,
+            tag,
+            len,
+            token: Some(token),
+            lane: None,
+        });
+        if let Err(e) = self.match_sends() {
+            self.fault.get_or_insert(e);
+        }
+    }
+
+    /// A matching failure found by [`SendMachine::post_tagged`]: the comm must fail.
+    pub fn take_fault(&mut self) -> Option<ConnError> {
+        self.fault.take()
+    }
+
+    /// The receiver posted receive `seq` with `capacity` bytes, alone. (Tests.)
+    #[cfg(test)]
     pub fn handle_cts(&mut self, seq: u64, capacity: u64) -> Result<(), ConnError> {
+        self.handle_cts_in(seq, capacity, Group::SINGLE)
+    }
+
+    /// The receiver posted receive `seq` with `capacity` bytes in `group`. Repeats (the
+    /// receiver announces again after a lane change, or over several lanes) are ignored.
+    pub fn handle_cts_in(
+        &mut self,
+        seq: u64,
+        capacity: u64,
+        group: Group,
+    ) -> Result<(), ConnError> {
         if seq < self.acked {
             return Ok(());
         }
@@ -124,15 +178,90 @@ impl<T> SendMachine<T> {
             )));
         }
         match self.cts.get(&seq) {
-            Some(&c) if c != capacity => Err(ConnError::Protocol(format!(
-                "CTS for {seq} announced {c} bytes, now {capacity}"
-            ))),
+            Some(a) if (a.capacity, a.group) != (capacity, group) => {
+                Err(ConnError::Protocol(format!(
+                    "CTS for {seq} announced {} bytes in {:?}, now {capacity} in {group:?}",
+                    a.capacity, a.group
+                )))
+            }
             Some(_) => Ok(()),
             None => {
-                self.cts.insert(seq, capacity);
-                Ok(())
+                self.cts.insert(
+                    seq,
+                    Announced {
+                        capacity,
+                        group,
+                        taken: false,
+                    },
+                );
+                self.match_sends()
             }
         }
+    }
+
+    /// Matches unmatched sends, in posting order, to the receives of their group once
+    /// the receiver has announced the whole group.
+    fn match_sends(&mut self) -> Result<(), ConnError> {
+        if self.failed.is_some() {
+            return Ok(());
+        }
+        while let Some(i) = self.queue.iter().position(|m| m.seq.is_none()) {
+            let (ord, tag) = (self.queue[i].ord, self.queue[i].tag);
+            if ord < self.acked {
+                return Err(ConnError::Protocol(format!(
+                    "ack {} covers receive {ord} before a send filled it",
+                    self.acked
+                )));
+            }
+            // Send `ord` falls in the group holding sequence number `ord`; everything
+            // below the acknowledged point is matched, so its CTS is still kept.
+            let Some(a) = self.cts.get(&ord) else {
+                return Ok(());
+            };
+            let count = u64::from(a.group.count);
+            let first = ord.saturating_sub(u64::from(a.group.index));
+            let (at, end) = self.group;
+            let fits = if ord == end {
+                a.group.index == 0
+            } else {
+                first == at && first + count == end && ord - first == u64::from(a.group.index)
+            };
+            if !fits {
+                return Err(ConnError::Protocol(format!(
+                    "CTS for {ord} places it in {:?}, across the group {at}..{end}",
+                    a.group
+                )));
+            }
+            self.group = (first, first + count);
+            let mut free = Vec::new();
+            for seq in first..first + count {
+                if seq < self.acked {
+                    continue; // delivered, so matched
+                }
+                let Some(b) = self.cts.get(&seq) else {
+                    return Ok(()); // wait for the whole group
+                };
+                if b.group.count != a.group.count || u64::from(b.group.index) != seq - first {
+                    return Err(ConnError::Protocol(format!(
+                        "CTS for {seq} places it in {:?}, not in the group from {first} of {count}",
+                        b.group
+                    )));
+                }
+                if !b.taken {
+                    free.push((seq, b.group.tag));
+                }
+            }
+            let Some(&(seq, _)) = free.iter().find(|&&(_, t)| count == 1 || t == tag) else {
+                let tags: Vec<i32> = free.iter().map(|&(_, t)| t).collect();
+                return Err(ConnError::Unmatched(format!(
+                    "send tag {tag} matches no free receive of the grouped receive {first}..{} (free tags {tags:?})",
+                    first + count
+                )));
+            };
+            self.cts.get_mut(&seq).expect("listed above").taken = true;
+            self.queue[i].seq = Some(seq);
+        }
+        Ok(())
     }
 
     /// The receiver has delivered every message below `delivered`. An ack older than one
@@ -155,15 +284,20 @@ impl<T> SendMachine<T> {
         {
             self.cts.pop_first();
         }
-        while self.queue.front().is_some_and(|m| m.seq < delivered) {
-            let m = self.queue.pop_front().expect("front checked");
+        // Inside a group sends may fill receives out of order: complete every one below.
+        let queue = std::mem::take(&mut self.queue);
+        for m in queue {
+            let Some(seq) = m.seq.filter(|&s| s < delivered) else {
+                self.queue.push_back(m);
+                continue;
+            };
             let Some(token) = m.token else {
                 continue; // a truncation notice: its request failed already
             };
             self.stats.messages += 1;
             self.stats.bytes += m.len;
             self.events.push_back(SendEvent::Completed {
-                seq: m.seq,
+                seq,
                 len: m.len,
                 token,
             });
@@ -171,17 +305,21 @@ impl<T> SendMachine<T> {
         Ok(())
     }
 
-    /// The next thing to put on `lane`: the oldest message not on any lane, once the
-    /// receiver has cleared it. Messages go out in sequence order.
+    /// The next thing to put on `lane`: the oldest matched message not on any lane.
     #[must_use]
     pub fn poll_transmit(&mut self, lane: usize) -> Option<Transmit> {
         if self.failed.is_some() {
             return None;
         }
-        let m = self.queue.iter_mut().find(|m| m.lane.is_none())?;
-        let capacity = *self.cts.get(&m.seq)?;
+        let m = (self.queue.iter_mut()).find(|m| m.lane.is_none() && m.seq.is_some())?;
+        let seq = m.seq.expect("matched");
+        let capacity = self
+            .cts
+            .get(&seq)
+            .expect("a matched receive is kept")
+            .capacity;
         m.lane = Some(lane);
-        let (seq, len) = (m.seq, m.len);
+        let len = m.len;
         self.sent_end = self.sent_end.max(seq + 1);
         if len > capacity {
             if let Some(token) = m.token.take() {
@@ -196,21 +334,16 @@ impl<T> SendMachine<T> {
         Some(Transmit::Data { seq, len })
     }
 
-    /// Whether a message is cleared and waiting for a lane.
+    /// Whether a message is matched and waiting for a lane.
     pub fn wants_lane(&self) -> bool {
-        self.failed.is_none()
-            && self
-                .queue
-                .iter()
-                .find(|m| m.lane.is_none())
-                .is_some_and(|m| self.cts.contains_key(&m.seq))
+        self.failed.is_none() && (self.queue.iter()).any(|m| m.lane.is_none() && m.seq.is_some())
     }
 
     /// The caller's handle of message `seq` while it is unacknowledged.
     pub fn message(&self, seq: u64) -> Option<&T> {
         self.queue
             .iter()
-            .find(|m| m.seq == seq)
+            .find(|m| m.seq == Some(seq))
             .and_then(|m| m.token.as_ref())
     }
 
@@ -251,12 +384,11 @@ impl<T> SendMachine<T> {
 
     /// The comm is lost and will not be restored: every pending message fails.
     pub fn handle_lane_lost(&mut self, error: ConnError) {
-        self.acked = self.next_seq;
         self.cts.clear();
         while let Some(m) = self.queue.pop_front() {
             if let Some(token) = m.token {
                 self.events.push_back(SendEvent::Failed {
-                    seq: m.seq,
+                    seq: m.seq.unwrap_or(m.ord),
                     token,
                     error: error.clone(),
                 });
@@ -525,5 +657,117 @@ mod tests {
         ));
         assert!(m.poll_transmit(0).is_none());
         assert_eq!(m.pending(), 0);
+    }
+
+    fn group(tags: &[i32]) -> impl Iterator<Item = (u64, Group)> + '_ {
+        let count = tags.len() as u8;
+        (0..)
+            .zip(tags)
+            .map(move |(index, &tag)| (u64::from(index), Group { tag, index, count }))
+    }
+
+    #[test]
+    fn a_group_fills_its_receives_by_tag_whatever_the_send_order() {
+        let mut m = SendMachine::default();
+        // Receive 0 alone (any tag), then a group of three at 1..4, then one alone.
+        m.handle_cts_in(
+            0,
+            8,
+            Group {
+                tag: 5,
+                ..Group::SINGLE
+            },
+        )
+        .unwrap();
+        for (i, g) in group(&[10, 20, 30]) {
+            m.handle_cts_in(1 + i, 100, g).unwrap();
+        }
+        m.post_tagged(1, 99, 'x'); // a single receive ignores the tag
+        m.post_tagged(3, 30, 'c');
+        m.post_tagged(1, 10, 'a');
+        assert_eq!(
+            drain(&mut m),
+            vec![
+                Transmit::Data { seq: 0, len: 1 },
+                Transmit::Data { seq: 3, len: 3 },
+                Transmit::Data { seq: 1, len: 1 }
+            ]
+        );
+        m.post_tagged(0, 20, 'b');
+        m.post_tagged(4, 7, 'y');
+        assert_eq!(drain(&mut m), vec![Transmit::Data { seq: 2, len: 0 }]);
+        m.handle_cts_in(4, 4, Group::SINGLE).unwrap();
+        assert_eq!(drain(&mut m), vec![Transmit::Data { seq: 4, len: 4 }]);
+        assert_eq!(m.message(3), Some(&'c'));
+        // Acks are by receive: the receives below 3 complete the sends that filled them.
+        m.handle_ack(3).unwrap();
+        let done: Vec<(u64, char)> = std::iter::from_fn(|| m.poll_event())
+            .map(|e| match e {
+                SendEvent::Completed { seq, token, .. } => (seq, token),
+                SendEvent::Failed { .. } => panic!("{e:?}"),
+            })
+            .collect();
+        assert_eq!(done, vec![(0, 'x'), (1, 'a'), (2, 'b')]);
+        assert_eq!(m.pending(), 2);
+        m.handle_ack(5).unwrap();
+        assert_eq!(std::iter::from_fn(|| m.poll_event()).count(), 2);
+        assert_eq!(m.take_fault(), None);
+    }
+
+    #[test]
+    fn a_group_waits_for_all_its_receives_before_matching() {
+        let mut m = SendMachine::default();
+        m.post_tagged(5, 20, ());
+        let mut cts = group(&[10, 20]);
+        let (i, g) = cts.next().unwrap();
+        m.handle_cts_in(i, 9, g).unwrap();
+        assert!(drain(&mut m).is_empty(), "receive 1's tag is not known yet");
+        let (i, g) = cts.next().unwrap();
+        m.handle_cts_in(i, 9, g).unwrap();
+        assert_eq!(drain(&mut m), vec![Transmit::Data { seq: 1, len: 5 }]);
+    }
+
+    #[test]
+    fn a_send_whose_tag_matches_no_free_receive_fails_the_comm() {
+        // Found when the send is posted after the group's CTS ...
+        let mut m = SendMachine::default();
+        for (i, g) in group(&[10, 20]) {
+            m.handle_cts_in(i, 9, g).unwrap();
+        }
+        m.post_tagged(1, 10, ());
+        assert_eq!(m.take_fault(), None);
+        m.post_tagged(1, 10, ());
+        assert!(matches!(m.take_fault(), Some(ConnError::Unmatched(_))));
+        // ... or when the CTS comes after the sends.
+        let mut m = SendMachine::default();
+        m.post_tagged(1, 7, ());
+        let mut cts = group(&[10, 20]);
+        let (i, g) = cts.next().unwrap();
+        m.handle_cts_in(i, 9, g).unwrap();
+        let (i, g) = cts.next().unwrap();
+        let e = m.handle_cts_in(i, 9, g).unwrap_err();
+        assert!(
+            matches!(e, ConnError::Unmatched(ref s) if s.contains("tag 7")),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_cts_that_contradicts_its_group_is_a_protocol_error() {
+        let mut m = SendMachine::default();
+        m.post_tagged(1, 1, ());
+        let g = |tag, index, count| Group { tag, index, count };
+        // A group must start at the first receive after the last group.
+        let e = m.handle_cts_in(0, 9, g(1, 1, 2)).unwrap_err();
+        assert!(matches!(e, ConnError::Protocol(_)), "{e}");
+        let mut m = SendMachine::default();
+        m.post_tagged(1, 1, ());
+        m.handle_cts_in(1, 9, g(2, 0, 2)).unwrap();
+        let e = m.handle_cts_in(0, 9, g(1, 0, 2)).unwrap_err();
+        assert!(matches!(e, ConnError::Protocol(_)), "{e}");
+        // The same receive announced twice differently.
+        let mut m = SendMachine::<()>::default();
+        m.handle_cts_in(0, 9, g(1, 0, 2)).unwrap();
+        assert!(m.handle_cts_in(0, 9, g(2, 0, 2)).is_err());
     }
 }

@@ -5,7 +5,8 @@
 //!  | "RO" |ver|kind|  aux   |      seq       |      len       | body…
 //! ```
 //! All integers are little-endian except the magic. `len` is the payload length for
-//! `Data`, the receive capacity for `Cts`, the send size for `Truncated`, and the body
+//! `Data`, the receive capacity for `Cts` (its top byte places the receive in a grouped
+//! receive, `aux` is its tag: see [`Group`]), the send size for `Truncated`, and the body
 //! length for the handshake frames (`Hello`, `Challenge`, `Proof`, `Welcome`); see
 //! [`crate::conn::auth`] for how a handshake proves who is calling. Parsing checks every length before it reads, so a
 //! stranger's bytes produce a [`WireError`], never a panic.
@@ -16,13 +17,68 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 pub const MAGIC: [u8; 2] = *b"RO";
 /// Version of this format; a peer speaking another one is refused. 2: authenticated
 /// handshake (`Challenge`, `Proof`), no token on the wire. 3: striped comms (a comm runs
-/// over several lanes at once; `Retire` ends one of them).
-pub const VERSION: u8 = 3;
+/// over several lanes at once; `Retire` ends one of them). 4: grouped receives (a `Cts`
+/// carries its receive's tag and place in a group of up to [`MAX_GROUP`]).
+pub const VERSION: u8 = 4;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
 pub const MAX_BODY: u64 = 4096;
 /// Largest payload one message may carry (NCCL's `maxP2pBytes` bound).
 pub const MAX_DATA: u64 = 1 << 40;
+
+/// Most receives one grouped receive holds (NCCL's `maxRecvs`).
+pub const MAX_GROUP: u8 = 8;
+/// Where a `Cts` keeps its [`Group`]: the top byte of `len`, above any capacity.
+const GROUP_SHIFT: u32 = 56;
+const CAPACITY_MASK: u64 = (1 << GROUP_SHIFT) - 1;
+
+/// A receive's place in a grouped receive (NCCL's `irecv` with `n` buffers): the next
+/// `count` sends fill the group's receives, each the one whose tag equals the send's.
+/// On the wire: `aux` is the tag, the top byte of `len` is `(count - 1) << 4 | index`,
+/// so a single receive's `Cts` reads as a plain capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    pub tag: i32,
+    /// Its position in the group, below `count`.
+    pub index: u8,
+    /// Receives in the group, 1 to [`MAX_GROUP`].
+    pub count: u8,
+}
+
+impl Group {
+    /// A receive of its own: any send's tag fills it (as before grouped receives).
+    pub const SINGLE: Group = Group {
+        tag: 0,
+        index: 0,
+        count: 1,
+    };
+
+    /// The `Cts` header announcing receive `seq` of `capacity` bytes in this group.
+    pub fn cts(self, seq: u64, capacity: u64) -> Header {
+        let g = u64::from((self.count - 1) << 4 | self.index);
+        Header {
+            kind: Kind::Cts,
+            aux: self.tag as u32,
+            seq,
+            len: capacity | g << GROUP_SHIFT,
+        }
+    }
+
+    /// The capacity and group a `Cts` header announces ([`Header::decode`] checked them).
+    pub fn of_cts(h: &Header) -> (u64, Group) {
+        let g = (h.len >> GROUP_SHIFT) as u8;
+        let group = Group {
+            tag: h.aux as i32,
+            index: g & 0xf,
+            count: (g >> 4) + 1,
+        };
+        (h.len & CAPACITY_MASK, group)
+    }
+
+    fn valid(self) -> bool {
+        self.count <= MAX_GROUP && self.index < self.count
+    }
+}
 
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +89,8 @@ pub enum Kind {
     Welcome,
     /// Listener → connector: refused; `aux` = reason.
     Refuse,
-    /// Receiver → sender: receive `seq` is posted with capacity `len`.
+    /// Receiver → sender: receive `seq` is posted with capacity `len`, tag `aux`, as one
+    /// receive of a group ([`Group`]).
     Cts,
     /// Sender → receiver: message `seq`, `len` payload bytes follow.
     Data,
@@ -194,17 +251,20 @@ impl Header {
             seq: le64(8..16),
             len: le64(16..24),
         };
-        let max = match kind {
-            Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Proof => MAX_BODY,
-            Kind::Data | Kind::Cts | Kind::Truncated => MAX_DATA,
-            _ => u64::MAX,
+        let (len, max) = match kind {
+            Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Proof => (h.len, MAX_BODY),
+            Kind::Data | Kind::Truncated => (h.len, MAX_DATA),
+            Kind::Cts => {
+                let (capacity, group) = Group::of_cts(&h);
+                if !group.valid() {
+                    return Err(WireError::Malformed("CTS group"));
+                }
+                (capacity, MAX_DATA)
+            }
+            _ => (h.len, u64::MAX),
         };
-        if h.len > max {
-            return Err(WireError::TooLong {
-                kind,
-                len: h.len,
-                max,
-            });
+        if len > max {
+            return Err(WireError::TooLong { kind, len, max });
         }
         Ok(h)
     }
@@ -463,6 +523,30 @@ mod tests {
             };
             assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }
+    }
+
+    #[test]
+    fn cts_carries_its_group_and_refuses_a_bad_one() {
+        for (count, index, tag) in [(1, 0, 0), (3, 2, -7), (MAX_GROUP, 7, i32::MAX)] {
+            let g = Group { tag, index, count };
+            let h = Header::decode(&g.cts(9, MAX_DATA).encode()).unwrap();
+            assert_eq!(Group::of_cts(&h), (MAX_DATA, g));
+        }
+        // A single receive's CTS is the plain capacity.
+        assert_eq!(Group::SINGLE.cts(4, 100), Header::new(Kind::Cts, 4, 100));
+        let bad = |count: u8, index: u8| {
+            let mut h = Header::new(Kind::Cts, 0, 1);
+            h.len |= u64::from((count - 1) << 4 | index) << GROUP_SHIFT;
+            Header::decode(&h.encode())
+        };
+        assert_eq!(bad(3, 3), Err(WireError::Malformed("CTS group")));
+        assert_eq!(bad(9, 0), Err(WireError::Malformed("CTS group")));
+        assert!(bad(8, 7).is_ok());
+        let over = Header::new(Kind::Cts, 0, MAX_DATA + 1).encode();
+        assert!(matches!(
+            Header::decode(&over),
+            Err(WireError::TooLong { .. })
+        ));
     }
 
     #[test]

@@ -217,6 +217,8 @@ impl Engine {
         let peer_gone = matches!(error, ConnError::PeerClosed);
         if matches!(error, ConnError::Protocol(_)) {
             self.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
+        } else if matches!(error, ConnError::Unmatched(_)) {
+            self.stats.unmatched_sends.fetch_add(1, Ordering::Relaxed);
         } else if !peer_gone {
             self.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
         }
@@ -258,7 +260,7 @@ impl Engine {
     }
 
     /// Fails every request of comm `c`, now and later.
-    fn fail_comm(&mut self, c: usize, error: ConnError, io: &mut dyn Io) {
+    pub(super) fn fail_comm(&mut self, c: usize, error: ConnError, io: &mut dyn Io) {
         // A later replacement lane is refused as gone, so its sender fails too.
         self.forget_recv(c, self.comms[c].session.id());
         let comm = &mut self.comms[c];

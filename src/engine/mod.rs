@@ -107,6 +107,9 @@ pub struct ReactorStats {
     pub duplicates: AtomicU64,
     /// Carrier changes seen on local NICs.
     pub link_events: AtomicU64,
+    /// Sends whose tag matched no free receive of their grouped receive (each fails its
+    /// comm).
+    pub unmatched_sends: AtomicU64,
 }
 
 /// The lanes' sockets, as the reactor lends them to one engine call. `k` is always a
@@ -138,11 +141,13 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// trip or two: the reactor answers a Hello whether or not NCCL has called `accept`.
 const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
 
-/// A message's buffer and the request NCCL tests.
+/// A message's buffer and the request NCCL tests: buffer `sub` of it (a grouped
+/// receive's request holds several).
 #[derive(Debug)]
 pub struct Pending {
     pub buf: UserBuf,
     pub req: Arc<Request>,
+    pub sub: usize,
 }
 
 #[derive(Debug)]
@@ -423,19 +428,64 @@ impl Engine {
         self.dirty.push(k);
     }
 
-    /// A send or receive NCCL posted on `comm`.
-    pub fn post(&mut self, comm: &Arc<CommShared>, side: Side, p: Pending) {
-        let len = p.buf.len() as u64;
+    /// A send or a (grouped) receive NCCL posted on `comm`: its buffers and their tags,
+    /// one for a send.
+    pub fn post(
+        &mut self,
+        comm: &Arc<CommShared>,
+        side: Side,
+        req: &Arc<Request>,
+        bufs: Vec<(UserBuf, i32)>,
+        io: &mut dyn Io,
+    ) {
+        let fail_all = |bufs: Vec<(UserBuf, i32)>, e: Error| {
+            for sub in 0..bufs.len() {
+                req.settle(sub, Err(e.clone()));
+            }
+        };
         let Some(c) = self.comm_of(comm) else {
             let what = match side {
                 Side::Send => "send on a closed comm",
                 Side::Recv => "receive on a closed comm",
             };
-            return p.req.fail(Error::InvalidArgument(what.into()));
+            return fail_all(bufs, Error::InvalidArgument(what.into()));
         };
-        if let Err(p) = self.comms[c].machine.post(side == Side::Send, len, p) {
-            let e = Error::InvalidArgument("send or receive on a comm of the other side".into());
-            return p.req.fail(e);
+        let other = || Error::InvalidArgument("send or receive on a comm of the other side".into());
+        let pending = |(sub, (buf, tag)): (usize, (UserBuf, i32))| {
+            let len = buf.len() as u64;
+            (
+                len,
+                tag,
+                Pending {
+                    buf,
+                    req: req.clone(),
+                    sub,
+                },
+            )
+        };
+        let machine = &mut self.comms[c].machine;
+        let posted = match side {
+            Side::Send => {
+                let mut subs = bufs.into_iter().enumerate().map(pending);
+                match (subs.next(), subs.next()) {
+                    (Some((len, tag, p)), None) => {
+                        machine.post_send(len, tag, p).map_err(|p| vec![p])
+                    }
+                    _ => return req.fail(Error::Internal("a send of several buffers".into())),
+                }
+            }
+            Side::Recv => machine.post_recv(bufs.into_iter().enumerate().map(pending).collect()),
+        };
+        if let Err(ps) = posted {
+            for p in ps {
+                p.req.settle(p.sub, Err(other()));
+            }
+            return;
+        }
+        if let Some(e) = self.comms[c].machine.take_fault() {
+            self.stats.unmatched_sends.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("railover: comm {c} failed: {e}");
+            return self.fail_comm(c, e, io);
         }
         self.pump(c);
     }
@@ -511,10 +561,7 @@ impl Engine {
             }
         }
         while let Some((p, outcome)) = comm.machine.poll_outcome() {
-            match outcome {
-                Ok(len) => p.req.complete(len),
-                Err(e) => p.req.fail(e.into()),
-            }
+            p.req.settle(p.sub, outcome.map_err(Into::into));
         }
     }
 
@@ -586,7 +633,7 @@ impl Engine {
         m.handle_lane_lost(ConnError::PeerClosed);
         while let Some((p, _)) = m.poll_outcome() {
             let e = Error::InvalidArgument("comm closed with the request outstanding".into());
-            p.req.fail(e);
+            p.req.settle(p.sub, Err(e));
         }
         for k in comm.path.openings() {
             self.drop_lane(k, io);

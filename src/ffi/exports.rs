@@ -12,6 +12,7 @@ use super::handle::{
     self, handle_mut, read_at, write, write_opt, COMMS, CONTEXTS, LISTENS, MRS, REQUESTS,
 };
 use super::types::*;
+use crate::handoff::comm::MAX_RECVS;
 use crate::plugin::{self, Error, NetHints, NicInfo, Status};
 use crate::transport::memory::UserBuf;
 
@@ -169,7 +170,7 @@ fn properties(dev: c_int) -> Result<PropertiesV12, Error> {
         port: 0,
         latency: 0.0,
         max_comms: MAX_COMMS,
-        max_recvs: 1,
+        max_recvs: MAX_RECVS as c_int,
         net_device_type: NCCL_NET_DEVICE_HOST,
         net_device_version: 0,
         v_props: VDevicePropsV12 { ndevs: 1, devs },
@@ -414,6 +415,7 @@ unsafe fn do_isend(
     send_comm: Ptr,
     data: Ptr,
     size: usize,
+    tag: c_int,
     mhandle: Ptr,
     request: *mut Ptr,
 ) -> Result<(), Error> {
@@ -430,7 +432,7 @@ unsafe fn do_isend(
     // SAFETY: NCCL keeps `data[..size]` valid and untouched until `test` reports the
     // request done or the comm is closed (the isend contract), as `new` requires.
     let buf = unsafe { UserBuf::new(data, size) };
-    if let Some(req) = plugin::isend(&comm, buf, &mr)? {
+    if let Some(req) = plugin::isend(&comm, buf, tag, &mr)? {
         // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
         unsafe { write(request, REQUESTS.insert(req), "request") }?;
     }
@@ -441,14 +443,14 @@ unsafe extern "C" fn isend_v10(
     send_comm: Ptr,
     data: Ptr,
     size: usize,
-    _tag: c_int,
+    tag: c_int,
     mhandle: Ptr,
     _phandle: Ptr,
     request: *mut Ptr,
 ) -> NcclResult {
     guard("isend", || {
         // SAFETY: the pointers NCCL passed to this entry point, as `do_isend` requires.
-        unsafe { do_isend(send_comm, data, size, mhandle, request) }
+        unsafe { do_isend(send_comm, data, size, tag, mhandle, request) }
     })
 }
 
@@ -456,13 +458,13 @@ unsafe extern "C" fn isend_v9(
     send_comm: Ptr,
     data: Ptr,
     size: usize,
-    _tag: c_int,
+    tag: c_int,
     mhandle: Ptr,
     request: *mut Ptr,
 ) -> NcclResult {
     guard("isend", || {
         // SAFETY: the pointers NCCL passed to this entry point, as `do_isend` requires.
-        unsafe { do_isend(send_comm, data, size, mhandle, request) }
+        unsafe { do_isend(send_comm, data, size, tag, mhandle, request) }
     })
 }
 
@@ -470,7 +472,7 @@ unsafe extern "C" fn isend_v8(
     send_comm: Ptr,
     data: Ptr,
     size: c_int,
-    _tag: c_int,
+    tag: c_int,
     mhandle: Ptr,
     request: *mut Ptr,
 ) -> NcclResult {
@@ -478,19 +480,20 @@ unsafe extern "C" fn isend_v8(
         let size = usize::try_from(size)
             .map_err(|_| Error::InvalidArgument(format!("negative size {size}")))?;
         // SAFETY: the pointers NCCL passed to this entry point, as `do_isend` requires.
-        unsafe { do_isend(send_comm, data, size, mhandle, request) }
+        unsafe { do_isend(send_comm, data, size, tag, mhandle, request) }
     })
 }
 
 /// # Safety
-/// The arrays and `request` as NCCL passes them to `irecv`: NULL or valid for the call;
-/// `data[0]` NULL or valid for the size `size0` returns until the request finishes or
-/// the comm closes.
+/// The arrays and `request` as NCCL passes them to `irecv`: NULL or valid for the call,
+/// of `n` elements (`tags` is not read when `n` is 1); `data[i]` NULL or valid for the
+/// size `size_at(i)` returns until the request finishes or the comm closes.
 unsafe fn do_irecv(
     recv_comm: Ptr,
     n: c_int,
     data: *mut Ptr,
-    size0: impl FnOnce() -> Result<usize, Error>,
+    size_at: impl Fn(usize) -> Result<usize, Error>,
+    tags: *mut c_int,
     mhandles: *mut Ptr,
     request: *mut Ptr,
 ) -> Result<(), Error> {
@@ -498,25 +501,43 @@ unsafe fn do_irecv(
     // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
     unsafe { write(request, std::ptr::null_mut(), "request") }?;
     let comm = COMMS.get(recv_comm)?;
-    if n != 1 {
-        return Err(Error::Internal(format!(
-            "irecv with n={n}: railover reports maxRecvs=1"
-        )));
+    let count = usize::try_from(n)
+        .ok()
+        .filter(|c| (1..=MAX_RECVS).contains(c))
+        .ok_or_else(|| {
+            Error::Internal(format!(
+                "irecv with n={n}: railover takes 1 to maxRecvs={MAX_RECVS}"
+            ))
+        })?;
+    let (mut bufs, mut mrs) = (Vec::with_capacity(count), Vec::with_capacity(count));
+    for i in 0..count {
+        // SAFETY: `data` is NULL or NCCL's array for this call, of `n` elements.
+        let buf = unsafe { read_at(data.cast_const(), i, "data") }?;
+        let size = size_at(i)?;
+        // A single receive takes any send, as before grouped receives: its tag is unused.
+        let tag = if count == 1 {
+            0
+        } else {
+            // SAFETY: `tags` is NULL or NCCL's array for this call, of `n` elements.
+            unsafe { read_at(tags.cast_const(), i, "tags") }?
+        };
+        // SAFETY: `mhandles` is NULL or NCCL's array for this call, of `n` elements.
+        let mr = MRS.get(unsafe { read_at(mhandles.cast_const(), i, "mhandles") }?)?;
+        if buf.is_null() && size > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "NULL data[{i}] with a non-zero size"
+            )));
+        }
+        // SAFETY: NCCL keeps `buf[..size]` valid and leaves it alone until `test` reports
+        // the request done or the comm is closed (the irecv contract), as `new` requires.
+        let ub = unsafe { UserBuf::new(buf, size) };
+        bufs.push((ub, tag));
+        mrs.push(mr);
     }
-    // SAFETY: `data` is NULL or NCCL's array for this call, of one element at least.
-    let buf = unsafe { read_at(data.cast_const(), 0, "data") }?;
-    let size = size0()?;
-    // SAFETY: `mhandles` is NULL or NCCL's array for this call, of one element at least.
-    let mr = MRS.get(unsafe { read_at(mhandles.cast_const(), 0, "mhandles") }?)?;
-    if buf.is_null() && size > 0 {
-        return Err(Error::InvalidArgument(
-            "NULL data with a non-zero size".into(),
-        ));
-    }
-    // SAFETY: NCCL keeps `buf[..size]` valid and leaves it alone until `test` reports the
-    // request done or the comm is closed (the irecv contract), as `new` requires.
-    let ub = unsafe { UserBuf::new(buf, size) };
-    if let Some(req) = plugin::irecv(&comm, ub, &mr)? {
+    let subs = (bufs.into_iter().zip(&mrs))
+        .map(|((b, t), mr)| (b, t, &**mr))
+        .collect();
+    if let Some(req) = plugin::irecv(&comm, subs)? {
         // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
         unsafe { write(request, REQUESTS.insert(req), "request") }?;
     }
@@ -528,23 +549,16 @@ unsafe extern "C" fn irecv_v10(
     n: c_int,
     data: *mut Ptr,
     sizes: *mut usize,
-    _tags: *mut c_int,
+    tags: *mut c_int,
     mhandles: *mut Ptr,
     _phandles: *mut Ptr,
     request: *mut Ptr,
 ) -> NcclResult {
     guard("irecv", || {
+        // SAFETY: `sizes` is NULL or NCCL's array for this call, of `n` elements.
+        let size_at = |i| unsafe { read_at(sizes.cast_const(), i, "sizes") };
         // SAFETY: the pointers NCCL passed to this entry point, as `do_irecv` requires.
-        unsafe {
-            do_irecv(
-                recv_comm,
-                n,
-                data,
-                || read_at(sizes.cast_const(), 0, "sizes"),
-                mhandles,
-                request,
-            )
-        }
+        unsafe { do_irecv(recv_comm, n, data, size_at, tags, mhandles, request) }
     })
 }
 
@@ -553,22 +567,15 @@ unsafe extern "C" fn irecv_v9(
     n: c_int,
     data: *mut Ptr,
     sizes: *mut usize,
-    _tags: *mut c_int,
+    tags: *mut c_int,
     mhandles: *mut Ptr,
     request: *mut Ptr,
 ) -> NcclResult {
     guard("irecv", || {
+        // SAFETY: `sizes` is NULL or NCCL's array for this call, of `n` elements.
+        let size_at = |i| unsafe { read_at(sizes.cast_const(), i, "sizes") };
         // SAFETY: the pointers NCCL passed to this entry point, as `do_irecv` requires.
-        unsafe {
-            do_irecv(
-                recv_comm,
-                n,
-                data,
-                || read_at(sizes.cast_const(), 0, "sizes"),
-                mhandles,
-                request,
-            )
-        }
+        unsafe { do_irecv(recv_comm, n, data, size_at, tags, mhandles, request) }
     })
 }
 
@@ -577,18 +584,18 @@ unsafe extern "C" fn irecv_v8(
     n: c_int,
     data: *mut Ptr,
     sizes: *mut c_int,
-    _tags: *mut c_int,
+    tags: *mut c_int,
     mhandles: *mut Ptr,
     request: *mut Ptr,
 ) -> NcclResult {
     guard("irecv", || {
-        let size0 = || {
-            // SAFETY: `sizes` is NULL or NCCL's array for this call, of one element at least.
-            let s = unsafe { read_at(sizes.cast_const(), 0, "sizes") }?;
+        let size_at = |i| {
+            // SAFETY: `sizes` is NULL or NCCL's array for this call, of `n` elements.
+            let s = unsafe { read_at(sizes.cast_const(), i, "sizes") }?;
             usize::try_from(s).map_err(|_| Error::InvalidArgument(format!("negative size {s}")))
         };
         // SAFETY: the pointers NCCL passed to this entry point, as `do_irecv` requires.
-        unsafe { do_irecv(recv_comm, n, data, size0, mhandles, request) }
+        unsafe { do_irecv(recv_comm, n, data, size_at, tags, mhandles, request) }
     })
 }
 
@@ -617,10 +624,15 @@ unsafe extern "C" fn test(request: Ptr, done: *mut c_int, sizes: *mut c_int) -> 
         match plugin::test(&req) {
             // SAFETY: `done` is NCCL's out-pointer for this call: NULL or writable.
             Ok(Status::Pending) => unsafe { write(done, 0, "done") },
-            Ok(Status::Done(n)) => {
+            Ok(Status::Done(_)) => {
                 REQUESTS.remove(request)?;
-                // SAFETY: `sizes` is NCCL's out-pointer for this call: NULL or writable.
-                unsafe { write_opt(sizes, n.min(c_int::MAX as u64) as c_int) };
+                if !sizes.is_null() {
+                    for (i, n) in req.sizes().enumerate() {
+                        // SAFETY: `sizes` is NCCL's out-array for this call, non-NULL here,
+                        // of one element per buffer of the request.
+                        unsafe { sizes.add(i).write(n.min(c_int::MAX as u64) as c_int) };
+                    }
+                }
                 // SAFETY: `done` is NCCL's out-pointer for this call: NULL or writable.
                 unsafe { write(done, 1, "done") }
             }

@@ -15,6 +15,8 @@ use super::Error;
 
 /// Requests a comm may have in flight (`NCCL_NET_MAX_REQUESTS`, which `ffi` reports).
 pub const NCCL_NET_MAX_REQUESTS: usize = 32;
+/// Buffers one `irecv` may post (`maxRecvs`, which `ffi` reports): a grouped receive.
+pub const MAX_RECVS: usize = crate::conn::wire::MAX_GROUP as usize;
 /// `regMr` pointer types (`NCCL_PTR_HOST`, `NCCL_PTR_CUDA`, which `ffi` reports).
 pub const NCCL_PTR_HOST: i32 = 0x1;
 pub const NCCL_PTR_CUDA: i32 = 0x2;
@@ -94,11 +96,22 @@ impl CommShared {
         self.regions.lock().push(Arc::downgrade(r));
     }
 
-    /// Takes a request slot, or `false` when all [`NCCL_NET_MAX_REQUESTS`] are in use.
+    /// Requests the comm may have in flight: [`NCCL_NET_MAX_REQUESTS`] receives, and as
+    /// many sends as those receives may hold buffers (NCCL's contract: a send comm takes
+    /// `NCCL_NET_MAX_REQUESTS × maxRecvs` isends).
+    pub fn max_requests(&self) -> usize {
+        match self.side {
+            Side::Send => NCCL_NET_MAX_REQUESTS * MAX_RECVS,
+            Side::Recv => NCCL_NET_MAX_REQUESTS,
+        }
+    }
+
+    /// Takes a request slot, or `false` when all [`CommShared::max_requests`] are in use.
     pub(crate) fn try_take_slot(&self) -> bool {
+        let max = self.max_requests();
         self.inflight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < NCCL_NET_MAX_REQUESTS).then_some(n + 1)
+                (n < max).then_some(n + 1)
             })
             .is_ok()
     }

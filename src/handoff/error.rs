@@ -27,7 +27,9 @@ pub enum Error {
 impl From<ConnError> for Error {
     fn from(e: ConnError) -> Error {
         match e {
-            ConnError::Truncated { .. } => Error::InvalidUsage(e.to_string()),
+            ConnError::Truncated { .. } | ConnError::Unmatched(_) => {
+                Error::InvalidUsage(e.to_string())
+            }
             ConnError::Protocol(_) | ConnError::PeerClosed | ConnError::Gone(_) => {
                 Error::Remote(e.to_string())
             }

@@ -40,11 +40,13 @@ pub enum Command {
         comm: Arc<CommShared>,
         req: Arc<Request>,
         buf: UserBuf,
+        tag: i32,
     },
+    /// A receive of one to `MAX_RECVS` buffers, each with its tag (a grouped receive).
     Recv {
         comm: Arc<CommShared>,
         req: Arc<Request>,
-        buf: UserBuf,
+        bufs: Vec<(UserBuf, i32)>,
     },
     /// Closes a comm; `done` is signalled once the reactor holds no reference to any of
     /// the comm's buffers, so NCCL may free them as soon as `closeSend`/`closeRecv` return.
@@ -303,6 +305,7 @@ mod tests {
             comm: comm.clone(),
             req: queued.clone(),
             buf: empty(),
+            tag: 0,
         });
         assert_eq!(q.check(), Ok(()));
         q.poison("on purpose".into());

@@ -15,6 +15,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::config::{Config, TransportChoice};
+use crate::handoff::comm::MAX_RECVS;
 pub use crate::handoff::{
     CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Side,
     Status,
@@ -574,7 +575,7 @@ pub fn reg_mr(
 /// is the caller's mistake and fails at once; a comm whose peer closed or failed still
 /// hands out the request, already failed, so that `test` reports the remote error, as
 /// NCCL's own transports do.
-fn new_request(comm: &Arc<CommShared>) -> Result<Option<Arc<Request>>, Error> {
+fn new_request(comm: &Arc<CommShared>, count: usize) -> Result<Option<Arc<Request>>, Error> {
     comm.queue.check()?;
     if comm.is_closed() {
         return Err(Error::InvalidArgument("comm is closed".into()));
@@ -582,24 +583,26 @@ fn new_request(comm: &Arc<CommShared>) -> Result<Option<Arc<Request>>, Error> {
     if !comm.try_take_slot() {
         return Ok(None);
     }
-    let req = Arc::new(Request::new(comm.clone()));
+    let req = Arc::new(Request::group(comm.clone(), count));
     if let Some(e) = comm.failure() {
         req.fail(e);
     }
     Ok(Some(req))
 }
 
-/// Queues a send; `Ok(None)` when all request slots are busy ("call again").
+/// Queues a send with `tag` (which picks its buffer in a grouped receive); `Ok(None)`
+/// when all request slots are busy ("call again").
 pub fn isend(
     comm: &Arc<CommShared>,
     buf: UserBuf,
+    tag: i32,
     mr: &MemoryRegion,
 ) -> Result<Option<Arc<Request>>, Error> {
     if comm.side != Side::Send {
         return Err(Error::InvalidArgument("isend on a receive comm".into()));
     }
     mr.check(comm, buf.addr(), buf.len())?;
-    let Some(req) = new_request(comm)? else {
+    let Some(req) = new_request(comm, 1)? else {
         return Ok(None);
     };
     if req.is_finished() {
@@ -609,21 +612,31 @@ pub fn isend(
         comm: comm.clone(),
         req: req.clone(),
         buf,
+        tag,
     });
     Ok(Some(req))
 }
 
-/// Queues a receive of up to `buf.len()` bytes; `Ok(None)` when all slots are busy.
+/// Queues a receive of 1 to [`MAX_RECVS`] buffers, each with its tag and registration: a
+/// grouped receive when several, which the next sends fill by tag. `Ok(None)` when all
+/// slots are busy.
 pub fn irecv(
     comm: &Arc<CommShared>,
-    buf: UserBuf,
-    mr: &MemoryRegion,
+    subs: Vec<(UserBuf, i32, &MemoryRegion)>,
 ) -> Result<Option<Arc<Request>>, Error> {
     if comm.side != Side::Recv {
         return Err(Error::InvalidArgument("irecv on a send comm".into()));
     }
-    mr.check(comm, buf.addr(), buf.len())?;
-    let Some(req) = new_request(comm)? else {
+    if !(1..=MAX_RECVS).contains(&subs.len()) {
+        return Err(Error::InvalidArgument(format!(
+            "irecv of {} buffers: railover takes 1 to maxRecvs={MAX_RECVS}",
+            subs.len()
+        )));
+    }
+    for (buf, _, mr) in &subs {
+        mr.check(comm, buf.addr(), buf.len())?;
+    }
+    let Some(req) = new_request(comm, subs.len())? else {
         return Ok(None);
     };
     if req.is_finished() {
@@ -632,7 +645,7 @@ pub fn irecv(
     comm.queue.push(Command::Recv {
         comm: comm.clone(),
         req: req.clone(),
-        buf,
+        bufs: subs.into_iter().map(|(b, tag, _)| (b, tag)).collect(),
     });
     Ok(Some(req))
 }

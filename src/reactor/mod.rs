@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 use slab::Slab;
 
 use crate::conn::wire::NicAddr;
-use crate::engine::{self, Engine, Pending};
+use crate::engine::{self, Engine};
 use crate::handoff::{panic_message, Command, CommandQueue, Error, ListenShared, Side};
 use crate::routing::RoutePublisher;
 use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
@@ -465,12 +465,13 @@ impl<F: Fabric> Reactor<F> {
                 token,
                 pending,
             } => engine.connect(nic, to, &token, &pending, now, io),
-            Command::Send { comm, req, buf } => {
-                engine.post(&comm, Side::Send, Pending { buf, req })
-            }
-            Command::Recv { comm, req, buf } => {
-                engine.post(&comm, Side::Recv, Pending { buf, req })
-            }
+            Command::Send {
+                comm,
+                req,
+                buf,
+                tag,
+            } => engine.post(&comm, Side::Send, &req, vec![(buf, tag)], io),
+            Command::Recv { comm, req, bufs } => engine.post(&comm, Side::Recv, &req, bufs, io),
             Command::CloseComm { comm, done } => {
                 engine.close_comm(&comm, now, io);
                 done.signal();

@@ -404,7 +404,7 @@ impl Sim {
                 None => rx.queue().push(Command::Recv {
                     comm: fl.recv.clone(),
                     req: rreq.clone(),
-                    buf: recv_mem.user_buf(),
+                    bufs: vec![(recv_mem.user_buf(), 0)],
                 }),
             }
             match fl.send.failure() {
@@ -413,6 +413,7 @@ impl Sim {
                     comm: fl.send.clone(),
                     req: sreq.clone(),
                     buf: send_mem.user_buf(),
+                    tag: 0,
                 }),
             }
             let now = self.now;

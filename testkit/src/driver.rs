@@ -330,7 +330,8 @@ pub struct RecvComm(Comm);
 #[derive(Debug)]
 pub struct Request {
     raw: *mut c_void,
-    busy: Arc<AtomicBool>,
+    /// The claims of its buffers: one, or a grouped receive's.
+    busy: Vec<Arc<AtomicBool>>,
     finished: bool,
 }
 
@@ -340,34 +341,48 @@ unsafe impl Send for Request {}
 impl Request {
     /// `Ok(Some(size))` once done; `Ok(None)` while pending.
     pub fn test(&mut self) -> Result<Option<usize>, Code> {
+        Ok(self.test_all()?.map(|sizes| sizes[0]))
+    }
+
+    /// As [`Request::test`], with the size of each buffer (a grouped receive's).
+    pub fn test_all(&mut self) -> Result<Option<Vec<usize>>, Code> {
         if self.finished {
             return Err(Code(railover::ffi::types::NCCL_INVALID_ARGUMENT));
         }
         let mut done = 0;
-        let mut size = 0;
-        // SAFETY: the request came from isend/irecv and is tested until done.
-        let r = unsafe { (table().test)(self.raw, &mut done, &mut size) };
+        let mut sizes: Vec<c_int> = vec![-1; self.busy.len()];
+        // SAFETY: the request came from isend/irecv and is tested until done; `sizes`
+        // has one element per buffer.
+        let r = unsafe { (table().test)(self.raw, &mut done, sizes.as_mut_ptr()) };
         if r != NCCL_SUCCESS || done != 0 {
             self.finished = true;
-            self.busy.store(false, Ordering::Release);
+            for b in &self.busy {
+                b.store(false, Ordering::Release);
+            }
         }
         check(r)?;
-        Ok((done != 0).then_some(size as usize))
+        Ok((done != 0).then(|| sizes.iter().map(|&s| s as usize).collect()))
     }
 }
 
-/// The outcome of an `isend`/`irecv` on `buf`: a request, none yet ("call again"), or the
-/// error; the buffer's claim is released unless a request now holds it.
-fn posted(r: c_int, req: *mut c_void, buf: &Buffer) -> Result<Option<Request>, Code> {
+/// The outcome of an `isend`/`irecv` on `bufs`: a request, none yet ("call again"), or
+/// the error; the buffers' claims are released unless a request now holds them.
+fn posted_all(r: c_int, req: *mut c_void, bufs: &[&Buffer]) -> Result<Option<Request>, Code> {
     if r != NCCL_SUCCESS || req.is_null() {
-        buf.busy.store(false, Ordering::Release);
+        for b in bufs {
+            b.busy.store(false, Ordering::Release);
+        }
     }
     check(r)?;
     Ok((!req.is_null()).then(|| Request {
         raw: req,
-        busy: buf.busy.clone(),
+        busy: bufs.iter().map(|b| b.busy.clone()).collect(),
         finished: false,
     }))
+}
+
+fn posted(r: c_int, req: *mut c_void, buf: &Buffer) -> Result<Option<Request>, Code> {
+    posted_all(r, req, &[buf])
 }
 
 impl SendComm {
@@ -378,6 +393,16 @@ impl SendComm {
     /// Sends the first `len` bytes of `buf`; `Ok(None)` means "no slot now, call again".
     /// Panics if `buf` is still used by another request or `len` exceeds it.
     pub fn isend(&self, buf: &Buffer, len: usize) -> Result<Option<Request>, Code> {
+        self.isend_tagged(buf, len, 0)
+    }
+
+    /// As [`SendComm::isend`], with `tag` (which picks the buffer of a grouped receive).
+    pub fn isend_tagged(
+        &self,
+        buf: &Buffer,
+        len: usize,
+        tag: i32,
+    ) -> Result<Option<Request>, Code> {
         assert!(len <= buf.len(), "send longer than its buffer");
         assert!(buf.claim(), "buffer already in use by a request");
         let mut req = std::ptr::null_mut();
@@ -388,7 +413,7 @@ impl SendComm {
                 self.0.raw,
                 buf.data.as_ptr() as *mut c_void,
                 len,
-                0,
+                tag,
                 buf.mr,
                 std::ptr::null_mut(),
                 &mut req,
@@ -444,6 +469,42 @@ impl RecvComm {
             )
         };
         posted(r, req, buf)
+    }
+
+    /// A grouped receive: one `irecv` of every `(buffer, capacity, tag)`, which the next
+    /// sends fill by tag; `Ok(None)` means "call again".
+    pub fn irecv_group(
+        &self,
+        bufs: &mut [(&mut Buffer, usize, i32)],
+    ) -> Result<Option<Request>, Code> {
+        for (buf, capacity, _) in bufs.iter() {
+            assert!(*capacity <= buf.len(), "receive larger than its buffer");
+            assert!(buf.claim(), "buffer already in use by a request");
+        }
+        let mut data: Vec<*mut c_void> = (bufs.iter_mut())
+            .map(|(b, _, _)| b.data.as_mut_ptr() as *mut c_void)
+            .collect();
+        let mut sizes: Vec<usize> = bufs.iter().map(|(_, c, _)| *c).collect();
+        let mut tags: Vec<c_int> = bufs.iter().map(|(_, _, t)| *t).collect();
+        let mut mrs: Vec<*mut c_void> = bufs.iter().map(|(b, _, _)| b.mr).collect();
+        let mut phandles = vec![std::ptr::null_mut(); bufs.len()];
+        let mut req = std::ptr::null_mut();
+        // SAFETY: arrays of `bufs.len()` elements; the buffers stay alive and untouched
+        // until `test` reports done.
+        let r = unsafe {
+            (table().irecv)(
+                self.0.raw,
+                bufs.len() as c_int,
+                data.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                tags.as_mut_ptr(),
+                mrs.as_mut_ptr(),
+                phandles.as_mut_ptr(),
+                &mut req,
+            )
+        };
+        let held: Vec<&Buffer> = bufs.iter().map(|(b, _, _)| &**b).collect();
+        posted_all(r, req, &held)
     }
 
     pub fn close(mut self) -> Result<(), Code> {

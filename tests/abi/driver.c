@@ -329,6 +329,29 @@ static ncclResult_t net_irecv(void* rc, void* data, size_t cap, int tag, void* m
   return P.v8->irecv(rc, 1, datas, isizes, tags, mhs, req);
 }
 
+/* Grouped receive of n buffers (1 <= n <= maxRecvs), one tag and capacity each. */
+static ncclResult_t net_irecvn(void* rc, int n, void** data, const size_t* caps, const int* tag,
+                               void** mh, void** req) {
+  void* datas[PROXY_MAX_SUBS] = {0};
+  size_t sizes[PROXY_MAX_SUBS] = {0};
+  int isizes[PROXY_MAX_SUBS] = {0};
+  int tags[PROXY_MAX_SUBS] = {0};
+  void* mhs[PROXY_MAX_SUBS] = {0};
+  void* phs[PROXY_MAX_SUBS] = {0};
+  for (int i = 0; i < n; i++) {
+    datas[i] = data[i];
+    sizes[i] = caps[i];
+    isizes[i] = (int)caps[i];
+    tags[i] = tag[i];
+    mhs[i] = mh[i];
+  }
+  if (P.v == 12) return P.v12->irecv(rc, n, datas, sizes, tags, mhs, phs, req);
+  if (P.v == 11) return P.v11->irecv(rc, n, datas, sizes, tags, mhs, phs, req);
+  if (P.v == 10) return P.v10->irecv(rc, n, datas, sizes, tags, mhs, phs, req);
+  if (P.v == 9) return P.v9->irecv(rc, n, datas, sizes, tags, mhs, req);
+  return P.v8->irecv(rc, n, datas, isizes, tags, mhs, req);
+}
+
 static ncclResult_t net_iflush(void* rc, void* data, int size, void* mh, void** req) {
   void* datas[PROXY_MAX_SUBS] = {data};
   int sizes[PROXY_MAX_SUBS] = {size};
@@ -1394,6 +1417,121 @@ out:
   if (rc) CHECK(t, (r = net_close_recv(rc)) == ncclSuccess, "closeRecv = %d", r);
 }
 
+/* A grouped receive of maxRecvs buffers on one thread, as NCCL's shared comms use it: the
+ * sends come in reverse tag order, each with its own size (one of zero bytes), and each must
+ * land in the buffer with its tag; test() reports one size per buffer. */
+static void test_grouped_receive(void* ctx, test_t* t) {
+  enum { CAP = 4096, MAXN = 8 };
+  int n = P.maxRecvs < MAXN ? P.maxRecvs : MAXN;
+  if (n < 2) {
+    note("grouped receive skipped: the plugin reports maxRecvs=%d", P.maxRecvs);
+    return;
+  }
+  note("grouped receive of %d buffers", n);
+  unsigned char handle[NCCL_NET_HANDLE_MAXSIZE];
+  memset(handle, 0xCD, sizeof handle);
+  void *lc = NULL, *sc = NULL, *rc = NULL;
+  unsigned char* sbuf[MAXN] = {0};
+  unsigned char* rbuf[MAXN] = {0};
+  void* smh[MAXN] = {0};
+  void* rmh[MAXN] = {0};
+  void* sreq[MAXN] = {0};
+  int sdone[MAXN] = {0};
+  void* rdata[MAXN] = {0};
+  size_t caps[MAXN], want[MAXN];
+  int tags[MAXN];
+  void* rreq = STALE;
+  int rdone = 0, got[PROXY_MAX_SUBS];
+  for (int i = 0; i < PROXY_MAX_SUBS; i++) got[i] = -1;
+  ncclResult_t r = net_listen(ctx, 0, handle, &lc);
+  if (!CHECK(t, r == ncclSuccess && lc != NULL, "listen(dev 0) = %d", r)) return;
+  double deadline = now_s() + SETUP_DEADLINE_S;
+  while (!sc || !rc) {
+    if (!sc && !CHECK(t, net_connect(ctx, 0, handle, &sc, NULL) == ncclSuccess, "connect"))
+      goto out;
+    if (!rc && !CHECK(t, net_accept(lc, &rc, NULL) == ncclSuccess, "accept")) goto out;
+    if (now_s() > deadline) {
+      test_fail(t, "connect/accept did not finish in %d s", SETUP_DEADLINE_S);
+      goto out;
+    }
+    if (!sc || !rc) sched_yield();
+  }
+  for (int i = 0; i < n; i++) {
+    caps[i] = CAP;
+    want[i] = i == 1 ? 0 : (size_t)(100 * i + 7);
+    tags[i] = 1000 + 3 * i;
+    sbuf[i] = malloc(CAP);
+    rbuf[i] = malloc(CAP + GUARD);
+    if (!CHECK(t, sbuf[i] && rbuf[i], "out of memory")) goto bufs;
+    fill_pattern(sbuf[i], want[i], msg_key(0x30, 0, (uint32_t)i));
+    memset(rbuf[i], GUARD_BYTE, CAP + GUARD);
+    rdata[i] = rbuf[i];
+    r = net_regmr(sc, sbuf[i], CAP, NCCL_PTR_HOST, &smh[i]);
+    if (!CHECK(t, r == ncclSuccess, "regMr(sendComm) = %d", r)) goto bufs;
+    r = net_regmr(rc, rbuf[i], CAP, NCCL_PTR_HOST, &rmh[i]);
+    if (!CHECK(t, r == ncclSuccess, "regMr(recvComm) = %d", r)) goto bufs;
+  }
+  r = net_irecvn(rc, n, rdata, caps, tags, rmh, &rreq);
+  if (!CHECK(t, r == ncclSuccess && rreq != STALE && rreq != NULL,
+             "irecv(n=%d) = %d, *request %p", n, r, rreq))
+    goto bufs;
+  deadline = now_s() + SETUP_DEADLINE_S;
+  for (;;) {
+    int all = rdone;
+    for (int j = 0; j < n; j++) {
+      int i = n - 1 - j; /* reverse tag order */
+      if (!sreq[i] && !sdone[i]) {
+        void* q = STALE;
+        r = net_isend(sc, sbuf[i], want[i], tags[i], smh[i], NULL, &q);
+        if (!CHECK(t, r == ncclSuccess && q != STALE, "isend(tag %d) = %d", tags[i], r))
+          goto bufs;
+        sreq[i] = q;
+      }
+      if (sreq[i] && !sdone[i]) {
+        int d = 0;
+        r = net_test(sreq[i], &d, NULL);
+        if (!CHECK(t, r == ncclSuccess, "test(send tag %d) = %d", tags[i], r)) goto bufs;
+        sdone[i] = d;
+      }
+      all = all && sdone[i];
+    }
+    if (!rdone) {
+      r = net_test(rreq, &rdone, got);
+      if (!CHECK(t, r == ncclSuccess, "test(grouped recv) = %d", r)) goto bufs;
+    }
+    if (all && rdone) break;
+    if (now_s() > deadline) {
+      test_fail(t, "grouped receive of %d did not complete in %d s (recv %s)", n,
+                SETUP_DEADLINE_S, rdone ? "done" : "pending");
+      goto bufs;
+    }
+    sched_yield();
+  }
+  for (int i = 0; i < n; i++) {
+    CHECK(t, got[i] == (int)want[i], "buffer %d (tag %d): test reported %d bytes, sent %zu", i,
+          tags[i], got[i], want[i]);
+    long long bad = check_pattern(rbuf[i], want[i], msg_key(0x30, 0, (uint32_t)i));
+    CHECK(t, bad < 0, "buffer %d (tag %d): payload differs at byte %lld", i, tags[i], bad);
+    CHECK(t, check_bytes(rbuf[i] + want[i], CAP + GUARD - want[i], GUARD_BYTE) < 0,
+          "buffer %d: written past the %zu bytes sent to it", i, want[i]);
+  }
+  CHECK(t, got[n] == -1, "test wrote sizes[%d], past the %d buffers", n, n);
+bufs:
+  for (int i = 0; i < n; i++) {
+    if (smh[i]) net_deregmr(sc, smh[i]);
+    if (rmh[i]) net_deregmr(rc, rmh[i]);
+  }
+out:
+  if (lc) net_close_listen(lc);
+  if (sc) CHECK(t, (r = net_close_send(sc)) == ncclSuccess, "closeSend = %d", r);
+  if (rc) CHECK(t, (r = net_close_recv(rc)) == ncclSuccess, "closeRecv = %d", r);
+  /* After the closes: the plugin holds none of these buffers any more. */
+  for (int i = 0; i < n; i++) {
+    free(sbuf[i]);
+    free(rbuf[i]);
+  }
+}
+
 /* regMr on the main comm: host accepted, CUDA refused, deregMr(NULL) accepted. */
 static void test_regmr(void* comm, int is_send, test_t* t) {
   size_t len = 3 * 65536;
@@ -2104,6 +2242,10 @@ static int run(const char* so, int is_recv, uint64_t seed, ctl_t* ctl, ctl_t thr
 
   test_begin(&t, "loopback_one_thread");
   test_loopback_one_thread(ctx, &t);
+  test_end(&t);
+
+  test_begin(&t, "grouped_receive");
+  test_grouped_receive(ctx, &t);
   test_end(&t);
 
   test_begin(&t, "connect");
