@@ -17,7 +17,7 @@
 #         down on the sender (all on rxe2) 4 s. Each: every byte once and in order, no
 #         failed request, the carrier reaching the engine, failover and fail-back lines;
 #   kp    the sender SIGKILLed mid-stream: the receiver fails every comm with
-#         ncclSystemError/ncclRemoteError within completion + probe timeout + 2 s;
+#         ncclSystemError/ncclRemoteError within completion + probe timeout + 4 s;
 #   abi   tests/abi/driver.c (ncclNetPlugin_v12) against the built .so in guest a, its
 #         two processes' lanes over rxe.
 # On a failed check the tier ends with the failed steps' log lines from both guests.
@@ -280,19 +280,20 @@ want pb && scn pb 18701 - : --comms 1 --size 1M --depth 4 --seconds 4 --grace 5 
 # Latency against ib_write_lat: round trips of 8 bytes.
 want pl && pp pl 18710 --rounds 40 --ping-size 8
 # Faults, each on three comms (one per rail) sending 256 KiB messages; eth<i> is rxe<i>'s
-# netdev, so its carrier loss must reach the engine as rxe<i>'s.
-F="--per-dev 1 --size 256K --depth 4 --grace 8 --tick-ms 1000"
+# netdev, so its carrier loss must reach the engine as rxe<i>'s. Fail-back came 4-11 s
+# after the link returned here, so each window runs 12 s or more past the outage.
+F="--per-dev 1 --size 256K --depth 4 --grace 6 --tick-ms 1000"
 # The sender's rail 0 down for 4 s: failover striped over both survivors, then fail-back.
-want fo && scn fo 18702 b 'sleep 3; links down eth0; sleep 4; links up eth0' $F --seconds 20
+want fo && scn fo 18702 b 'sleep 3; links down eth0; sleep 4; links up eth0' $F --seconds 22
 # The receiver's rail 0 down for 3 s.
-want rd && scn rd 18703 a 'sleep 3; links down eth0; sleep 3; links up eth0' $F --seconds 15
+want rd && scn rd 18703 a 'sleep 3; links down eth0; sleep 3; links up eth0' $F --seconds 20
 # Rail 0 down on both guests at once (each 3 s after its own end connected).
-want bd && scn bd 18704 ab 'sleep 3; links down eth0; sleep 3; links up eth0' $F --seconds 15
+want bd && scn bd 18704 ab 'sleep 3; links down eth0; sleep 3; links up eth0' $F --seconds 20
 # Flapping: the sender's rail 0 down and up three times, about a second each.
 want fl && scn fl 18705 b 'sleep 3; for k in 1 2 3; do links down eth0; sleep 1; links up eth0; sleep 1; done' \
     $F --seconds 17
 # Two NICs down on the sender: everything on rxe2 for 4 s, then both return.
-want tw && scn tw 18706 b 'sleep 3; links down eth0 eth1; sleep 4; links up eth0 eth1' $F --seconds 18
+want tw && scn tw 18706 b 'sleep 3; links down eth0 eth1; sleep 4; links up eth0 eth1' $F --seconds 22
 # The sender SIGKILLed mid-stream: the receiver must fail its comms, not hang.
 want kp && scn kp 18707 b 'sleep 3; kill -9 $p; echo "VT: kp sender killed $(now)s"' \
     --per-dev 1 --size 256K --depth 4 --grace 4 --tick-ms 250 --seconds 15
@@ -501,7 +502,9 @@ check bd "rail 0 down on both sides: traffic failed back onto rail 0" has 'VT: b
 exactly_once fl "flapping rail 0 (3 x 1 s)"
 cuts_seen() { [ "$(grep -ac "VT: $1.err| .*NIC $2 lost its link" "$3")" -ge "$4" ]; }
 check fl "flapping rail 0: the engine saw every cut" cuts_seen fl rxe0 "$b" 3
-check fl "flapping rail 0: a comm failed over off rail 0" has 'VT: fl.err\| .*failover comm=[0-9]+ rxe0->' "$b"
+# A flap can take a lane down while its comm is already striped elsewhere, which logs
+# the lane's failure and no failover line of rxe0's own.
+check fl "flapping rail 0: the cuts took traffic off rail 0 (a lane on rxe0 failed)" has 'VT: fl.err\| .*(failover comm=[0-9]+ rxe0->|comm [0-9]+: lane on nic0 -> [^ ]* failed)' "$b"
 # tw: rxe0 and rxe1 down on the sender for 4 s.
 exactly_once tw "two NICs down"
 check tw "two NICs down: the engine saw rxe0 and rxe1 go down" sh -c "grep -aq 'VT: tw.err| .*NIC rxe0 lost its link' '$b' && grep -aq 'VT: tw.err| .*NIC rxe1 lost its link' '$b'"
@@ -511,8 +514,9 @@ check tw "two NICs down: traffic failed back when they returned" has 'VT: tw.err
 timeout_ms=$(grep -ao 'VT: completion timeout [0-9]*' "$a" | grep -o '[0-9]*$' | tail -1)
 probe_ms=$(grep -ao 'probe timeout [0-9]*' "$a" | grep -o '[0-9]*$' | tail -1)
 # The receiver hears the lanes close at once, then waits a completion timeout and a
-# probe for a replacement lane before it fails the comm (seen: 5.2-5.3 s of 7 s).
-kp_bound=$((${timeout_ms:-3000} + ${probe_ms:-2000} + 2000))
+# probe for a replacement lane before it fails the comm (seen: 5.2-6.0 s); 4 s more for
+# a slow, shared host.
+kp_bound=$((${timeout_ms:-3000} + ${probe_ms:-2000} + 4000))
 kp_last_data=$(grep -ao 'VT: kp| last data .*' "$a" | grep -o '"t":[0-9]*' | sed 's/.*://' | tail -1)
 kp_last_err=$(grep -ao 'VT: kp| {"event":"error".*' "$a" | grep -o '"t":[0-9]*' | sed 's/.*://' | sort -n | tail -1)
 kp_after=$(( ${kp_last_err:-0} - ${kp_last_data:-0} ))
@@ -521,7 +525,7 @@ kp_settled() { [ "$(field_of kp failed "$a")" = 3 ] && [ "$(field_of kp stalled 
 check kp "killed sender: the receiver failed every comm, none left stalled" kp_settled
 check kp "killed sender: the receiver's errors are ncclSystemError/ncclRemoteError only" sh -c "grep -ao 'VT: kp| {\"event\":\"summary\".*' '$a' | grep -qE '\"codes\":\[(\[[26],[0-9]+\],?)+\]'"
 kp_prompt() { [ -n "$kp_last_data" ] && [ -n "$kp_last_err" ] && [ "$kp_after" -le "$kp_bound" ]; }
-check kp "killed sender: the last error within completion + probe timeout + 2 s of the last data" kp_prompt
+check kp "killed sender: the last error within completion + probe timeout + 4 s of the last data" kp_prompt
 fpbytes=$(field_of fp bytes "$a")
 pbbytes=$(field_of pb bytes "$a")
 fobytes=$(field_of fo bytes "$a")
@@ -537,7 +541,7 @@ ran pb && echo "verbs tier: throughput ratio: one comm, 1 MiB messages, depth 4 
 pl_us=$(grep -ao 'VT: pl| {"event":"pingpong".*' "$b" | grep -o '"one_way_us":[0-9.]*' | sed 's/.*://' | tail -1)
 ratio_lat=$(awk "BEGIN { l = ${lat_us:-0}; if (l > 0 && \"${pl_us}\" != \"\") printf \"%.2f\", ${pl_us:-0} / l; else print \"?\" }")
 ran pl && echo "verbs tier: latency ratio: 8 B ping-pong, one comm each way on rxe0: ${pl_us:-?} us one way (half the round trip) vs ib_write_lat ${lat_us:-?} us: railover/ib_write_lat = $ratio_lat"
-ran fo && echo "verbs tier: failover over verbs lanes (eth0 down 4 s on the sender): ${fobytes:-?} bytes verified in a 20 s window; ${fomove:-no failover line}; ${foback:-no failback line}"
+ran fo && echo "verbs tier: failover over verbs lanes (eth0 down 4 s on the sender): ${fobytes:-?} bytes verified in a 22 s window; ${fomove:-no failover line}; ${foback:-no failback line}"
 ran kp && echo "verbs tier: killed sender: the receiver's last error $kp_after ms after its last data (bound $kp_bound ms)"
 costs=""
 for s in fp pb pl fo rd bd fl tw kp abi; do ran $s && costs="$costs $s $(cost_of $s)s"; done
