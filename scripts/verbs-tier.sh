@@ -201,8 +201,8 @@ links() { # down|up NETDEV...: a cut (or its end) on this guest, stamped
 #   scn NAME PORT SIDES FAULT OPTIONS...
 # The sender's stdin stays open, so it closes its comms --grace seconds after its END.
 # FAULT runs (eval) on the guests named in SIDES once that guest's end is connected; $p
-# is the local fault-peer. Prints "VT: NAME rc=R Ts" (T: the step's
-# cost in guest seconds); its output stays in /tmp/NAME and /tmp/NAME.err.
+# is the local fault-peer. Prints "VT: NAME rc=R Ts" (T: what the step cost this guest,
+# in seconds); its output stays in /tmp/NAME and /tmp/NAME.err.
 steps=""
 scn() {
     name=$1 port=$2 sides=$3 fault=$4
