@@ -38,6 +38,8 @@ struct Opts {
     grace: f64,
     tick: Duration,
     addr: Option<SocketAddr>,
+    rounds: u64,
+    ping_size: usize,
 }
 
 /// Test machinery for `tests/fault.rs` and the demo, hence hidden from `railover --help`.
@@ -85,6 +87,12 @@ pub struct Args {
     /// tcp-send: address to connect to
     #[arg(long, value_name = "IP:PORT", overrides_with = "bind")]
     pub to: Option<SocketAddr>,
+    /// ping/pong: timed round trips, after 3 untimed ones (both ends need the same)
+    #[arg(long, value_name = "N", default_value_t = 100, value_parser = at_least(1))]
+    pub rounds: usize,
+    /// ping/pong: bytes each way per round trip (no header: any size from 1)
+    #[arg(long, value_name = "BYTES", default_value = "8", value_parser = ping_size)]
+    pub ping_size: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -93,6 +101,11 @@ pub enum Role {
     Recv,
     /// Read `handle` lines and then `go` from stdin, connect, send
     Send,
+    /// Latency: one comm each way on the first of --devs (default 0); print the
+    /// `handle`, read the peer's and `go` from stdin, then time --rounds round trips
+    Ping,
+    /// The other end of ping: echo every message back
+    Pong,
     /// Plain TCP sink on --bind (testbed self-checks)
     TcpRecv,
     /// Plain TCP source to --to (testbed self-checks)
@@ -123,6 +136,11 @@ fn message_size(v: &str) -> Result<usize, String> {
     usize::try_from(n).map_err(|e| e.to_string())
 }
 
+fn ping_size(v: &str) -> Result<usize, String> {
+    let n = crate::size::parse_within(v, 1, 1 << 30)?;
+    usize::try_from(n).map_err(|e| e.to_string())
+}
+
 fn non_negative(v: &str) -> Result<f64, String> {
     match v.parse::<f64>() {
         Ok(s) if s >= 0.0 && s.is_finite() => Ok(s),
@@ -144,6 +162,8 @@ impl From<&Args> for Opts {
             tick: Duration::from_millis(a.tick_ms),
             // Either names the one address the role uses, as before.
             addr: a.bind.or(a.to),
+            rounds: a.rounds as u64,
+            ping_size: a.ping_size,
         }
     }
 }
@@ -153,6 +173,8 @@ pub fn run(a: &Args) -> i32 {
     match a.role {
         Role::Recv => receiver(&opts),
         Role::Send => sender(&opts),
+        Role::Ping => pingpong(&opts, true),
+        Role::Pong => pingpong(&opts, false),
         Role::TcpRecv => tcp_recv(&opts),
         Role::TcpSend => tcp_send(&opts),
     }
@@ -995,6 +1017,193 @@ fn sender(o: &Opts) -> i32 {
     code
 }
 
+// ---- ping/pong: round-trip latency -------------------------------------------------
+
+/// Untimed round trips before the timed ones (first-message lane setup, cold caches).
+const WARM_ROUNDS: u64 = 3;
+/// How long one post or one request may take before the round trip counts as failed.
+const ROUND_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Both ends listen and connect, so each has a comm either way; ping sends round `k`'s
+/// bytes and waits for them to come back, pong echoes. Ping prints `{pingpong rounds
+/// size round_trip_us one_way_us}` (one way: half the round trip, as ib_write_lat
+/// reports), or `{pingpong-failed round error}`; exit 0, 3 on a failed round, 4 setup.
+fn pingpong(o: &Opts, ping: bool) -> i32 {
+    let setup = || -> Result<(Ctx, SendComm, RecvComm), String> {
+        let ctx = Ctx::init().map_err(|e| format!("init: {e}"))?;
+        let ndev = describe_devices(&ctx)
+            .map_err(|e| format!("devices: {e}"))?
+            .len();
+        let dev = o
+            .devs
+            .as_ref()
+            .and_then(|d| d.first().copied())
+            .unwrap_or(0);
+        if dev >= ndev {
+            return Err(format!("device {dev} of {ndev}"));
+        }
+        let dev = dev as i32;
+        let (h, listener) = ctx
+            .listen(dev)
+            .map_err(|e| format!("listen dev {dev}: {e}"))?;
+        say(&Event::Handle(Handle::new(0, dev, &h)));
+        say(&Event::Listening { comms: 1 });
+        let mut handles = read_handles()?;
+        let [(_, _, peer)] = handles.as_mut_slice() else {
+            return Err(format!("want the peer's one handle, got {}", handles.len()));
+        };
+        // Both at once: each end's connect completes only once the other accepts.
+        let end = Instant::now() + Duration::from_secs(30);
+        let (mut send, mut recv) = (None, None);
+        while send.is_none() || recv.is_none() {
+            if Instant::now() > end {
+                return Err("connect/accept timed out".into());
+            }
+            if send.is_none() {
+                send = ctx
+                    .connect(dev, peer)
+                    .map_err(|e| format!("connect dev {dev}: {e}"))?;
+            }
+            if recv.is_none() {
+                recv = listener.accept().map_err(|e| format!("accept: {e}"))?;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok((ctx, send.expect("connected"), recv.expect("accepted")))
+    };
+    let (ctx, send, recv) = match setup() {
+        Ok(x) => x,
+        Err(e) => {
+            setup_failed(e);
+            return 4;
+        }
+    };
+    let size = o.ping_size;
+    let bufs = send
+        .register(size)
+        .and_then(|s| Ok((s, recv.register(size)?)));
+    let Ok((mut sbuf, mut rbuf)) = bufs else {
+        setup_failed("regMr failed".into());
+        return 4;
+    };
+    say(&Event::Connected {
+        comms: 1,
+        t: unix_ms(),
+    });
+    let mut t0 = Instant::now();
+    for round in 0..WARM_ROUNDS + o.rounds {
+        if round == WARM_ROUNDS {
+            t0 = Instant::now();
+        }
+        let r = if ping {
+            ping_round(&send, &recv, &mut sbuf, &mut rbuf, round)
+        } else {
+            pong_round(&send, &recv, &mut sbuf, &mut rbuf)
+        };
+        if let Err(error) = r {
+            let line =
+                serde_json::json!({"event": "pingpong-failed", "round": round, "error": error});
+            println!("{line}");
+            return 3;
+        }
+    }
+    if ping {
+        let rt = t0.elapsed().as_secs_f64() * 1e6 / o.rounds as f64;
+        let line = serde_json::json!({
+            "event": "pingpong",
+            "rounds": o.rounds,
+            "size": size,
+            "round_trip_us": (rt * 10.0).round() / 10.0,
+            "one_way_us": (rt * 5.0).round() / 10.0,
+        });
+        println!("{line}");
+    }
+    // Let the peer see its last message before the comms close under it.
+    std::thread::sleep(Duration::from_millis(200));
+    drop((send, recv));
+    let _ = ctx.finalize();
+    0
+}
+
+/// Posts with `post` until the plugin takes the request, within [`ROUND_PATIENCE`].
+fn post_until(mut post: impl FnMut() -> Result<Option<Request>, Code>) -> Result<Request, String> {
+    let end = Instant::now() + ROUND_PATIENCE;
+    let mut backoff = Backoff::default();
+    loop {
+        if let Some(r) = post().map_err(|e| format!("post: {e}"))? {
+            return Ok(r);
+        }
+        if Instant::now() > end {
+            return Err("the plugin took no request".into());
+        }
+        backoff.idle();
+    }
+}
+
+/// Tests `req` until it completes; its size.
+fn complete(req: &mut Request) -> Result<usize, String> {
+    let end = Instant::now() + ROUND_PATIENCE;
+    let mut backoff = Backoff::default();
+    loop {
+        if let Some(n) = req.test().map_err(|e| format!("test: {e}"))? {
+            return Ok(n);
+        }
+        if Instant::now() > end {
+            return Err("a request did not complete".into());
+        }
+        backoff.idle();
+    }
+}
+
+/// The bytes of round `round`: they change every round, so a stale echo shows.
+fn round_bytes(buf: &mut [u8], round: u64) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (round as usize).wrapping_mul(31).wrapping_add(i) as u8;
+    }
+}
+
+fn ping_round(
+    send: &SendComm,
+    recv: &RecvComm,
+    sbuf: &mut Buffer,
+    rbuf: &mut Buffer,
+    round: u64,
+) -> Result<(), String> {
+    let size = sbuf.len();
+    round_bytes(sbuf.bytes_mut().expect("free buffer"), round);
+    let mut r = post_until(|| recv.irecv(rbuf, size))?;
+    let mut s = post_until(|| send.isend(sbuf, size))?;
+    complete(&mut s)?;
+    let n = complete(&mut r)?;
+    drop(r);
+    let mut want = vec![0u8; size];
+    round_bytes(&mut want, round);
+    if n != size || rbuf.bytes().expect("completed buffer is free") != &want[..] {
+        return Err(format!("the echo of round {round} differs ({n} bytes)"));
+    }
+    Ok(())
+}
+
+fn pong_round(
+    send: &SendComm,
+    recv: &RecvComm,
+    sbuf: &mut Buffer,
+    rbuf: &mut Buffer,
+) -> Result<(), String> {
+    let size = sbuf.len();
+    let mut r = post_until(|| recv.irecv(rbuf, size))?;
+    let n = complete(&mut r)?;
+    drop(r);
+    if n != size {
+        return Err(format!("got {n} bytes, want {size}"));
+    }
+    let got = rbuf.bytes().expect("completed buffer is free");
+    sbuf.bytes_mut().expect("free buffer").copy_from_slice(got);
+    let mut s = post_until(|| send.isend(sbuf, size))?;
+    complete(&mut s)?;
+    Ok(())
+}
+
 // ---- plain TCP, for the testbed's own checks ---------------------------------------
 
 fn tcp_recv(o: &Opts) -> i32 {
@@ -1207,6 +1416,11 @@ mod tests {
             Opts::from(&parse(&["send", "--size", "1m"]).unwrap()).size,
             1 << 20
         );
+        // The verbs tier's latency pair: no header, so 8 bytes is a valid size.
+        let o = Opts::from(&parse(&["ping", "--rounds", "40", "--ping-size", "8"]).unwrap());
+        assert_eq!((o.rounds, o.ping_size), (40, 8));
+        let o = Opts::from(&parse(&["pong"]).unwrap());
+        assert_eq!((o.rounds, o.ping_size), (100, 8));
         let a = parse(&["tcp-recv", "--bind", "10.0.0.2:5201"]).unwrap();
         assert_eq!(Opts::from(&a).addr, Some("10.0.0.2:5201".parse().unwrap()));
         let a = parse(&["tcp-send", "--to", "10.0.0.2:5202"]).unwrap();
@@ -1226,6 +1440,9 @@ mod tests {
             (&["recv", "--devs", "0,x"], "--devs"),
             (&["send", "--grace", "nan"], "--grace"),
             (&["tcp-send", "--to", "nowhere"], "--to"),
+            (&["ping", "--rounds", "0"], "--rounds"),
+            (&["ping", "--ping-size", "0"], "--ping-size"),
+            (&["pong", "--ping-size", "2G"], "--ping-size"),
         ] {
             let e = parse(argv).unwrap_err();
             assert!(e.contains(flag), "{argv:?}: {e}");
