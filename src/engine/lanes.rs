@@ -34,13 +34,20 @@ impl Engine {
         now: Instant,
         io: &mut dyn Io,
     ) {
-        // A fabric slow enough to need a longer completion timeout (Soft-RoCE under
-        // emulation: 25 ms per RDMA write) needs as much longer for a handshake.
-        let deadline = PREAUTH_DEADLINE.max(self.setup.completion_timeout * 2);
+        // A lane its fabric is still setting up (a verbs QP: a device context, memory
+        // registration and a round trip of QP numbers) gets as long as our own connects
+        // do for that part; the pre-authentication deadline starts when it is ready.
+        let setting_up = !io.ready(k);
+        let deadline = if setting_up {
+            HANDSHAKE_TIMEOUT
+        } else {
+            self.preauth_deadline()
+        };
         self.add_lane(k, Role::Handshake { listener: id }, now, deadline);
         let (ticket, evict) = self.gate.admit(k, listener);
         let lane = &mut self.lanes[k];
         lane.nic = nic;
+        lane.setting_up = setting_up;
         lane.m.listening();
         lane.ticket = Some(ticket);
         for (t, old) in evict {
@@ -54,6 +61,13 @@ impl Engine {
         // A connector writes its Hello at once: reading it now tells a real handshake
         // from an idle one before the next accept could push it out.
         self.service_lane(k, now, io);
+    }
+
+    /// How long an accepted lane that can carry frames has to present its Hello. A fabric
+    /// slow enough to need a longer completion timeout (Soft-RoCE under emulation: 25 ms
+    /// per RDMA write) needs as much longer for a handshake.
+    fn preauth_deadline(&self) -> Duration {
+        preauth_deadline(self.setup.completion_timeout)
     }
 
     /// Out of descriptors: drops the oldest connection in its handshake, if any.
@@ -104,6 +118,7 @@ impl Engine {
             m: LaneMachine::new(self.setup.completion_timeout, now, limit),
             ticket: None,
             nic: None,
+            setting_up: false,
         });
     }
 
@@ -136,6 +151,13 @@ impl Engine {
             let got = io.read(k, &mut lane.reader);
             if lane.reader.total_read() != before {
                 lane.m.handle_rx(now);
+            }
+            if lane.setting_up && io.ready(k) {
+                // Set up: the peer now has the usual time to say who it is.
+                lane.setting_up = false;
+                let at = now + preauth_deadline(self.setup.completion_timeout);
+                lane.m.expect_by(at);
+                self.next_deadline = Some(self.next_deadline.map_or(at, |d| d.min(at)));
             }
             match got {
                 Ok(Some(item)) => {
@@ -306,6 +328,9 @@ impl Engine {
                 if let Some(t) = lane.ticket {
                     self.gate.vouch(t);
                 }
+                // It named a secret of ours: a peer of this job, which gets as long to
+                // prove it as our own connects get for the whole handshake.
+                lane.m.expect_by(now + HANDSHAKE_TIMEOUT);
             }
             Some(e) => self.refused(k, &e, now),
         }
@@ -414,4 +439,9 @@ impl Engine {
         l.m.carry();
         l.reader.enlarge();
     }
+}
+
+/// See [`Engine::preauth_deadline`].
+fn preauth_deadline(completion_timeout: Duration) -> Duration {
+    PREAUTH_DEADLINE.max(completion_timeout * 2)
 }

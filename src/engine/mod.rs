@@ -123,6 +123,8 @@ pub trait Io {
     /// [`crate::transport::Fabric::write`] on lane `k`.
     fn write(&mut self, k: usize, writer: &mut FrameWriter) -> io::Result<()>;
     fn progress(&self, k: usize) -> LaneProgress;
+    /// Whether lane `k` can carry frames yet ([`crate::transport::Fabric::ready`]).
+    fn ready(&self, k: usize) -> bool;
     fn set_pacing(&mut self, k: usize, rate: Option<u64>) -> io::Result<()>;
     /// Nothing lane `k` still holds may reach the peer (see `Fabric::fence`).
     fn fence(&mut self, k: usize);
@@ -137,8 +139,10 @@ pub trait Io {
 
 /// How long our own connect may wait for the listener's `Welcome`.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long an accepted connection has to authenticate. Real handshakes take a round
-/// trip or two: the reactor answers a Hello whether or not NCCL has called `accept`.
+/// How long an accepted connection has to present a Hello once its fabric can carry
+/// frames. Real handshakes take a round trip or two: the reactor answers a Hello whether
+/// or not NCCL has called `accept`. A connector whose Hello names a secret of ours is
+/// then given [`HANDSHAKE_TIMEOUT`] to prove it, as our own connects are.
 const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
 
 /// A message's buffer and the request NCCL tests: buffer `sub` of it (a grouped
@@ -210,6 +214,9 @@ struct Lane {
     ticket: Option<u64>,
     /// Local NIC index, when the lane's local address is one of ours.
     nic: Option<usize>,
+    /// Accepted while its fabric was still setting it up (a verbs QP being connected):
+    /// the pre-authentication clock starts when it is ready.
+    setting_up: bool,
 }
 
 impl Lane {

@@ -27,6 +27,8 @@ struct Mem {
     tx: HashMap<usize, Vec<u8>>,
     broken: HashSet<usize>,
     refuse_connect: bool,
+    /// Lanes the fabric is still setting up (not [`Io::ready`]).
+    setting_up: BTreeSet<usize>,
     ops: Vec<Op>,
 }
 
@@ -73,6 +75,9 @@ impl Io for Mem {
     }
     fn progress(&self, _k: usize) -> LaneProgress {
         LaneProgress::default()
+    }
+    fn ready(&self, k: usize) -> bool {
+        !self.setting_up.contains(&k)
     }
     fn set_pacing(&mut self, _k: usize, _rate: Option<u64>) -> io::Result<()> {
         Ok(())
@@ -270,6 +275,77 @@ fn garbage_on_an_accepted_lane_closes_it_and_is_counted() {
     assert_eq!(io.ops, [Op::Close(k)]);
     assert_eq!(b.stats.rejected_connections.load(Ordering::Relaxed), 1);
     assert_eq!(b.stats.handshakes_pending.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn an_accepted_lane_has_until_its_fabric_is_ready_and_then_the_preauth_window() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs(1);
+    let mut b = engine(2, t0);
+    let mut io = Mem::default();
+    let k = b.next_lane();
+    io.open.insert(k);
+    io.setting_up.insert(k);
+    b.accepted(k, 0, None, Some(0), t0, &mut io);
+    // 2 x the 2 s completion timeout would have dropped a ready lane at 4 s.
+    b.handle_timeout(t0 + 10 * s, &mut io);
+    assert!(
+        io.ops.is_empty(),
+        "dropped while being set up: {:?}",
+        io.ops
+    );
+    io.setting_up.remove(&k);
+    b.service_lane(k, t0 + 12 * s, &mut io);
+    b.handle_timeout(t0 + 12 * s + 3999 * Duration::from_millis(1), &mut io);
+    assert!(io.ops.is_empty(), "the window starts when it is ready");
+    b.handle_timeout(t0 + 16 * s, &mut io);
+    assert_eq!(io.ops, [Op::Close(k)], "no Hello within the window");
+    assert_eq!(b.stats.rejected_connections.load(Ordering::Relaxed), 1);
+
+    // One that never becomes ready goes when our own connects would give up.
+    let k = b.next_lane();
+    io.open.insert(k);
+    io.setting_up.insert(k);
+    b.accepted(k, 0, None, Some(0), t0 + 20 * s, &mut io);
+    b.handle_timeout(t0 + 49 * s, &mut io);
+    assert_eq!(io.ops.len(), 1);
+    b.handle_timeout(t0 + 50 * s, &mut io);
+    assert_eq!(io.ops.last(), Some(&Op::Close(k)));
+}
+
+#[test]
+fn a_lane_that_named_our_secret_has_the_connect_timeout_to_prove_it() {
+    let now = Instant::now();
+    let s = Duration::from_secs(1);
+    let (mut a, mut b) = (engine(1, now), engine(2, now));
+    let (mut ma, mut mb) = (Mem::default(), Mem::default());
+    b.listening(Arc::new(ListenShared {
+        id: 9,
+        token: [3; 16],
+        ready: Mutex::new(VecDeque::new()),
+        queue: b.queue.clone(),
+    }));
+    let pending = Arc::new(PendingConnect::default());
+    a.connect(0, addr(2), &[3; 16], &pending, now, &mut ma);
+    a.drive(now, &mut ma);
+    // Its Hello arrives; the Challenge goes out, and no Proof ever comes back.
+    let hello = std::mem::take(ma.tx.entry(0).or_default());
+    let named = b.next_lane();
+    mb.open.insert(named);
+    mb.rx.insert(named, hello);
+    b.accepted(named, 0, Some(9), Some(0), now, &mut mb);
+    b.drive(now, &mut mb);
+    assert!(!mb.tx[&named].is_empty(), "a Challenge was sent");
+    // A connection that says nothing at all, beside it.
+    let idle = b.next_lane();
+    mb.open.insert(idle);
+    b.accepted(idle, 0, Some(9), Some(0), now, &mut mb);
+    b.handle_timeout(now + 5 * s, &mut mb);
+    assert_eq!(mb.ops, [Op::Close(idle)], "the silent one goes at 4 s");
+    b.handle_timeout(now + 29 * s, &mut mb);
+    assert_eq!(mb.ops, [Op::Close(idle)]);
+    b.handle_timeout(now + 30 * s, &mut mb);
+    assert_eq!(mb.ops, [Op::Close(idle), Op::Close(named)]);
 }
 
 fn assert_send_sync<T: Send + Sync>() {}

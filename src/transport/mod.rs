@@ -131,6 +131,13 @@ pub trait Fabric: Debug + Send + 'static {
     /// `writer`, in order. Never raises a signal for a peer that went away.
     fn write(&mut self, lane: &mut Self::Lane, writer: &mut FrameWriter) -> io::Result<()>;
 
+    /// Whether `lane` can carry frames: its own setup (a verbs QP's connection) is done.
+    /// An accepted lane's pre-authentication deadline starts then. A socket is ready as
+    /// soon as it is accepted: the default says yes.
+    fn ready(&self, _lane: &Self::Lane) -> bool {
+        true
+    }
+
     /// Whether `lane` holds inbound bytes (or its end) that no readiness event will
     /// announce: a fabric that reaps completions inside `write`, or in the last step of a
     /// `read`, can take in bytes whose event it has already consumed. The reactor asks

@@ -230,6 +230,10 @@ impl Fabric for VerbsFabric {
         writer.flush(lane)
     }
 
+    fn ready(&self, lane: &VerbsLane) -> bool {
+        lane.is_ready()
+    }
+
     fn unread(&self, lane: &VerbsLane) -> bool {
         lane.has_unread()
     }
