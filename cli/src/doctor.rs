@@ -228,8 +228,9 @@ fn summarize(found: &Discovery, config: &Config, topo: Option<&Topology>) -> Ver
 
 fn render_verbs(v: &VerbsSection) -> String {
     use std::fmt::Write as _;
-    let mut o =
-        String::from("\nVerbs NICs (RDMA; the verbs fabric carries no lanes yet, TCP is used):\n");
+    let mut o = String::from(
+        "\nVerbs NICs (RDMA; RAILOVER_TRANSPORT=auto or verbs carries lanes over the ACTIVE ones with an IP address):\n",
+    );
     let _ = writeln!(o, "  QP settings: {}", v.settings);
     if v.nics.is_empty() {
         let why = v.absent.as_deref().unwrap_or("libibverbs lists no device");
