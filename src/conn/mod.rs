@@ -66,6 +66,20 @@ mod tests {
     use super::*;
 
     /// Runs a full exchange with the given send sizes and receive capacities.
+    /// Hands every control frame the receiver has to the sender, on one lane.
+    fn hand_control<T, U>(r: &mut RecvMachine<T>, s: &mut SendMachine<U>) {
+        while let Some(c) = r.poll_transmit() {
+            match c {
+                Control::Cts {
+                    seq,
+                    capacity,
+                    group,
+                } => s.handle_cts_in(seq, capacity, group).unwrap(),
+                Control::Ack { delivered } => s.handle_ack(delivered).unwrap(),
+            }
+        }
+    }
+
     fn exchange(sends: &[u64], caps: &[u64]) -> (Vec<RecvEvent<usize>>, Vec<SendEvent<usize>>) {
         let mut s = SendMachine::default();
         let mut r = RecvMachine::default();
@@ -76,16 +90,7 @@ mod tests {
             r.post(cap, i);
         }
         for _ in 0..(sends.len() * 4 + 4) {
-            while let Some(c) = r.poll_transmit() {
-                match c {
-                    Control::Cts {
-                        seq,
-                        capacity,
-                        group,
-                    } => s.handle_cts_in(seq, capacity, group).unwrap(),
-                    Control::Ack { delivered } => s.handle_ack(delivered).unwrap(),
-                }
-            }
+            hand_control(&mut r, &mut s);
             while let Some(t) = s.poll_transmit(0) {
                 match t {
                     Transmit::Data { seq, len } => match r.handle_data(0, seq, len).unwrap() {
@@ -246,16 +251,7 @@ mod tests {
             s.post_tagged(len, tag, ());
         }
         for _ in 0..8 {
-            while let Some(c) = r.poll_transmit() {
-                match c {
-                    Control::Cts {
-                        seq,
-                        capacity,
-                        group,
-                    } => s.handle_cts_in(seq, capacity, group).unwrap(),
-                    Control::Ack { delivered } => s.handle_ack(delivered).unwrap(),
-                }
-            }
+            hand_control(&mut r, &mut s);
             while let Some(t) = s.poll_transmit(0) {
                 let Transmit::Data { seq, len } = t else {
                     panic!("{t:?}");
