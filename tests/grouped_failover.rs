@@ -4,19 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use railover_testkit::driver::{self, Buffer, Ctx, Request};
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
+use railover_testkit::driver::{self, pattern, Buffer, Ctx, Request};
 
 fn wait_all(req: &mut Request, what: &str) -> Vec<usize> {
     let end = Instant::now() + Duration::from_secs(60);

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use railover_testkit::driver::{self, Buffer, Ctx, RecvComm, Request, SendComm};
+use railover_testkit::driver::{self, pattern, Buffer, Ctx, RecvComm, Request, SendComm};
 
 fn setup() -> Ctx {
     // Tests touch only loopback.
@@ -32,18 +32,6 @@ fn wait(req: &mut Request) -> Result<usize, driver::Code> {
         assert!(Instant::now() < end, "request did not complete");
         std::thread::yield_now();
     }
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn fill(buf: &mut Buffer, data: &[u8]) {

@@ -45,6 +45,20 @@ pub fn name() -> String {
         .into_owned()
 }
 
+/// `len` bytes that differ for every `seed` (xorshift): a payload whose misplacement,
+/// truncation or duplication shows in a byte comparison.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
 /// One `init` … `finalize` context.
 #[derive(Debug)]
 pub struct Ctx {
