@@ -41,7 +41,7 @@ impl Engine {
         let deadline = if setting_up {
             HANDSHAKE_TIMEOUT
         } else {
-            self.preauth_deadline()
+            preauth_deadline(self.setup.completion_timeout)
         };
         self.add_lane(k, Role::Handshake { listener: id }, now, deadline);
         let (ticket, evict) = self.gate.admit(k, listener);
@@ -61,13 +61,6 @@ impl Engine {
         // A connector writes its Hello at once: reading it now tells a real handshake
         // from an idle one before the next accept could push it out.
         self.service_lane(k, now, io);
-    }
-
-    /// How long an accepted lane that can carry frames has to present its Hello. A fabric
-    /// slow enough to need a longer completion timeout (Soft-RoCE under emulation: 25 ms
-    /// per RDMA write) needs as much longer for a handshake.
-    fn preauth_deadline(&self) -> Duration {
-        preauth_deadline(self.setup.completion_timeout)
     }
 
     /// Out of descriptors: drops the oldest connection in its handshake, if any.
@@ -441,7 +434,9 @@ impl Engine {
     }
 }
 
-/// See [`Engine::preauth_deadline`].
+/// How long an accepted lane that can carry frames has to present its Hello. A fabric
+/// slow enough to need a longer completion timeout (Soft-RoCE under emulation: 25 ms per
+/// RDMA write) needs as much longer for a handshake.
 fn preauth_deadline(completion_timeout: Duration) -> Duration {
     PREAUTH_DEADLINE.max(completion_timeout * 2)
 }

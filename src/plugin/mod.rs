@@ -192,11 +192,11 @@ impl Runtime {
 /// at INFO which and why. No libibverbs or no kernel RDMA support is zero devices,
 /// silently.
 fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
-    if config.transport == TransportChoice::Tcp {
-        tracing::info!("railover: fabric TCP (RAILOVER_TRANSPORT=tcp)");
-        return Ok(None);
-    }
-    let found = verbs::discover(&config.hca, &config.verbs.gid, &config.sysfs_root);
+    // `tcp` never opens libibverbs.
+    let found = match config.transport {
+        TransportChoice::Tcp => verbs::Discovery::default(),
+        _ => verbs::discover(&config.hca, &config.verbs.gid, &config.sysfs_root),
+    };
     let (nics, line) = decide_fabric(config.transport, found)?;
     match nics {
         Some(_) => tracing::info!("railover: {line}; {}", config.verbs),
@@ -211,6 +211,11 @@ fn decide_fabric(
     choice: TransportChoice,
     mut found: verbs::Discovery,
 ) -> Result<(Option<Vec<VerbsNic>>, String), Error> {
+    let var = match choice {
+        TransportChoice::Auto => "RAILOVER_TRANSPORT=auto",
+        TransportChoice::Verbs => "RAILOVER_TRANSPORT=verbs",
+        TransportChoice::Tcp => return Ok((None, "fabric TCP (RAILOVER_TRANSPORT=tcp)".into())),
+    };
     // Lanes bootstrap over TCP between the NICs' addresses.
     let (usable, no_ip): (Vec<VerbsNic>, Vec<VerbsNic>) =
         found.nics.drain(..).partition(|n| n.ip().is_some());
@@ -220,11 +225,6 @@ fn decide_fabric(
             n.label()
         )
     }));
-    let var = match choice {
-        TransportChoice::Auto => "RAILOVER_TRANSPORT=auto",
-        TransportChoice::Verbs => "RAILOVER_TRANSPORT=verbs",
-        TransportChoice::Tcp => return Ok((None, "fabric TCP (RAILOVER_TRANSPORT=tcp)".into())),
-    };
     if usable.is_empty() {
         let why = found
             .absent
@@ -748,32 +748,13 @@ mod fabric_tests {
         }
     }
 
+    /// A RoCE port at `ip`, or, without one, a port with no address to bootstrap from.
     fn roce(device: &str, ip: Option<[u8; 4]>) -> VerbsNic {
-        use crate::transport::verbs::sys::{GidEntry, PortAttr, LINK_LAYER_ETHERNET, PORT_ACTIVE};
-        let gids: Vec<GidEntry> = ip
-            .map(|ip| GidEntry {
-                index: 1,
-                gid: std::net::Ipv4Addr::from(ip).to_ipv6_mapped().octets(),
-                gid_type: 2,
-                ndev_ifindex: 2,
-            })
-            .into_iter()
-            .collect();
-        VerbsNic {
-            device: device.into(),
-            port: 1,
-            guid: 1,
-            attr: PortAttr {
-                state: PORT_ACTIVE,
-                link_layer: LINK_LAYER_ETHERNET,
-                ..Default::default()
-            },
-            speed_mbps: 100_000,
-            gid_index: ip.map(|_| 1),
-            gids,
-            netdev: None,
-            pci_path: None,
+        let mut n = crate::transport::verbs::tests::roce_nic(device, "eth0", ip.unwrap_or([0; 4]));
+        if ip.is_none() {
+            n.gid_index = None;
         }
+        n
     }
 
     #[test]

@@ -309,11 +309,11 @@ pub fn completion_error(c: &Completion) -> io::Error {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use sys::{GidEntry, PortAttr};
 
-    fn roce_nic(device: &str, netdev: &str, ip: [u8; 4]) -> VerbsNic {
+    pub(crate) fn roce_nic(device: &str, netdev: &str, ip: [u8; 4]) -> VerbsNic {
         let gids = vec![GidEntry {
             index: 3,
             gid: std::net::Ipv4Addr::from(ip).to_ipv6_mapped().octets(),
