@@ -467,6 +467,17 @@ check fp "fault-peer over verbs lanes: receiver saw every byte (exit 0)" rc_is f
 check fp "fault-peer over verbs lanes: sender finished (exit 0)" rc_is fp "$b" 0
 check fp "the plugin ran on the verbs fabric" grep -q 'VT: fp.err| .*fabric verbs' "$a"
 check pb "fault-peer, one comm of 1 MiB messages on rxe0: every byte once (exit 0 both ends)" sh -c "grep -q 'VT: pb rc=0' '$a' && grep -q 'VT: pb rc=0' '$b'"
+# Zero copy: with no fault every message goes out once, so the sender's NIC writes each
+# one straight into the receive buffer the receiver offered.
+placed_all() { local p s; p=$(field_of "$1" placed_bytes "$b"); s=$(field_of "$1" bytes "$b"); [ -n "$p" ] && [ "${s:-0}" -gt 0 ] && [ "$p" -ge "$s" ]; }
+check pb "zero copy: every byte the sender completed was written in place by its NIC" placed_all pb
+check fp "zero copy: every byte the sender completed was written in place by its NIC" placed_all fp
+# Registration: each comm's memory on its own device only while nothing fails (fault-peer
+# registers one range per slot: 3 comms x depth 4, on both ends); a failover registers
+# the moved comm's ranges on the backups as their lanes first use them.
+regs_of() { [ "$(field_of "$1" registrations "$a")" = "$2" ] && [ "$(field_of "$1" registrations "$b")" = "$2" ]; }
+check fp "registration: each comm's memory on its own device only (12 ranges, 12 registrations each end)" regs_of fp 12
+regs_grew() { [ "$(field_of "$1" registrations "$b")" -gt "$2" ]; }
 abi_clean() { grep -aq 'VT: abi| PASS recv.data' "$a" && grep -aq 'VT: abi| PASS send.data' "$a" && ! grep -aq 'VT: abi| FAIL' "$a"; }
 check abi "ABI conformance (driver.c, ncclNetPlugin_v12) over rxe lanes: driver exit 0" rc_is abi "$a" 0
 check abi "ABI conformance over rxe lanes: both data phases passed, no FAIL line" abi_clean
@@ -486,6 +497,7 @@ check fo "sender's rail 0 down: eth0 down reached the engine as rxe0's carrier" 
 check fo "sender's rail 0 down: a comm left rxe0, striped over both survivors" has 'VT: fo.err\| .*failover comm=[0-9]+ rxe0->[^ ]* => .* spread_over=[2-9]' "$b"
 check fo "sender's rail 0 down: eth0 up reached the engine as rxe0's carrier" back fo rxe0 "$b"
 check fo "sender's rail 0 down: traffic failed back onto rxe0" has 'VT: fo.err\| .*failback comm=[0-9]+ .* => rxe0->' "$b" "$a"
+check fo "sender's rail 0 down: the moved comm's memory registered on the backups when it moved" regs_grew fo 12
 # rd: the receiver's rail 0 down for 3 s.
 exactly_once rd "receiver's rail 0 down"
 lost_and_back() { lost "$1" "$2" "$3" && back "$1" "$2" "$3"; }
@@ -542,6 +554,9 @@ pl_us=$(grep -ao 'VT: pl| {"event":"pingpong".*' "$b" | grep -o '"one_way_us":[0
 ratio_lat=$(awk "BEGIN { l = ${lat_us:-0}; if (l > 0 && \"${pl_us}\" != \"\") printf \"%.2f\", ${pl_us:-0} / l; else print \"?\" }")
 ran pl && echo "verbs tier: latency ratio: 8 B ping-pong, one comm each way on rxe0: ${pl_us:-?} us one way (half the round trip) vs ib_write_lat ${lat_us:-?} us: railover/ib_write_lat = $ratio_lat"
 ran fo && echo "verbs tier: failover over verbs lanes (eth0 down 4 s on the sender): ${fobytes:-?} bytes verified in a 22 s window; ${fomove:-no failover line}; ${foback:-no failback line}"
+foplaced=$(field_of fo placed_bytes "$b")
+foregs=$(field_of fo registrations "$b")
+ran fo && echo "verbs tier: zero copy through the failover: the sender's NIC wrote ${foplaced:-?} of ${fobytes:-?} bytes in place (replays come through the ring); the sender's registrations grew from 12 to ${foregs:-?} on the backups"
 ran kp && echo "verbs tier: killed sender: the receiver's last error $kp_after ms after its last data (bound $kp_bound ms)"
 costs=""
 for s in fp pb pl fo rd bd fl tw kp abi; do ran $s && costs="$costs $s $(cost_of $s)s"; done

@@ -14,8 +14,10 @@ use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use railover::transport::verbs::lane;
 use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
 use railover_testkit::fault_line::{Command, Event, Handle, Link, Op, Summary, HANDLE_LEN};
+use std::sync::atomic::Ordering;
 
 const MAGIC: u32 = 0x5246_5031;
 const HDR: usize = 32;
@@ -329,6 +331,8 @@ impl Tally {
             first_error: self.first_error,
             last_error: self.last_error,
             probes_failed,
+            placed_bytes: lane::PLACED_BYTES.load(Ordering::Relaxed),
+            registrations: lane::USER_REGISTRATIONS.load(Ordering::Relaxed),
         }));
     }
 

@@ -17,8 +17,8 @@ use railover::conn::auth::{
     self, AuthError, CommId, Initiator, Random, Responder, Secret, Session,
 };
 use railover::conn::wire::{
-    Challenge, Group, Header, Hello, Kind, NicAddr, Proof, Purpose, Welcome, WireError, HEADER_LEN,
-    MAX_BODY, MAX_DATA, MAX_GROUP,
+    Challenge, Group, Header, Hello, Kind, NicAddr, Proof, Purpose, Welcome, WireError,
+    DATA_PLACED, HEADER_LEN, MAX_BODY, MAX_DATA, MAX_GROUP,
 };
 use railover::topology::{PathType, RailRule, Topology};
 use railover::transport::frames::{FrameReader, Inbound, ReadError};
@@ -121,6 +121,9 @@ pub fn wire_header(data: &[u8]) {
         Err(WireError::Malformed("CTS group")) => {
             assert!(kind == Kind::Cts && !group_ok(&h), "{h:?}")
         }
+        Err(WireError::Malformed("Data flags")) => {
+            assert!(kind == Kind::Data && h.aux & !DATA_PLACED != 0, "{h:?}")
+        }
         Err(WireError::TooLong { len, max, .. }) => {
             assert!(
                 len == bounded_len(&h) && len > max && max == max_len(kind),
@@ -147,7 +150,7 @@ fn group_ok(h: &Header) -> bool {
 fn max_len(kind: Kind) -> u64 {
     match kind {
         Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Proof => MAX_BODY,
-        Kind::Data | Kind::Cts | Kind::Truncated => MAX_DATA,
+        Kind::Data | Kind::Cts | Kind::Truncated | Kind::Place => MAX_DATA,
         _ => u64::MAX,
     }
 }
@@ -350,11 +353,12 @@ fn parse_whole(stream: &[u8]) -> Vec<Event> {
                 seq: h.seq,
                 len: h.len,
             });
-            if left < h.len {
+            // A payload written in place has no bytes in the stream.
+            if left < h.body_len() {
                 out.push(Event::EofMidFrame);
                 return out;
             }
-            at += h.len as usize;
+            at += h.body_len() as usize;
             out.push(Event::PayloadDone {
                 seq: h.seq,
                 len: h.len,
@@ -878,6 +882,23 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         .to_vec(),
         Header::new(Kind::Data, 1, 5).encode().to_vec(),
         b"hello".to_vec(),
+        Header {
+            kind: Kind::Place,
+            aux: 0x1234,
+            seq: 2,
+            len: 1 << 20,
+        }
+        .encode()
+        .to_vec(),
+        0x7f00_dead_0000u64.to_le_bytes().to_vec(),
+        Header {
+            kind: Kind::Data,
+            aux: DATA_PLACED,
+            seq: 2,
+            len: 1 << 20,
+        }
+        .encode()
+        .to_vec(),
         Header::new(Kind::Ack, 2, 0).encode().to_vec(),
         welcome.clone(),
     ]

@@ -200,6 +200,11 @@ impl<T> CommMachine<T> {
         }
     }
 
+    /// Sender: message `seq` goes out for the first time ([`SendMachine::first_try`]).
+    pub fn first_try(&self, seq: u64) -> bool {
+        matches!(self, CommMachine::Send(m) if m.first_try(seq))
+    }
+
     /// A settled request: its token and its length, or why it failed.
     #[must_use]
     pub fn poll_outcome(&mut self) -> Option<(T, Result<u64, ConnError>)> {

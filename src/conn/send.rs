@@ -61,6 +61,8 @@ struct Msg<T> {
     token: Option<T>,
     /// The lane it was last put on; `None`: (again) waiting to be sent.
     lane: Option<usize>,
+    /// It was put on a lane that then died: it goes out again.
+    replayed: bool,
 }
 
 /// One receive the receiver announced.
@@ -143,6 +145,7 @@ impl<T> SendMachine<T> {
             len,
             token: Some(token),
             lane: None,
+            replayed: false,
         });
         if let Err(e) = self.match_sends() {
             self.fault.get_or_insert(e);
@@ -334,6 +337,13 @@ impl<T> SendMachine<T> {
         Some(Transmit::Data { seq, len })
     }
 
+    /// Whether message `seq` is on its first transmission: no lane that carried it died,
+    /// so the receiver cannot have it from elsewhere. Only then may its payload be written
+    /// straight into the receive buffer, where a duplicate could not be dropped.
+    pub fn first_try(&self, seq: u64) -> bool {
+        (self.queue.iter()).any(|m| m.seq == Some(seq) && !m.replayed)
+    }
+
     /// Whether a message is matched and waiting for a lane.
     pub fn wants_lane(&self) -> bool {
         self.failed.is_none() && (self.queue.iter()).any(|m| m.lane.is_none() && m.seq.is_some())
@@ -358,6 +368,7 @@ impl<T> SendMachine<T> {
         let mut again = 0;
         for m in self.queue.iter_mut().filter(|m| m.lane == Some(lane)) {
             m.lane = None;
+            m.replayed = true;
             again += m.len;
         }
         self.stats.replayed_bytes += again;
@@ -603,9 +614,15 @@ mod tests {
         assert_eq!((m.on_lane(7), m.on_lane(9)), (3, 3));
         m.handle_ack(1).unwrap();
         assert_eq!(m.on_lane(7), 2, "seq 0 was acknowledged");
+        assert!((1..6).all(|s| m.first_try(s)));
         // Lane 7 dies: seqs 2 and 4 go out again, on lane 9, in order.
         assert_eq!(m.handle_lane_down(7), 30 + 50);
         assert_eq!(m.stats.replayed_bytes, 80);
+        // A replay may meet a receive another lane completed: never written in place.
+        assert_eq!(
+            (1..6).map(|s| m.first_try(s)).collect::<Vec<_>>(),
+            [true, false, true, false, true]
+        );
         assert_eq!(
             drain(&mut m),
             vec![

@@ -18,13 +18,20 @@ pub const MAGIC: [u8; 2] = *b"RO";
 /// Version of this format; a peer speaking another one is refused. 2: authenticated
 /// handshake (`Challenge`, `Proof`), no token on the wire. 3: striped comms (a comm runs
 /// over several lanes at once; `Retire` ends one of them). 4: grouped receives (a `Cts`
-/// carries its receive's tag and place in a group of up to [`MAX_GROUP`]).
-pub const VERSION: u8 = 4;
+/// carries its receive's tag and place in a group of up to [`MAX_GROUP`]). 5: payloads
+/// written in place (`Place`, and [`DATA_PLACED`] on a `Data`).
+pub const VERSION: u8 = 5;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
 pub const MAX_BODY: u64 = 4096;
 /// Largest payload one message may carry (NCCL's `maxP2pBytes` bound).
 pub const MAX_DATA: u64 = 1 << 40;
+
+/// `Data.aux` flag: the payload is already in the receive buffer (the sender's NIC wrote
+/// it there, as a `Place` frame allowed); no payload bytes follow the header.
+pub const DATA_PLACED: u32 = 1;
+/// Body of a `Place` frame: the address to write at (little endian).
+pub const PLACE_BODY: u64 = 8;
 
 /// Most receives one grouped receive holds (NCCL's `maxRecvs`).
 pub const MAX_GROUP: u8 = 8;
@@ -114,11 +121,15 @@ pub enum Kind {
     /// other lanes and all it carried was acknowledged); the receiver lets it go without
     /// waiting for a replacement.
     Retire,
+    /// Receiver → sender, between the two ends of one verbs lane only: receive `seq`'s
+    /// buffer (capacity `len`) may be written in place by this lane's NIC, at the address
+    /// in the body with key `aux`. The fabric sends and consumes it; the comm never sees it.
+    Place,
 }
 
 impl Kind {
     /// Every kind, in wire-code order.
-    pub const ALL: [Kind; 13] = [
+    pub const ALL: [Kind; 14] = [
         Kind::Hello,
         Kind::Welcome,
         Kind::Refuse,
@@ -132,6 +143,7 @@ impl Kind {
         Kind::Challenge,
         Kind::Proof,
         Kind::Retire,
+        Kind::Place,
     ];
 
     fn code(self) -> u8 {
@@ -149,6 +161,7 @@ impl Kind {
             Kind::Challenge => 11,
             Kind::Proof => 12,
             Kind::Retire => 13,
+            Kind::Place => 14,
         }
     }
 
@@ -167,6 +180,7 @@ impl Kind {
             11 => Kind::Challenge,
             12 => Kind::Proof,
             13 => Kind::Retire,
+            14 => Kind::Place,
             _ => return None,
         })
     }
@@ -208,12 +222,20 @@ impl Header {
         }
     }
 
-    /// Bytes of body that follow the header in the stream (payload for `Data`).
+    /// Bytes of body that follow the header in the stream (payload for `Data`, none when
+    /// it was written in place).
     pub fn body_len(&self) -> u64 {
         match self.kind {
+            Kind::Data if self.placed() => 0,
             Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Proof | Kind::Data => self.len,
+            Kind::Place => PLACE_BODY,
             _ => 0,
         }
+    }
+
+    /// A `Data` whose payload the sender's NIC already wrote into the receive buffer.
+    pub fn placed(&self) -> bool {
+        self.kind == Kind::Data && self.aux & DATA_PLACED != 0
     }
 
     pub fn encode(&self) -> [u8; HEADER_LEN] {
@@ -253,7 +275,10 @@ impl Header {
         };
         let (len, max) = match kind {
             Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Proof => (h.len, MAX_BODY),
-            Kind::Data | Kind::Truncated => (h.len, MAX_DATA),
+            Kind::Data if h.aux & !DATA_PLACED != 0 => {
+                return Err(WireError::Malformed("Data flags"))
+            }
+            Kind::Data | Kind::Truncated | Kind::Place => (h.len, MAX_DATA),
             Kind::Cts => {
                 let (capacity, group) = Group::of_cts(&h);
                 if !group.valid() {
@@ -511,13 +536,14 @@ mod tests {
         let codes: Vec<u8> = Kind::ALL.iter().map(|k| k.code()).collect();
         assert_eq!(
             codes,
-            (1..=13).collect::<Vec<u8>>(),
+            (1..=14).collect::<Vec<u8>>(),
             "ALL lists every kind once"
         );
         for kind in Kind::ALL {
             let h = Header {
                 kind,
-                aux: 7,
+                // A Data's aux holds flags, of which only DATA_PLACED is defined.
+                aux: if kind == Kind::Data { DATA_PLACED } else { 7 },
                 seq: u64::MAX - 3,
                 len: 100,
             };
@@ -557,6 +583,28 @@ mod tests {
         }];
         let f = Welcome { nics: nics.clone() }.encode(0);
         assert_eq!(Welcome::decode(&f[HEADER_LEN..]).unwrap().nics, nics);
+    }
+
+    #[test]
+    fn a_placed_data_has_no_body_and_a_place_frame_an_address() {
+        let mut h = Header::new(Kind::Data, 3, 1 << 20);
+        assert_eq!((h.placed(), h.body_len()), (false, 1 << 20));
+        h.aux = DATA_PLACED;
+        let d = Header::decode(&h.encode()).unwrap();
+        assert_eq!((d.placed(), d.body_len(), d.len), (true, 0, 1 << 20));
+        h.aux = 2;
+        assert_eq!(
+            Header::decode(&h.encode()),
+            Err(WireError::Malformed("Data flags"))
+        );
+        let p = Header::new(Kind::Place, 9, 4096);
+        assert_eq!(p.body_len(), PLACE_BODY);
+        assert!(!p.placed(), "only a Data is placed");
+        let over = Header::new(Kind::Place, 0, MAX_DATA + 1).encode();
+        assert!(matches!(
+            Header::decode(&over),
+            Err(WireError::TooLong { .. })
+        ));
     }
 
     #[test]

@@ -32,7 +32,7 @@ use crate::conn::auth::{self, CommId, Initiator, Session};
 use crate::conn::comm::{CommMachine, Out};
 use crate::conn::lane::{io_error, Cause, LaneMachine, LINGER};
 use crate::conn::path::PathMachine;
-use crate::conn::wire::{Header, Kind, NicAddr};
+use crate::conn::wire::{Group, Header, Kind, NicAddr};
 use crate::conn::ConnError;
 use crate::handoff::{
     CommShared, CommandQueue, Error, ListenShared, PendingConnect, Request, Side,
@@ -549,9 +549,8 @@ impl Engine {
                         .machine
                         .message(seq)
                         .expect("transmitting a queued message");
-                    lane.writer
-                        .push_ctrl(&Header::new(Kind::Data, seq, len).encode());
-                    lane.writer.push_payload(p.buf.lend(), len as usize);
+                    let first = comm.machine.first_try(seq);
+                    lane.writer.push_data(seq, len, p.buf.lend(), first);
                     self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
                     self.metrics.message(lane.nic, true, len);
                 }
@@ -560,8 +559,17 @@ impl Engine {
         }
         while let Some(h) = comm.machine.poll_control() {
             let frame = h.encode();
+            // A receive is offered to be written in place on each lane that can: the
+            // sender picks the lane.
+            let offer = (h.kind == Kind::Cts)
+                .then(|| comm.machine.message(h.seq))
+                .flatten()
+                .map(|p| (Group::of_cts(&h).0, &p.buf));
             for (k, _) in comm.path.lanes() {
                 if let Some(lane) = lanes.get_mut(k) {
+                    if let Some((capacity, buf)) = offer {
+                        lane.writer.push_advertise(h.seq, capacity, buf.lend());
+                    }
                     lane.writer.push_ctrl(&frame);
                     self.dirty.push(k);
                 }

@@ -12,6 +12,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::queue::CommandQueue;
 use super::Error;
+use crate::transport::memory::Region;
 
 /// Requests a comm may have in flight (`NCCL_NET_MAX_REQUESTS`, which `ffi` reports).
 pub const NCCL_NET_MAX_REQUESTS: usize = 32;
@@ -191,6 +192,8 @@ pub struct MemoryRegion {
     pub base: usize,
     pub len: usize,
     pub ptr_type: i32,
+    /// The range, with what fabrics registered of it; buffers of requests carry it.
+    pub region: Arc<Region>,
     /// Local NICs this region is registered on: the comm's NIC at `regMr`, then each NIC
     /// a failover moves the comm to. For TCP this is bookkeeping; for verbs it is where
     /// `ibv_reg_mr` runs.
@@ -213,6 +216,7 @@ impl MemoryRegion {
             base,
             len,
             ptr_type,
+            region: Arc::new(Region::new(base, len)),
             nics: Mutex::new(vec![nic]),
         }
     }

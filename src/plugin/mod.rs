@@ -594,7 +594,7 @@ fn new_request(comm: &Arc<CommShared>, count: usize) -> Result<Option<Arc<Reques
 /// when all request slots are busy ("call again").
 pub fn isend(
     comm: &Arc<CommShared>,
-    buf: UserBuf,
+    mut buf: UserBuf,
     tag: i32,
     mr: &MemoryRegion,
 ) -> Result<Option<Arc<Request>>, Error> {
@@ -602,6 +602,7 @@ pub fn isend(
         return Err(Error::InvalidArgument("isend on a receive comm".into()));
     }
     mr.check(comm, buf.addr(), buf.len())?;
+    buf.attach(mr.region.clone());
     let Some(req) = new_request(comm, 1)? else {
         return Ok(None);
     };
@@ -645,7 +646,12 @@ pub fn irecv(
     comm.queue.push(Command::Recv {
         comm: comm.clone(),
         req: req.clone(),
-        bufs: subs.into_iter().map(|(b, tag, _)| (b, tag)).collect(),
+        bufs: (subs.into_iter())
+            .map(|(mut b, tag, mr)| {
+                b.attach(mr.region.clone());
+                (b, tag)
+            })
+            .collect(),
     });
     Ok(Some(req))
 }

@@ -11,7 +11,7 @@ use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
 
 use super::memory::LentBuf;
-use crate::conn::wire::{Header, Kind, WireError, HEADER_LEN};
+use crate::conn::wire::{Header, Kind, WireError, DATA_PLACED, HEADER_LEN};
 
 /// Bytes moved per call before yielding to other lanes.
 const BUDGET: usize = 8 << 20;
@@ -50,6 +50,8 @@ enum State {
     NeedPlacement {
         seq: u64,
         len: u64,
+        /// The sender's NIC wrote the payload in place: none follows in the stream.
+        placed: bool,
     },
     Payload {
         seq: u64,
@@ -111,6 +113,7 @@ impl FrameReader {
                             self.state = State::NeedPlacement {
                                 seq: h.seq,
                                 len: h.len,
+                                placed: h.placed(),
                             };
                             return Ok(Some(Inbound::Data {
                                 seq: h.seq,
@@ -199,13 +202,15 @@ impl FrameReader {
     }
 
     /// Where the payload announced by the last [`Inbound::Data`] goes: `Some(buf)` (at
-    /// least `len` bytes) or `None` to read and drop it.
+    /// least `len` bytes) or `None` to read and drop it. A payload written in place is
+    /// already in the buffer the receiver advertised for `seq`, which is `buf`: the next
+    /// call reports it done.
     pub fn place(&mut self, dst: Option<LentBuf>) {
-        if let State::NeedPlacement { seq, len } = self.state {
+        if let State::NeedPlacement { seq, len, placed } = self.state {
             self.state = State::Payload {
                 seq,
                 len,
-                off: 0,
+                off: if placed { len } else { 0 },
                 dst,
             };
         }
@@ -297,7 +302,68 @@ enum Chunk {
         off: usize,
         end: usize,
     },
+    /// A `Data` frame the lane may write in place: decided when it reaches the front.
+    Data {
+        seq: u64,
+        len: u64,
+        buf: LentBuf,
+    },
+    /// A receive the lane may offer to have written in place, sent before its `Cts`.
+    Advertise {
+        seq: u64,
+        capacity: u64,
+        buf: LentBuf,
+    },
 }
+
+impl Chunk {
+    /// Whether the writer must settle the chunk before any byte of it goes out.
+    fn unsettled(&self) -> bool {
+        matches!(self, Chunk::Data { .. } | Chunk::Advertise { .. })
+    }
+}
+
+/// A lane that can move a payload in place (the verbs fabric: its NIC writes the send
+/// buffer straight into the receive buffer). [`FrameWriter::flush_placing`] asks it
+/// about each receive it announces and each message it sends, in stream order, just
+/// before the frame's first byte is written, so whatever it posts is ordered before the
+/// frame. A plain stream places nothing: the defaults.
+pub trait Placer: Write {
+    /// A `Place` frame offering receive `seq` (`capacity` bytes of `buf`) to the peer,
+    /// written just before its `Cts`; `None` when the peer must send it in the stream.
+    fn advertise(&mut self, seq: u64, buf: &LentBuf, capacity: u64) -> Option<Vec<u8>> {
+        let _ = (seq, buf, capacity);
+        None
+    }
+
+    /// Writes message `seq`'s `len` bytes from `buf` straight into the buffer the peer
+    /// offered for it. `Ok(true)`: posted, the header goes out flagged
+    /// [`DATA_PLACED`] with no payload behind it;
+    /// `Ok(false)`: send it in the stream; `WouldBlock`: ask again later.
+    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64) -> io::Result<bool> {
+        let _ = (seq, buf, len);
+        Ok(false)
+    }
+}
+
+/// A plain stream as a [`Placer`] that places nothing.
+struct Plain<'a, W>(&'a mut W);
+
+impl<W: Write> Write for Plain<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.0.write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.0.flush()
+    }
+}
+
+impl<W: Write> Placer for Plain<'_, W> {}
 
 /// Outgoing queue of one lane.
 #[derive(Debug, Default)]
@@ -325,6 +391,27 @@ impl FrameWriter {
         }
     }
 
+    /// Queues message `seq`: its `Data` header and the first `len` bytes of `buf`. With
+    /// `may_place`, a [`Placer`] lane may write the payload in place instead; only a
+    /// message's first transmission may (a replay may reach a receive that another lane
+    /// already completed, so it must come through the stream, where it can be dropped).
+    pub fn push_data(&mut self, seq: u64, len: u64, buf: LentBuf, may_place: bool) {
+        let len = len.min(buf.len() as u64);
+        if !may_place || len == 0 {
+            self.push_ctrl(&Header::new(Kind::Data, seq, len).encode());
+            self.push_payload(buf, len as usize);
+            return;
+        }
+        self.pushed += HEADER_LEN as u64 + len;
+        self.q.push_back(Chunk::Data { seq, len, buf });
+    }
+
+    /// Offers receive `seq` (`capacity` bytes of `buf`) to be written in place, when the
+    /// lane can; written before the `Cts` that follows.
+    pub fn push_advertise(&mut self, seq: u64, capacity: u64, buf: LentBuf) {
+        self.q.push_back(Chunk::Advertise { seq, capacity, buf });
+    }
+
     /// Queues the first `len` bytes of `buf`.
     pub fn push_payload(&mut self, buf: LentBuf, len: usize) {
         if len > 0 {
@@ -340,7 +427,7 @@ impl FrameWriter {
 
     /// Whether any queued bytes still come from a caller's buffer.
     pub fn holds_payload(&self) -> bool {
-        self.q.iter().any(|c| matches!(c, Chunk::Payload { .. }))
+        (self.q.iter()).any(|c| matches!(c, Chunk::Payload { .. } | Chunk::Data { .. }))
     }
 
     /// The last `flush` stopped on its budget: call it again soon.
@@ -360,6 +447,11 @@ impl FrameWriter {
 
     /// Writes until the queue is empty, the socket would block, or the budget is spent.
     pub fn flush(&mut self, sock: &mut impl Write) -> io::Result<()> {
+        self.flush_placing(&mut Plain(sock))
+    }
+
+    /// [`FrameWriter::flush`] to a lane that may move payloads in place.
+    pub fn flush_placing(&mut self, sock: &mut impl Placer) -> io::Result<()> {
         let mut moved = 0usize;
         self.more = false;
         while !self.q.is_empty() {
@@ -367,13 +459,24 @@ impl FrameWriter {
                 self.more = true;
                 return Ok(());
             }
+            if self.q.front().is_some_and(Chunk::unsettled) {
+                match self.settle(sock) {
+                    Ok(()) => continue,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                    Err(e) => return Err(e),
+                }
+            }
             let iov: Vec<IoSlice<'_>> = self
                 .q
                 .iter()
                 .take(MAX_IOV)
+                .take_while(|c| !c.unsettled())
                 .map(|c| match c {
                     Chunk::Ctrl { bytes, off } => IoSlice::new(&bytes[*off..]),
                     Chunk::Payload { buf, off, end } => IoSlice::new(buf.slice(*off, end - off)),
+                    Chunk::Data { .. } | Chunk::Advertise { .. } => {
+                        unreachable!("taken while settled")
+                    }
                 })
                 .collect();
             let n = match sock.write_vectored(&iov) {
@@ -390,6 +493,40 @@ impl FrameWriter {
         Ok(())
     }
 
+    /// Settles the front chunk with the lane: a `Data` becomes its header (flagged placed,
+    /// or followed by its payload), an offer becomes a `Place` frame or nothing.
+    fn settle(&mut self, sock: &mut impl Placer) -> io::Result<()> {
+        match self.q.front() {
+            Some(Chunk::Data { seq, len, buf }) => {
+                let (seq, len) = (*seq, *len);
+                let placed = sock.direct(seq, buf, len)?;
+                let Some(Chunk::Data { buf, .. }) = self.q.pop_front() else {
+                    unreachable!("the front was a Data");
+                };
+                let mut h = Header::new(Kind::Data, seq, len);
+                if placed {
+                    h.aux |= DATA_PLACED;
+                    self.pushed -= len;
+                } else {
+                    let end = len as usize;
+                    self.q.push_front(Chunk::Payload { buf, off: 0, end });
+                }
+                let bytes = h.encode().to_vec();
+                self.q.push_front(Chunk::Ctrl { bytes, off: 0 });
+            }
+            Some(Chunk::Advertise { seq, capacity, buf }) => {
+                let frame = sock.advertise(*seq, buf, *capacity);
+                self.q.pop_front();
+                if let Some(bytes) = frame {
+                    self.pushed += bytes.len() as u64;
+                    self.q.push_front(Chunk::Ctrl { bytes, off: 0 });
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
     fn advance(&mut self, mut n: usize) {
         while n > 0 {
             let front = self.q.front_mut().expect("wrote more than was queued");
@@ -401,6 +538,9 @@ impl FrameWriter {
                 Chunk::Payload { off, end, .. } => {
                     let left = *end - *off;
                     (off, left)
+                }
+                Chunk::Data { .. } | Chunk::Advertise { .. } => {
+                    unreachable!("only settled chunks are written")
                 }
             };
             if n >= left {
@@ -645,6 +785,141 @@ mod tests {
         }
         fn flush(&mut self) -> io::Result<()> {
             Ok(())
+        }
+    }
+
+    /// A lane that writes even-numbered messages in place (into `placed`), offers
+    /// even-numbered receives, and is busy at the first placement it is asked for.
+    struct InPlace {
+        sink: Sink,
+        placed: Vec<(u64, Vec<u8>)>,
+        asked: usize,
+    }
+
+    impl Write for InPlace {
+        fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+            self.sink.write(b)
+        }
+        fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+            self.sink.write_vectored(bufs)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Placer for InPlace {
+        fn advertise(&mut self, seq: u64, _: &LentBuf, capacity: u64) -> Option<Vec<u8>> {
+            (seq % 2 == 0)
+                .then(|| Header::new(Kind::Place, seq, capacity).encode().to_vec())
+                .map(|mut f| {
+                    f.extend_from_slice(&[0; 8]);
+                    f
+                })
+        }
+        fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64) -> io::Result<bool> {
+            self.asked += 1;
+            if self.asked == 1 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            if seq % 2 == 1 {
+                return Ok(false);
+            }
+            self.placed.push((seq, buf.slice(0, len as usize).to_vec()));
+            Ok(true)
+        }
+    }
+
+    #[test]
+    fn a_placing_lane_writes_headers_flagged_and_payloads_around_the_stream() {
+        let payload: Vec<u8> = (0..30_000u32).map(|i| (i % 253) as u8).collect();
+        let src = heap_buf(&payload);
+        for chunk in [1, 29, 1 << 20] {
+            let mut w = FrameWriter::default();
+            for seq in 0..4 {
+                w.push_advertise(seq, 1000, src.lend());
+                w.push_ctrl(&Header::new(Kind::Cts, seq, 1000).encode());
+            }
+            for seq in 0..4 {
+                w.push_data(seq, 1000 * (seq + 1), src.lend(), true);
+            }
+            w.push_data(4, 500, src.lend(), false);
+            let mut lane = InPlace {
+                sink: Sink {
+                    out: Vec::new(),
+                    chunk,
+                    calls: 0,
+                },
+                placed: Vec::new(),
+                asked: 0,
+            };
+            for _ in 0..100_000 {
+                if w.is_empty() {
+                    break;
+                }
+                w.flush_placing(&mut lane).unwrap();
+            }
+            assert!(w.is_empty() && w.queued_bytes() == 0, "chunk {chunk}");
+            assert_eq!(
+                lane.placed,
+                vec![(0, payload[..1000].to_vec()), (2, payload[..3000].to_vec())]
+            );
+            // The receiving end: offers before their CTS, placed headers with no payload.
+            let mut sock = Trickle {
+                data: lane.sink.out,
+                pos: 0,
+                chunk: 1 << 20,
+                block_next: false,
+            };
+            let mut r = FrameReader::default();
+            r.enlarge();
+            let mut seen = Vec::new();
+            for _ in 0..1000 {
+                match r.next(&mut sock).unwrap() {
+                    Some(Inbound::Frame(h, body)) => seen.push((h.kind, h.seq, body.len())),
+                    Some(Inbound::Data { seq, len }) => {
+                        let dst = heap_buf(&vec![0; len as usize]);
+                        r.place(Some(dst.lend()));
+                        let Some(Inbound::PayloadDone { seq: s, len: n }) =
+                            r.next(&mut sock).unwrap()
+                        else {
+                            panic!("no payload end for {seq}");
+                        };
+                        assert_eq!((s, n), (seq, len));
+                        let got = dst.lend().slice(0, len as usize).to_vec();
+                        let placed = seq % 2 == 0 && seq < 4;
+                        let want = if placed {
+                            vec![0; len as usize]
+                        } else {
+                            payload[..len as usize].to_vec()
+                        };
+                        assert_eq!(
+                            got, want,
+                            "seq {seq}: a placed payload is not in the stream"
+                        );
+                        seen.push((Kind::Data, seq, len as usize));
+                    }
+                    Some(Inbound::Eof) | None => break,
+                    Some(other) => panic!("{other:?}"),
+                }
+            }
+            let kinds: Vec<(Kind, u64)> = seen.iter().map(|&(k, s, _)| (k, s)).collect();
+            assert_eq!(
+                kinds,
+                [
+                    (Kind::Place, 0),
+                    (Kind::Cts, 0),
+                    (Kind::Cts, 1),
+                    (Kind::Place, 2),
+                    (Kind::Cts, 2),
+                    (Kind::Cts, 3),
+                    (Kind::Data, 0),
+                    (Kind::Data, 1),
+                    (Kind::Data, 2),
+                    (Kind::Data, 3),
+                    (Kind::Data, 4)
+                ]
+            );
         }
     }
 

@@ -129,6 +129,11 @@ pub trait Fabric: Debug + Send + 'static {
     /// Sends what `writer` holds, until the lane would block or the writer's per-call
     /// budget is spent ([`FrameWriter::wants_more`]). What was not accepted stays in
     /// `writer`, in order. Never raises a signal for a peer that went away.
+    ///
+    /// A fabric whose NICs can write a payload straight into the peer's receive buffer
+    /// flushes with [`FrameWriter::flush_placing`] and a [`frames::Placer`] lane: it then
+    /// offers receives (`Place` frames, consumed by its own `read` at the other end) and
+    /// writes first transmissions in place. Others flush plainly and never see either.
     fn write(&mut self, lane: &mut Self::Lane, writer: &mut FrameWriter) -> io::Result<()>;
 
     /// Whether `lane` can carry frames: its own setup (a verbs QP's connection) is done.

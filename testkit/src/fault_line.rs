@@ -88,6 +88,10 @@ pub struct Summary {
     pub last_error: Option<u64>,
     /// The router's failed probes, from the route snapshot the plugin publishes.
     pub probes_failed: u64,
+    /// Payload bytes this process's verbs lanes wrote in place (zero copy).
+    pub placed_bytes: u64,
+    /// Ranges of NCCL memory this process registered with an RDMA device.
+    pub registrations: u64,
 }
 
 /// One line the peer prints on stdout.

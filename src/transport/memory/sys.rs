@@ -11,12 +11,16 @@
 #![allow(unsafe_code)]
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
-/// A buffer NCCL passed to `isend`/`irecv`.
+use super::Region;
+
+/// A buffer NCCL passed to `isend`/`irecv`, with the registration NCCL passed for it.
 #[derive(Debug)]
 pub struct UserBuf {
     ptr: *mut u8,
     len: usize,
+    region: Option<Arc<Region>>,
 }
 
 // SAFETY: the buffer is owned by NCCL for the request's lifetime and accessed by exactly
@@ -37,7 +41,14 @@ impl UserBuf {
         UserBuf {
             ptr: ptr.cast(),
             len,
+            region: None,
         }
+    }
+
+    /// Names the registration (`regMr`) the buffer lies in, so that a fabric that moves
+    /// bytes with its NIC can register it there. The caller checked that it does.
+    pub fn attach(&mut self, region: Arc<Region>) {
+        self.region = Some(region);
     }
 
     pub fn len(&self) -> usize {
@@ -59,6 +70,7 @@ impl UserBuf {
         LentBuf {
             ptr: self.ptr,
             len: self.len,
+            region: self.region.clone(),
         }
     }
 }
@@ -68,6 +80,7 @@ impl UserBuf {
 pub struct LentBuf {
     ptr: *mut u8,
     len: usize,
+    region: Option<Arc<Region>>,
 }
 
 // SAFETY: as for `UserBuf`: the reactor is the one thread that uses the views.
@@ -80,6 +93,16 @@ impl LentBuf {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The address, for a NIC to read or write it in place.
+    pub fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+
+    /// The registration the buffer lies in, when NCCL named one.
+    pub fn region(&self) -> Option<&Arc<Region>> {
+        self.region.as_ref()
     }
 
     /// Bytes `off..off + n` of the buffer (clamped to its length).
@@ -120,6 +143,7 @@ impl UserBuf {
         UserBuf {
             ptr: s.as_mut_ptr(),
             len: s.len(),
+            region: None,
         }
     }
 }
@@ -154,6 +178,7 @@ impl SimMem {
         UserBuf {
             ptr: self.ptr,
             len: self.len,
+            region: None,
         }
     }
 

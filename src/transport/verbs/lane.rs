@@ -14,23 +14,34 @@
 //! ([`Ring`]). Credit returns use QP 0. Any QP's error fails the lane; the fence moves
 //! them all to ERR.
 //!
-//! This is the byte-stream shape the [`Fabric`](super::super::Fabric) trait asks for; it
-//! costs a copy at each end. NCCL's IB transport instead writes straight into the
-//! receive buffer the receiver advertised (a clear-to-send FIFO), which needs the trait to
-//! carry receive buffers and their keys to the fabric.
+//! Payloads of [`PLACE_MIN`] bytes and more skip both copies, as NCCL's IB transport
+//! does: before each clear-to-send the receiver sends a `Place` frame with the receive
+//! buffer's address and key (the buffer registered on this lane's device the first time
+//! the device needs it), and the sender RDMA-WRITEs the message from its own registered
+//! buffer straight there, then sends the `Data` header flagged as placed through the ring
+//! on the same QP, so the header's completion means the payload is in place. A message
+//! sent again after a lane died always comes through the ring: the receiver may already
+//! have it from the dead lane, and a duplicate in the ring can be dropped where one in
+//! the buffer could not.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
 use std::io::{self, IoSlice, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::device::VerbsNic;
+use super::domain::Domain;
 use super::sys::{
-    event, wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, RemoteQp,
+    wc, CompChannel, Completion, Cq, LocalPort, Mr, Qp, RawWrite, RemoteQp, UserMr,
     Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
 };
 use super::{completion_error, qp_timing};
 use crate::config::VerbsSettings;
+use crate::conn::wire::{Header, Kind, PLACE_BODY};
+use crate::transport::frames::Placer;
+use crate::transport::memory::LentBuf;
 
 /// Bytes of each end's ring (and of the sender's staging region).
 pub const RING: usize = 4 << 20;
@@ -41,6 +52,49 @@ const DATA_SLOTS: u32 = MAX_SEND - 4;
 const CREDIT_FLAG: u32 = 1 << 31;
 const WR_CREDIT: u64 = 1 << 63;
 const WR_RECV: u64 = 1 << 62;
+/// A payload written in place; the low bits are its length.
+const WR_PLACED: u64 = 1 << 61;
+/// Payloads at least this large are written in place when the receiver offers its buffer:
+/// below it the ring's copy costs less than a second work request and a registration.
+pub const PLACE_MIN: u64 = 4096;
+/// Largest payload written in place with one work request.
+const PLACE_MAX: u64 = 1 << 30;
+/// Offers from the peer a lane keeps at most (the receiver has at most a few hundred
+/// receives open; the oldest go first).
+const MAX_OFFERS: usize = 4096;
+
+/// Payload bytes written in place, and registrations of NCCL's memory made, process-wide.
+pub static PLACED_BYTES: AtomicU64 = AtomicU64::new(0);
+pub static USER_REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// A receive buffer the peer offered to have written in place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offer {
+    pub addr: u64,
+    pub rkey: u32,
+    pub capacity: u64,
+}
+
+impl Offer {
+    /// The `Place` frame offering receive `seq`.
+    pub fn frame(self, seq: u64) -> Vec<u8> {
+        let mut h = Header::new(Kind::Place, seq, self.capacity);
+        h.aux = self.rkey;
+        let mut f = h.encode().to_vec();
+        f.extend_from_slice(&self.addr.to_le_bytes());
+        f
+    }
+
+    /// The offer a `Place` frame makes, `None` if its body is not an address.
+    pub fn of_frame(h: &Header, body: &[u8]) -> Option<Offer> {
+        let addr: [u8; PLACE_BODY as usize] = body.try_into().ok()?;
+        Some(Offer {
+            addr: u64::from_le_bytes(addr),
+            rkey: h.aux,
+            capacity: h.len,
+        })
+    }
+}
 /// How long a graceful close waits for the peer to acknowledge what was posted.
 const LINGER: Duration = Duration::from_millis(200);
 
@@ -202,6 +256,8 @@ pub struct Ring {
     head: u64,
     acked: u64,
     credited: u64,
+    /// Sender: payload bytes written in place (not through the ring).
+    placed: u64,
     /// Sender: WRs in flight per QP, and the QP of the next data write.
     outstanding: Vec<u32>,
     next_send: usize,
@@ -255,6 +311,7 @@ impl Ring {
             head: 0,
             acked: 0,
             credited: 0,
+            placed: 0,
             outstanding: vec![0; qps],
             next_send: 0,
             received: 0,
@@ -292,6 +349,19 @@ impl Ring {
         self.head += n as u64;
         self.outstanding[self.next_send] += 1;
         self.next_send = (self.next_send + 1) % self.qps();
+    }
+
+    /// Whether a payload may be written in place now: the QP the next ring write goes on
+    /// (which must carry the payload's header after it) has a free slot of `slots`.
+    pub fn can_place(&self, slots: u32) -> bool {
+        self.outstanding[self.next_send] < slots
+    }
+
+    /// `n` payload bytes were posted in place, on QP [`Ring::send_qp`], which also takes
+    /// the next ring write (their header), so the header lands after them.
+    pub fn posted_placed(&mut self, n: u64) {
+        self.placed += n;
+        self.outstanding[self.next_send] += 1;
     }
 
     /// A credit return was posted (on QP 0).
@@ -361,13 +431,13 @@ impl Ring {
         Some(owed as u32)
     }
 
-    /// (bytes posted, bytes the peer acknowledged).
+    /// (bytes posted, bytes the peer acknowledged), through the ring and in place.
     pub fn progress(&self) -> (u64, u64) {
-        (self.head, self.acked)
+        (self.head + self.placed, self.acked)
     }
 
     pub fn unacked(&self) -> u64 {
-        self.head - self.acked
+        self.head + self.placed - self.acked
     }
 }
 
@@ -389,10 +459,14 @@ pub struct VerbsLane {
     // before its CQ; the context (held by all of them) goes last.
     /// Data write k goes on `qps[k % qps.len()]`; credit returns on `qps[0]`.
     qps: Vec<Qp>,
+    /// Per QP, the registrations of payloads written in place, held until their
+    /// completions (which come in posting order).
+    held: Vec<VecDeque<Arc<Option<UserMr>>>>,
     send: Mr,
     recv: Mr,
     cq: Arc<Cq>,
-    ctx: Arc<Context>,
+    dom: Arc<Domain>,
+    qp_nums: Vec<u32>,
     sock: mio::net::TcpStream,
     port: LocalPort,
     grh: bool,
@@ -402,6 +476,8 @@ pub struct VerbsLane {
     peer: Option<QpHello>,
     phase: Phase,
     ring: Ring,
+    /// Receives the peer offered to have written in place, by sequence number.
+    offers: BTreeMap<u64, Offer>,
     peer_closed: bool,
     fenced: bool,
     error: Option<(io::ErrorKind, String)>,
@@ -409,25 +485,24 @@ pub struct VerbsLane {
 }
 
 impl VerbsLane {
-    /// A lane on `nic` over the (possibly still connecting) bootstrap socket: resources
-    /// allocated, QP in INIT, our hello queued.
+    /// A lane on `nic` (a port of `dom`'s device) over the (possibly still connecting)
+    /// bootstrap socket: resources allocated, QP in INIT, our hello queued.
     pub fn new(
+        dom: &Arc<Domain>,
         nic: &VerbsNic,
         sock: mio::net::TcpStream,
         settings: &VerbsSettings,
     ) -> io::Result<VerbsLane> {
-        let ctx = Context::open(&nic.device)?;
-        let pd = Pd::new(&ctx)?;
-        let ch = CompChannel::new(&ctx)?;
-        ctx.async_fd()?;
+        let (ctx, pd) = (&dom.ctx, &dom.pd);
+        let ch = CompChannel::new(ctx)?;
         let n = usize::from(settings.qps_per_lane.max(1));
-        let cq = Cq::new(&ctx, &ch, (n as u32 * (MAX_SEND + MAX_RECV) + 16) as i32)?;
-        let send = Mr::new(&pd, RING)?;
-        let recv = Mr::new(&pd, RING)?;
+        let cq = Cq::new(ctx, &ch, (n as u32 * (MAX_SEND + MAX_RECV) + 16) as i32)?;
+        let send = Mr::new(pd, RING)?;
+        let recv = Mr::new(pd, RING)?;
         let mut qps = Vec::with_capacity(n);
         let mut mine = Vec::with_capacity(n);
         for _ in 0..n {
-            let qp = Qp::new_rc(&pd, &cq, MAX_SEND, MAX_RECV)?;
+            let qp = Qp::new_rc(pd, &cq, MAX_SEND, MAX_RECV)?;
             qp.to_init(nic.port)?;
             let mut psn = [0u8; 4];
             getrandom::getrandom(&mut psn).map_err(|e| io::Error::other(e.to_string()))?;
@@ -449,11 +524,13 @@ impl VerbsLane {
                 out_off: 0,
                 got: Vec::with_capacity(hellos_len(n) + 1),
             },
+            held: vec![VecDeque::new(); n],
+            qp_nums: qps.iter().map(Qp::qp_num).collect(),
             qps,
             send,
             recv,
             cq,
-            ctx,
+            dom: dom.clone(),
             sock,
             port: local_port(nic, settings),
             grh: needs_grh(nic),
@@ -461,6 +538,7 @@ impl VerbsLane {
             mine,
             peer: None,
             ring: Ring::with_qps(RING, n),
+            offers: BTreeMap::new(),
             peer_closed: false,
             fenced: false,
             error: None,
@@ -606,29 +684,15 @@ impl VerbsLane {
         }
     }
 
+    /// What the device's async events (read by the fabric) said about this lane.
     fn async_events(&mut self) -> io::Result<()> {
-        while let Some(ev) = self.ctx.next_async_event() {
-            let mine = match ev.kind {
-                event::PORT_ERR => ev.port == Some(self.port.port),
-                event::DEVICE_FATAL | event::CQ_ERR => true,
-                event::QP_FATAL | event::QP_REQ_ERR | event::QP_ACCESS_ERR => {
-                    (self.qps.iter()).any(|q| ev.qp_num == Some(q.qp_num()))
-                }
-                _ => false,
-            };
-            if mine && !self.fenced {
-                return Err(self.fail(
-                    io::ErrorKind::Other,
-                    format!(
-                        "verbs async event {} on {} port {}",
-                        ev.kind,
-                        self.ctx.name(),
-                        self.port.port
-                    ),
-                ));
-            }
+        if self.fenced {
+            return Ok(());
         }
-        Ok(())
+        match self.dom.fault(self.port.port, &self.qp_nums) {
+            Some(why) => Err(self.fail(io::ErrorKind::Other, why)),
+            None => Ok(()),
+        }
     }
 
     /// Drain, acknowledge and re-arm the channel, then poll the CQ empty.
@@ -676,7 +740,14 @@ impl VerbsLane {
             }
             return self.qps[qp].post_recv(WR_RECV);
         }
-        let data = if c.wr_id & WR_CREDIT == 0 { c.wr_id } else { 0 };
+        let data = if c.wr_id & WR_CREDIT != 0 {
+            0
+        } else if c.wr_id & WR_PLACED != 0 {
+            self.held[qp].pop_front();
+            c.wr_id & !WR_PLACED
+        } else {
+            c.wr_id
+        };
         self.ring.send_done(qp, data);
         Ok(())
     }
@@ -732,10 +803,117 @@ impl VerbsLane {
         }
     }
 
-    /// Registers the bootstrap socket with `interest` and the channel and async fds
-    /// readable, all under `token`.
-    fn fds(&self) -> [std::os::fd::RawFd; 2] {
-        [self.cq.channel().fd(), self.ctx.async_fd().unwrap_or(-1)]
+    /// The fds registered readable beside the bootstrap socket: the completion channel.
+    /// (The device's async-event fd is the fabric's.)
+    fn fds(&self) -> [std::os::fd::RawFd; 1] {
+        [self.cq.channel().fd()]
+    }
+
+    /// The peer offered receive `seq` to be written in place (a `Place` frame).
+    pub fn offer(&mut self, seq: u64, offer: Offer) {
+        if self.offers.len() >= MAX_OFFERS {
+            self.offers.pop_first();
+        }
+        self.offers.insert(seq, offer);
+    }
+
+    /// The offers held (for tests and stats).
+    pub fn offers(&self) -> usize {
+        self.offers.len()
+    }
+
+    /// This device's registration of the range `buf` lies in: made the first time a lane
+    /// of the device needs it. `None` when NCCL named no range, or registering it failed
+    /// (said once per range and device); the payload then goes through the ring.
+    fn registration(&self, buf: &LentBuf) -> Option<Arc<Option<UserMr>>> {
+        let region = buf.region()?;
+        let dom = &self.dom;
+        let mr = region
+            .key(dom.id, || {
+                Ok::<_, Infallible>(match UserMr::register(&dom.pd, region.base, region.len) {
+                    Ok(mr) => {
+                        USER_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(
+                            "railover: registered {:#x}+{} on {} (first use there)",
+                            region.base,
+                            region.len,
+                            dom.name()
+                        );
+                        Some(mr)
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "railover: cannot register {:#x}+{} on {} ({e}); messages in it are copied through the lanes' rings there",
+                            region.base,
+                            region.len,
+                            dom.name()
+                        );
+                        None
+                    }
+                })
+            })
+            .unwrap_or_else(|e| match e {});
+        mr.is_some().then_some(mr)
+    }
+}
+
+impl Placer for VerbsLane {
+    fn advertise(&mut self, seq: u64, buf: &LentBuf, capacity: u64) -> Option<Vec<u8>> {
+        if capacity < PLACE_MIN || !self.is_ready() {
+            return None;
+        }
+        let mr = self.registration(buf)?;
+        let rkey = mr.as_ref().as_ref()?.rkey();
+        let offer = Offer {
+            addr: buf.addr() as u64,
+            rkey,
+            capacity: capacity.min(buf.len() as u64),
+        };
+        Some(offer.frame(seq))
+    }
+
+    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64) -> io::Result<bool> {
+        self.check()?;
+        // Messages go out in order: offers for earlier ones went to other lanes.
+        while self.offers.first_key_value().is_some_and(|(&s, _)| s < seq) {
+            self.offers.pop_first();
+        }
+        let Some(&offer) = self.offers.get(&seq) else {
+            return Ok(false);
+        };
+        if !(PLACE_MIN..=PLACE_MAX).contains(&len) || len > offer.capacity || !self.is_ready() {
+            self.offers.remove(&seq);
+            return Ok(false);
+        }
+        if !self.ring.can_place(DATA_SLOTS) {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        self.offers.remove(&seq);
+        let Some(held) = self.registration(buf) else {
+            return Ok(false);
+        };
+        let mr = held
+            .as_ref()
+            .as_ref()
+            .expect("registration() keeps only made ones");
+        let qp = self.ring.send_qp();
+        self.qps[qp].post_user_write(
+            mr,
+            &RawWrite {
+                addr: buf.addr() as u64,
+                len: len as u32,
+                lkey: mr.lkey(),
+                remote_addr: offer.addr,
+                rkey: offer.rkey,
+                imm: None,
+                signaled: true,
+                wr_id: WR_PLACED | len,
+            },
+        )?;
+        self.ring.posted_placed(len);
+        self.held[qp].push_back(held);
+        PLACED_BYTES.fetch_add(len, Ordering::Relaxed);
+        Ok(true)
     }
 }
 

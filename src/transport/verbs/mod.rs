@@ -8,10 +8,12 @@
 //! when a usable port exists.
 
 pub mod device;
+pub mod domain;
 pub mod lane;
 pub mod sys;
 
 pub use device::{discover, Discovery, VerbsNic};
+pub use domain::Domain;
 pub use lane::VerbsLane;
 
 /// The default QP timing (`RAILOVER_IB_TIMEOUT`, `RAILOVER_IB_RETRY_CNT`): 4.096 us * 2^16
@@ -38,11 +40,13 @@ use std::net::{IpAddr, SocketAddr};
 
 use mio::event::Source;
 use mio::{Interest, Registry, Token};
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use socket2::{Protocol, SockAddr, Socket, Type};
 
 use super::frames::{FrameReader, FrameWriter, Inbound, ReadError};
 use super::{Fabric, FabricNic, LaneProgress};
 use crate::config::VerbsSettings;
+use crate::conn::wire::{Kind, WireError};
+use std::sync::Arc;
 use sys::{wc, Completion};
 
 /// The verbs fabric over the ports discovery found. A NIC's address is the IP of its RoCE
@@ -51,8 +55,8 @@ use sys::{wc, Completion};
 pub struct VerbsFabric {
     nics: Vec<FabricNic>,
     verbs: Vec<VerbsNic>,
-    /// One open context per device, kept for its async events (port up/down).
-    watched: Vec<std::sync::Arc<sys::Context>>,
+    /// Each device opened once, for all its lanes and for its async events.
+    domains: Vec<Arc<Domain>>,
     settings: VerbsSettings,
 }
 
@@ -83,9 +87,20 @@ impl VerbsFabric {
         Ok(VerbsFabric {
             nics: fabric,
             verbs: nics,
-            watched: Vec::new(),
+            domains: Vec::new(),
             settings,
         })
+    }
+
+    /// The device of NIC `nic`, opened the first time.
+    fn domain(&mut self, nic: usize) -> io::Result<Arc<Domain>> {
+        let device = &self.nic(nic)?.device;
+        if let Some(d) = self.domains.iter().find(|d| d.name() == device) {
+            return Ok(d.clone());
+        }
+        let d = Domain::open(device)?;
+        self.domains.push(d.clone());
+        Ok(d)
     }
 
     fn nic(&self, nic: usize) -> io::Result<&VerbsNic> {
@@ -119,16 +134,17 @@ impl Fabric for VerbsFabric {
             .or_else(|| self.nics.iter().position(|n| n.name == ifname))
     }
 
+    /// Each device's async-event fd. The fabric reads the events: port changes go to the
+    /// reactor, and faults of a lane's QP or port are filed in the device for the lane.
     fn carrier_fds(&mut self) -> Vec<std::os::fd::RawFd> {
-        let mut devices: Vec<&str> = self.verbs.iter().map(|n| n.device.as_str()).collect();
-        devices.dedup();
         let mut fds = Vec::new();
-        for d in devices {
-            match sys::Context::open(d).and_then(|c| Ok((c.async_fd()?, c))) {
-                Ok((fd, c)) => {
-                    fds.push(fd);
-                    self.watched.push(c);
-                }
+        for nic in 0..self.verbs.len() {
+            let d = self.verbs[nic].device.clone();
+            if self.verbs[..nic].iter().any(|n| n.device == d) {
+                continue;
+            }
+            match self.domain(nic).and_then(|dom| dom.ctx.async_fd()) {
+                Ok(fd) => fds.push(fd),
                 Err(e) => tracing::warn!(
                     "railover: cannot watch {d}'s async events ({e}); its ports' state comes from netlink and lane timeouts"
                 ),
@@ -139,9 +155,10 @@ impl Fabric for VerbsFabric {
 
     fn carrier_events(&mut self) -> Vec<(usize, bool)> {
         let mut out = Vec::new();
-        for c in &self.watched {
-            while let Some(ev) = c.next_async_event() {
-                out.extend(carrier_of(&self.verbs, c.name(), &ev));
+        for dom in &self.domains {
+            while let Some(ev) = dom.ctx.next_async_event() {
+                dom.note(&ev);
+                out.extend(carrier_of(&self.verbs, dom.name(), &ev));
             }
         }
         out
@@ -151,7 +168,7 @@ impl Fabric for VerbsFabric {
         self.nic(nic)?;
         let ip = self.nics[nic].ip;
         let sock = Socket::new(
-            Domain::for_address(SocketAddr::new(ip, 0)),
+            socket2::Domain::for_address(SocketAddr::new(ip, 0)),
             Type::STREAM,
             Some(Protocol::TCP),
         )?;
@@ -174,7 +191,8 @@ impl Fabric for VerbsFabric {
                         // Not one of ours (a wildcard listener would be): drop it.
                         continue;
                     };
-                    let lane = VerbsLane::new(&self.verbs[nic], stream, &self.settings)?;
+                    let dom = self.domain(nic)?;
+                    let lane = VerbsLane::new(&dom, &self.verbs[nic], stream, &self.settings)?;
                     Ok(Some((lane, Some(nic))))
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
@@ -189,7 +207,11 @@ impl Fabric for VerbsFabric {
             self.nics.get(nic).map(|n| n.ip).ok_or_else(|| {
                 io::Error::new(io::ErrorKind::InvalidInput, format!("no NIC {nic}"))
             })?;
-        let sock = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))?;
+        let sock = Socket::new(
+            socket2::Domain::for_address(to),
+            Type::STREAM,
+            Some(Protocol::TCP),
+        )?;
         sock.set_nonblocking(true)?;
         sock.set_nodelay(true)?;
         if from.is_ipv4() == to.is_ipv4() {
@@ -201,6 +223,7 @@ impl Fabric for VerbsFabric {
             Err(e) => return Err(e),
         }
         VerbsLane::new(
+            &self.domain(nic)?,
             &self.verbs[nic],
             mio::net::TcpStream::from_std(sock.into()),
             &self.settings,
@@ -216,7 +239,17 @@ impl Fabric for VerbsFabric {
         if !lane.is_ready() {
             return Ok(None);
         }
-        let got = reader.next(lane);
+        let got = loop {
+            match reader.next(lane) {
+                // The peer offers a receive to be written in place: the lane's business.
+                Ok(Some(Inbound::Frame(h, body))) if h.kind == Kind::Place => {
+                    let offer = lane::Offer::of_frame(&h, &body)
+                        .ok_or(WireError::Malformed("Place body"))?;
+                    lane.offer(h.seq, offer);
+                }
+                got => break got,
+            }
+        };
         // Credit for what this read consumed.
         lane.pump()?;
         got
@@ -227,7 +260,7 @@ impl Fabric for VerbsFabric {
         if !lane.is_ready() {
             return Ok(());
         }
-        writer.flush(lane)
+        writer.flush_placing(lane)
     }
 
     fn ready(&self, lane: &VerbsLane) -> bool {

@@ -491,6 +491,85 @@ impl Drop for Mr {
     }
 }
 
+/// Memory the plugin does not own (a range NCCL registered with `regMr`) registered with
+/// a PD, for local and remote writes. Registering reads and writes nothing; the NIC
+/// touches the range only when a work request names it (a send from it) or a peer writes
+/// at an address this end advertised for an open receive, both inside NCCL's lending of
+/// the buffer (see `transport::memory`). NCCL keeps the range allocated until `deregMr`,
+/// and this registration goes with the last holder of that range.
+#[derive(Debug)]
+pub struct UserMr {
+    mr: NonNull<ffi::ibv_mr>,
+    addr: u64,
+    len: usize,
+    _pd: Arc<Pd>,
+}
+
+// SAFETY: see `Context`; the wrapper only holds the registration's keys.
+unsafe impl Send for UserMr {}
+// SAFETY: the `&self` methods read the registration's keys.
+unsafe impl Sync for UserMr {}
+
+impl UserMr {
+    /// Registers `[addr, addr + len)` with `pd`.
+    pub fn register(pd: &Arc<Pd>, addr: usize, len: usize) -> io::Result<UserMr> {
+        let access = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ)
+            .0 as c_int;
+        // SAFETY: the kernel pins and checks the range (EFAULT if it is not mapped); the
+        // call itself reads nothing through the pointer.
+        let mr = unsafe { ffi::ibv_reg_mr(pd.pd.as_ptr(), addr as *mut c_void, len, access) };
+        let mr = NonNull::new(mr).ok_or_else(|| null_err("ibv_reg_mr"))?;
+        Ok(UserMr {
+            mr,
+            addr: addr as u64,
+            len,
+            _pd: pd.clone(),
+        })
+    }
+
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: the MR is registered until drop.
+        unsafe { (*self.mr.as_ptr()).lkey }
+    }
+
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: as above.
+        unsafe { (*self.mr.as_ptr()).rkey }
+    }
+
+    /// Whether `[addr, addr + len)` lies inside the registration.
+    pub fn covers(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|e| e <= self.addr + self.len as u64)
+    }
+}
+
+impl Drop for UserMr {
+    fn drop(&mut self) {
+        // SAFETY: registered in `register`, deregistered once. QPs that used it completed
+        // or were flushed: the last holder drops it after NCCL's last request on the range.
+        unsafe { ffi::ibv_dereg_mr(self.mr.as_ptr()) };
+    }
+}
+
+/// One RDMA WRITE of registered bytes to a peer's registered memory.
+#[derive(Debug, Clone, Copy)]
+pub struct RawWrite {
+    /// Local bytes: address, length and the key of a registration covering them.
+    pub addr: u64,
+    pub len: u32,
+    pub lkey: u32,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub imm: Option<u32>,
+    pub signaled: bool,
+    pub wr_id: u64,
+}
+
 /// A completion channel: one fd that becomes readable when an armed CQ has a completion.
 #[derive(Debug)]
 pub struct CompChannel {
@@ -875,10 +954,38 @@ impl Qp {
         w.local.check(w.offset, w.len)?;
         let len = u32::try_from(w.len)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a WRITE is at most 4 GiB"))?;
-        let mut sge = ffi::ibv_sge {
+        self.post_raw(&RawWrite {
             addr: w.local.addr() + w.offset as u64,
-            length: len,
+            len,
             lkey: w.local.lkey(),
+            remote_addr: w.remote_addr,
+            rkey: w.rkey,
+            imm: w.imm,
+            signaled: w.signaled,
+            wr_id: w.wr_id,
+        })
+    }
+
+    /// Posts one RDMA WRITE from memory registered elsewhere: `user` must cover the bytes
+    /// and stay registered until the completion (the caller holds it meanwhile).
+    pub fn post_user_write(&self, user: &UserMr, w: &RawWrite) -> io::Result<()> {
+        if w.lkey != user.lkey() || !user.covers(w.addr, u64::from(w.len)) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "[{:#x}, +{}) is not inside the registration its key names",
+                    w.addr, w.len
+                ),
+            ));
+        }
+        self.post_raw(w)
+    }
+
+    fn post_raw(&self, w: &RawWrite) -> io::Result<()> {
+        let mut sge = ffi::ibv_sge {
+            addr: w.addr,
+            length: w.len,
+            lkey: w.lkey,
         };
         // SAFETY: zeroed is a valid value for this plain C struct.
         let mut wr: ffi::ibv_send_wr = unsafe { MaybeUninit::zeroed().assume_init() };
@@ -893,7 +1000,7 @@ impl Qp {
         if w.signaled {
             wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        if len > 0 {
+        if w.len > 0 {
             wr.sg_list = &mut sge;
             wr.num_sge = 1;
         }
@@ -903,7 +1010,8 @@ impl Qp {
         };
         let mut bad: *mut ffi::ibv_send_wr = null_mut();
         // SAFETY: a QP of a real device; `wr` and `sge` are complete live locals (the
-        // provider copies them before returning); the SGE is inside a registered region.
+        // provider copies them before returning); the callers checked that the SGE lies
+        // inside a registration that outlives the completion.
         rc(
             unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad) },
             "ibv_post_send",

@@ -1,0 +1,136 @@
+//! One opened device, shared by every lane on it: its context, one protection domain
+//! (so user memory is registered once per device, for all its lanes) and the faults its
+//! async events reported. The fabric opens it once, reads its async-event fd (an fd can
+//! be in the reactor's poll once only), and files what concerns a lane here, where the
+//! lane looks at each turn.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::sys::{event, AsyncEvent, Context, Pd};
+
+/// Process-wide numbering of domains: the key a registration is filed under in a
+/// [`Region`](crate::transport::memory::Region).
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+/// Faulted QPs remembered at most (QP numbers of lanes long gone are dropped first).
+const MAX_FAULTED_QPS: usize = 1024;
+
+#[derive(Debug)]
+pub struct Domain {
+    pub ctx: Arc<Context>,
+    pub pd: Arc<Pd>,
+    pub id: u64,
+    faults: Mutex<Faults>,
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    /// QPs an event declared broken (`QP_FATAL`, `QP_REQ_ERR`, `QP_ACCESS_ERR`).
+    qps: Vec<(u32, u32)>,
+    /// Ports down since their `PORT_ERR`, until `PORT_ACTIVE`.
+    ports_down: Vec<u8>,
+    /// `DEVICE_FATAL` or `CQ_ERR`: every lane of the device fails.
+    fatal: Option<u32>,
+}
+
+impl Domain {
+    pub fn open(device: &str) -> io::Result<Arc<Domain>> {
+        let ctx = Context::open(device)?;
+        // Non-blocking before anything reads it: only the fabric does, on readiness.
+        ctx.async_fd()?;
+        let pd = Pd::new(&ctx)?;
+        Ok(Arc::new(Domain {
+            ctx,
+            pd,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            faults: Mutex::new(Faults::default()),
+        }))
+    }
+
+    pub fn name(&self) -> &str {
+        self.ctx.name()
+    }
+
+    /// Files async event `ev` for the lanes.
+    pub fn note(&self, ev: &AsyncEvent) {
+        note(&mut self.faults.lock(), ev);
+    }
+
+    /// Why a lane on `port` with QPs `qps` must fail, if an event said so.
+    pub fn fault(&self, port: u8, qps: &[u32]) -> Option<String> {
+        fault(&self.faults.lock(), self.name(), port, qps)
+    }
+}
+
+fn note(f: &mut Faults, ev: &AsyncEvent) {
+    match (ev.kind, ev.port, ev.qp_num) {
+        (event::PORT_ERR, Some(p), _) if !f.ports_down.contains(&p) => f.ports_down.push(p),
+        (event::PORT_ACTIVE, Some(p), _) => f.ports_down.retain(|&d| d != p),
+        (event::DEVICE_FATAL | event::CQ_ERR, _, _) => {
+            f.fatal.get_or_insert(ev.kind);
+        }
+        (event::QP_FATAL | event::QP_REQ_ERR | event::QP_ACCESS_ERR, _, Some(q)) => {
+            if f.qps.len() == MAX_FAULTED_QPS {
+                f.qps.remove(0);
+            }
+            f.qps.push((q, ev.kind));
+        }
+        _ => {}
+    }
+}
+
+fn fault(f: &Faults, device: &str, port: u8, qps: &[u32]) -> Option<String> {
+    if let Some(kind) = f.fatal {
+        return Some(format!(
+            "verbs async event {kind} on {device}: every lane of the device fails"
+        ));
+    }
+    if f.ports_down.contains(&port) {
+        return Some(format!(
+            "verbs async event PORT_ERR on {device} port {port}"
+        ));
+    }
+    let (q, kind) = f.qps.iter().find(|(q, _)| qps.contains(q))?;
+    Some(format!("verbs async event {kind} on {device} QP {q}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(kind: u32, port: Option<u8>, qp_num: Option<u32>) -> AsyncEvent {
+        AsyncEvent { kind, port, qp_num }
+    }
+
+    #[test]
+    fn events_reach_the_lanes_they_concern_and_no_other() {
+        let mut f = Faults::default();
+        note(&mut f, &ev(event::QP_FATAL, None, Some(7)));
+        assert!(fault(&f, "rxe0", 1, &[7, 8]).is_some_and(|m| m.contains("QP 7")));
+        assert_eq!(fault(&f, "rxe0", 1, &[9]), None, "another lane's QP");
+        note(&mut f, &ev(event::PORT_ERR, Some(2), None));
+        assert!(fault(&f, "rxe0", 2, &[9]).is_some());
+        assert_eq!(fault(&f, "rxe0", 1, &[9]), None, "another port");
+        note(&mut f, &ev(event::PORT_ACTIVE, Some(2), None));
+        assert_eq!(fault(&f, "rxe0", 2, &[9]), None, "the port came back");
+        note(&mut f, &ev(event::DEVICE_FATAL, None, None));
+        assert!(
+            fault(&f, "rxe0", 1, &[]).is_some(),
+            "every lane of the device"
+        );
+    }
+
+    #[test]
+    fn faulted_qps_are_bounded() {
+        let mut f = Faults::default();
+        for q in 0..(MAX_FAULTED_QPS as u32 + 10) {
+            note(&mut f, &ev(event::QP_FATAL, None, Some(q)));
+        }
+        assert_eq!(f.qps.len(), MAX_FAULTED_QPS);
+        assert_eq!(fault(&f, "d", 1, &[0]), None, "the oldest went first");
+        assert!(fault(&f, "d", 1, &[MAX_FAULTED_QPS as u32 + 9]).is_some());
+    }
+}
