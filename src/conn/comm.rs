@@ -33,6 +33,8 @@ pub enum Heard {
     Progress,
     /// The sender retired the lane it came on (receiver only).
     Retire,
+    /// The sender gave up the comm's lane of this epoch: fence it now (receiver only).
+    Fence(u64),
 }
 
 /// A comm's machine: the send side or the receive side.
@@ -120,6 +122,7 @@ impl<T> CommMachine<T> {
                 m.handle_truncated(h.seq, h.len).map(|()| Heard::Control)
             }
             (CommMachine::Recv(_), Kind::Retire) => Ok(Heard::Retire),
+            (CommMachine::Recv(_), Kind::Fence) => Ok(Heard::Fence(h.seq)),
             _ => Err(ConnError::Protocol(format!("unexpected {h:?}"))),
         }
     }
@@ -315,6 +318,12 @@ mod tests {
         assert_eq!(r.handle_frame(&retire), Ok(Heard::Retire));
         assert!(matches!(
             s.handle_frame(&retire),
+            Err(ConnError::Protocol(_))
+        ));
+        let fence = Header::new(Kind::Fence, 5, 0);
+        assert_eq!(r.handle_frame(&fence), Ok(Heard::Fence(5)));
+        assert!(matches!(
+            s.handle_frame(&fence),
             Err(ConnError::Protocol(_))
         ));
         let close = Header::new(Kind::Close, 0, 0);

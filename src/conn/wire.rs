@@ -19,7 +19,7 @@ pub const MAGIC: [u8; 2] = *b"RO";
 /// handshake (`Challenge`, `Proof`), no token on the wire. 3: striped comms (a comm runs
 /// over several lanes at once; `Retire` ends one of them). 4: grouped receives (a `Cts`
 /// carries its receive's tag and place in a group of up to [`MAX_GROUP`]). 5: payloads
-/// written in place (`Place`, and [`DATA_PLACED`] on a `Data`).
+/// written in place (`Place`, and [`DATA_PLACED`] on a `Data`), and `Fence`.
 pub const VERSION: u8 = 5;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
@@ -125,11 +125,17 @@ pub enum Kind {
     /// buffer (capacity `len`) may be written in place by this lane's NIC, at the address
     /// in the body with key `aux`. The fabric sends and consumes it; the comm never sees it.
     Place,
+    /// Sender → receiver: the comm's lane of attempt `seq` (its epoch: 0 for the first
+    /// lane) was given up; the receiver fences its end of it before it takes anything
+    /// that follows on this lane. What the sender replays follows, so nothing the dead
+    /// lane still carries (a payload being written in place) can land after the replay
+    /// completed its receive.
+    Fence,
 }
 
 impl Kind {
     /// Every kind, in wire-code order.
-    pub const ALL: [Kind; 14] = [
+    pub const ALL: [Kind; 15] = [
         Kind::Hello,
         Kind::Welcome,
         Kind::Refuse,
@@ -144,6 +150,7 @@ impl Kind {
         Kind::Proof,
         Kind::Retire,
         Kind::Place,
+        Kind::Fence,
     ];
 
     fn code(self) -> u8 {
@@ -162,6 +169,7 @@ impl Kind {
             Kind::Proof => 12,
             Kind::Retire => 13,
             Kind::Place => 14,
+            Kind::Fence => 15,
         }
     }
 
@@ -181,6 +189,7 @@ impl Kind {
             12 => Kind::Proof,
             13 => Kind::Retire,
             14 => Kind::Place,
+            15 => Kind::Fence,
             _ => return None,
         })
     }
@@ -536,7 +545,7 @@ mod tests {
         let codes: Vec<u8> = Kind::ALL.iter().map(|k| k.code()).collect();
         assert_eq!(
             codes,
-            (1..=14).collect::<Vec<u8>>(),
+            (1..=15).collect::<Vec<u8>>(),
             "ALL lists every kind once"
         );
         for kind in Kind::ALL {

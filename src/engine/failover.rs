@@ -143,6 +143,24 @@ impl Engine {
                 if let (Some(floor), Some(pair)) = (brownout, pair) {
                     self.router.handle_brownout(pair, floor);
                 }
+                // The receiver fences its end of the lane before it reads a replay: each
+                // lane of the comm (and each that joins) says so ahead of what it carries
+                // from now on.
+                if comm.shared.side == Side::Send {
+                    if let Some(epoch) = comm.path.carrier(k).map(|l| l.epoch) {
+                        if comm.fenced.len() == MAX_FENCED {
+                            comm.fenced.remove(0);
+                        }
+                        comm.fenced.push(epoch);
+                        let frame = Header::new(Kind::Fence, epoch, 0).encode();
+                        for (other, _) in comm.path.lanes() {
+                            if let Some(l) = self.lanes.get_mut(other).filter(|_| other != k) {
+                                l.writer.push_ctrl(&frame);
+                                self.dirty.push(other);
+                            }
+                        }
+                    }
+                }
                 // What the lane held goes out again on the lanes left.
                 let again = comm.machine.handle_lane_down(k);
                 comm.replayed += again;
@@ -335,6 +353,9 @@ impl Engine {
         comm.path.handle_moved(k, now);
         let local = mv.to.local.0 as usize;
         comm.lazily += comm.shared.moved_to(local);
+        for &epoch in &comm.fenced {
+            (self.lanes[k].writer).push_ctrl(&Header::new(Kind::Fence, epoch, 0).encode());
+        }
         self.carry(k, c);
         self.lanes[k].nic = Some(local);
         self.routes_dirty = true;

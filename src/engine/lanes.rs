@@ -8,6 +8,7 @@ use crate::conn::comm::Heard;
 use crate::conn::lane::Step;
 use crate::conn::path::Timeouts;
 use crate::conn::wire::{Purpose, Welcome};
+use crate::routing::FailReason;
 
 impl Engine {
     /// The key the next lane will have: the reactor files an accepted socket under it
@@ -234,10 +235,21 @@ impl Engine {
                 self.finish_migration(comm, k, mv, delivered, now, io)
             }
             (Step::Comm, &Role::Comm(c)) => {
-                if self.comm_inbound(c, k, item)? {
-                    // Retired by the sender: its share moved to the comm's other lanes.
-                    self.linger(k, now);
-                    self.comms[c].machine.handle_lane_down(k);
+                match self.comm_inbound(c, k, item)? {
+                    Took::Item => {}
+                    Took::Retired => {
+                        // Retired by the sender: its share moved to the comm's other lanes.
+                        self.linger(k, now);
+                        self.comms[c].machine.handle_lane_down(k);
+                    }
+                    Took::Fence(gone) => {
+                        // Fenced before anything behind the Fence on this lane is read:
+                        // nothing the given-up lane still carries can land after it.
+                        tracing::info!("railover: comm {c}: the sender gave up a lane; fenced this end of it before the replay");
+                        io.fence(gone);
+                        let cause = Cause::new(ConnError::PeerClosed, FailReason::NicError);
+                        self.fail_lane(gone, cause, now, io);
+                    }
                 }
                 self.pump(c);
                 Ok(())
@@ -256,8 +268,8 @@ impl Engine {
         .encode(delivered)
     }
 
-    /// One item of comm `c` from its lane `k`; `Ok(true)`: the sender retired the lane.
-    fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<bool, ConnError> {
+    /// One item of comm `c` from its lane `k`.
+    fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<Took, ConnError> {
         let comm = &mut self.comms[c];
         match item {
             Inbound::Frame(h, _) => match comm.machine.handle_frame(&h)? {
@@ -268,7 +280,15 @@ impl Engine {
                         // Its last lane: as if the sender had closed it.
                         return Err(ConnError::PeerClosed);
                     }
-                    return Ok(true);
+                    return Ok(Took::Retired);
+                }
+                Heard::Fence(epoch) => {
+                    let gone = (comm.path.lanes())
+                        .find(|&(other, l)| other != k && l.epoch == epoch)
+                        .map(|(other, _)| other);
+                    if let Some(gone) = gone {
+                        return Ok(Took::Fence(gone));
+                    }
                 }
             },
             Inbound::Data { seq, len } => {
@@ -290,7 +310,7 @@ impl Engine {
             }
             Inbound::Eof => return Err(ConnError::PeerClosed),
         }
-        Ok(false)
+        Ok(Took::Item)
     }
 
     /// The listener side of every handshake: a new comm (NCCL's connect), a probe, or a
@@ -420,6 +440,7 @@ impl Engine {
             turn: 0,
             replayed: 0,
             lazily: 0,
+            fenced: Vec::new(),
         });
         self.carry(lane, key);
         shared
@@ -439,4 +460,13 @@ impl Engine {
 /// RDMA write) needs as much longer for a handshake.
 fn preauth_deadline(completion_timeout: Duration) -> Duration {
     PREAUTH_DEADLINE.max(completion_timeout * 2)
+}
+
+/// What an item of a comm's lane asks of the engine.
+enum Took {
+    Item,
+    /// The sender retired the lane the item came on.
+    Retired,
+    /// The sender gave up this other lane of the comm: fence it now.
+    Fence(usize),
 }

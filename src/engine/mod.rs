@@ -171,7 +171,13 @@ struct Comm {
     /// last settled: for the failover's log line.
     replayed: u64,
     lazily: usize,
+    /// Send side: epochs of the lanes given up, newest last. Each lane of the comm is
+    /// told (`Fence`) before it carries a replay, so the receiver fences its end of them.
+    fenced: Vec<u64>,
 }
+
+/// Given-up lane epochs a comm keeps telling new lanes about.
+const MAX_FENCED: usize = 64;
 
 #[derive(Debug, Clone, Copy)]
 struct Route {

@@ -231,6 +231,55 @@ fn a_send_lane_that_fails_is_fenced_before_it_is_closed() {
 }
 
 #[test]
+fn a_send_lane_given_up_is_remembered_for_the_fence_every_lane_sends_first() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    p.ma.broken.insert(0);
+    p.a.service_lane(0, now, &mut p.ma);
+    p.a.drive(now, &mut p.ma);
+    assert_eq!(p.a.comms[0].fenced, [0], "the first lane's epoch is 0");
+}
+
+#[test]
+fn a_fence_from_the_sender_fences_and_drops_the_lane_it_names_and_no_other() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    // A second lane of the receive comm: the sender's replacement, attempt 1.
+    let kb2 = p.b.next_lane();
+    p.mb.open.insert(kb2);
+    p.b.accepted(kb2, 0, None, Some(0), now, &mut p.mb);
+    p.b.attach_replacement(0, kb2, 1, now, &mut p.mb);
+    assert_eq!(p.b.comms[0].path.lanes().count(), 2);
+    p.mb.ops.clear();
+    // Fences for an unknown attempt and for the lane it comes on change nothing.
+    let kb = p.b.comms[0]
+        .path
+        .lanes()
+        .map(|(k, _)| k)
+        .find(|&k| k != kb2)
+        .unwrap();
+    for epoch in [7, 0] {
+        let f = Header::new(Kind::Fence, epoch, 0).encode();
+        p.mb.rx.entry(kb).or_default().extend_from_slice(&f);
+        p.b.service_lane(kb, now, &mut p.mb);
+        p.b.drive(now, &mut p.mb);
+    }
+    assert!(p.mb.ops.is_empty(), "{:?}", p.mb.ops);
+    let f = Header::new(Kind::Fence, 1, 0).encode();
+    p.mb.rx.entry(kb).or_default().extend_from_slice(&f);
+    p.b.service_lane(kb, now, &mut p.mb);
+    p.b.drive(now, &mut p.mb);
+    assert_eq!(p.mb.ops, [Op::Fence(kb2), Op::Close(kb2)]);
+    let left: Vec<usize> = p.b.comms[0].path.lanes().map(|(k, _)| k).collect();
+    assert_eq!(
+        left,
+        [kb],
+        "the comm goes on over the lane the Fence came on"
+    );
+    assert!(p.b.comms[0].shared.failure().is_none());
+}
+
+#[test]
 fn an_injected_cut_buries_its_lanes_and_the_restore_closes_them() {
     let now = Instant::now();
     let mut a = engine(1, now);
