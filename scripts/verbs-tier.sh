@@ -18,6 +18,8 @@
 #         failed request, the carrier reaching the engine, failover and fail-back lines;
 #         payloads written in place by the sender's NIC, memory registered lazily;
 #   q2    two QPs per lane (RAILOVER_QPS_PER_LANE=2) through the sender's rail 0 down;
+#   za    every payload in place (RAILOVER_ZERO_COPY=always), resent ones included, through
+#         the sender's rail 0 down;
 #   kp    the sender SIGKILLed mid-stream: the receiver fails every comm with
 #         ncclSystemError/ncclRemoteError within completion + probe timeout + 4 s;
 #   abi   tests/abi/driver.c (ncclNetPlugin_v12) against the built .so in guest a, its
@@ -301,6 +303,11 @@ want tw && scn tw 18706 b 'sleep 3; links down eth0 eth1; sleep 4; links up eth0
 export RAILOVER_QPS_PER_LANE=2
 want q2 && scn q2 18708 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --seconds 18
 unset RAILOVER_QPS_PER_LANE
+# Every payload in place (RAILOVER_ZERO_COPY=always, as memory the CPU cannot read needs),
+# 256 KiB messages, resent ones included, through the sender's rail 0 going down.
+export RAILOVER_ZERO_COPY=always
+want za && scn za 18709 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --seconds 18
+unset RAILOVER_ZERO_COPY
 # The sender SIGKILLed mid-stream: the receiver must fail its comms, not hang.
 want kp && scn kp 18707 b 'sleep 3; kill -9 $p; echo "VT: kp sender killed $(now)s"' \
     --per-dev 1 --size 256K --depth 4 --grace 4 --tick-ms 250 --seconds 15
@@ -360,7 +367,7 @@ done
 kernel=$kroot/boot/vmlinuz-$kver
 # RAILOVER_VERBS_STEPS=abi,fo (say) runs only those steps, for working on one; the tier
 # then ends with a SKIP line instead of "passed".
-all_steps="base fp pb pl fo rd bd fl tw q2 kp abi"
+all_steps="base fp pb pl fo rd bd fl tw q2 za kp abi"
 only=${RAILOVER_VERBS_STEPS:-}
 for st in ${only//,/ }; do
     case " $all_steps " in *" $st "*) ;; *) fail "RAILOVER_VERBS_STEPS=$only: no step '$st' (steps: $all_steps)" ;; esac
@@ -535,6 +542,13 @@ check q2 "two QPs per lane: the plugin opened 2 QPs per lane" has 'VT: q2.err\| 
 check q2 "two QPs per lane: a comm failed over off rail 0" has 'VT: q2.err\| .*failover comm=[0-9]+ rxe0->' "$b"
 placed_most() { local p s; p=$(field_of "$1" placed_bytes "$b"); s=$(field_of "$1" bytes "$b"); [ -n "$p" ] && [ "${s:-0}" -gt 0 ] && [ $((p * 10)) -ge $((s * 9)) ]; }
 check q2 "two QPs per lane: at least 90% of the bytes written in place (replays come through the ring)" placed_most q2
+# za: every payload in place through a failover.
+exactly_once za "every payload in place, sender's rail 0 down"
+check za "every payload in place: the plugin ran with zero copy always" has 'VT: za.err\| .*fabric verbs.*zero copy always' "$b"
+check za "every payload in place: a comm failed over off rail 0" has 'VT: za.err\| .*failover comm=[0-9]+ rxe0->' "$b"
+check za "every payload in place: the sender's NIC wrote every byte it completed" placed_all za
+no_copies() { [ "$(field_of "$1" streamed_in "$a")" = 0 ] && [ "$(field_of "$1" streamed_out "$b")" = 0 ]; }
+check za "every payload in place: no payload byte went through a ring, resent ones included (0 streamed either end)" no_copies za
 # kp: the sender SIGKILLed mid-stream.
 timeout_ms=$(grep -ao 'VT: completion timeout [0-9]*' "$a" | grep -o '[0-9]*$' | tail -1)
 probe_ms=$(grep -ao 'probe timeout [0-9]*' "$a" | grep -o '[0-9]*$' | tail -1)
@@ -572,7 +586,7 @@ foregs=$(field_of fo registrations "$b")
 ran fo && echo "verbs tier: zero copy through the failover: the sender's NIC wrote ${foplaced:-?} of ${fobytes:-?} bytes in place (replays come through the ring); the sender's registrations grew from 12 to ${foregs:-?} on the backups"
 ran kp && echo "verbs tier: killed sender: the receiver's last error $kp_after ms after its last data (bound $kp_bound ms)"
 costs=""
-for s in fp pb pl fo rd bd fl tw q2 kp abi; do ran $s && costs="$costs $s $(cost_of $s)s"; done
+for s in fp pb pl fo rd bd fl tw q2 za kp abi; do ran $s && costs="$costs $s $(cost_of $s)s"; done
 echo "verbs tier: guest seconds per step:$costs"
 echo "verbs tier: guests ran ${guest_s}s under $accel; whole tier $(($(date +%s) - t0))s"
 if [ $status -eq 0 ] && [ -n "$only" ]; then

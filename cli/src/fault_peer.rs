@@ -14,6 +14,7 @@ use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use railover::transport::frames;
 use railover::transport::verbs::lane;
 use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
 use railover_testkit::fault_line::{Command, Event, Handle, Link, Op, Summary, HANDLE_LEN};
@@ -333,6 +334,8 @@ impl Tally {
             probes_failed,
             placed_bytes: lane::PLACED_BYTES.load(Ordering::Relaxed),
             registrations: lane::USER_REGISTRATIONS.load(Ordering::Relaxed),
+            streamed_in: frames::STREAMED_IN.load(Ordering::Relaxed),
+            streamed_out: frames::STREAMED_OUT.load(Ordering::Relaxed),
         }));
     }
 

@@ -18,7 +18,7 @@ use crate::topology::rails::RailMap;
 use crate::topology::{PathType, RailRule};
 
 pub use router::RouterConfig;
-pub use verbs::{AddrFamily, GidPolicy, VerbsSettings};
+pub use verbs::{AddrFamily, GidPolicy, VerbsSettings, ZeroCopy};
 
 /// A rejected environment value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -597,6 +597,7 @@ mod tests {
             ("RAILOVER_IB_SL", "16"),
             ("RAILOVER_QPS_PER_LANE", "0"),
             ("RAILOVER_QPS_PER_LANE", "17"),
+            ("RAILOVER_ZERO_COPY", "sometimes"),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();
             assert_eq!(err.var, var);

@@ -25,6 +25,32 @@ impl fmt::Display for AddrFamily {
     }
 }
 
+/// When verbs lanes write a payload straight into the receive buffer
+/// (`RAILOVER_ZERO_COPY`) instead of copying it through their rings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ZeroCopy {
+    /// Payloads of 4 KiB and more whose receive buffer the receiver offered; the rest,
+    /// and messages sent again after a lane died, through the rings.
+    #[default]
+    Auto,
+    /// Every payload, resent ones included, waiting for the receiver's offer when there
+    /// is none yet: the CPU never touches a payload, as memory it cannot read (a GPU's)
+    /// requires.
+    Always,
+    /// Every payload through the rings.
+    Off,
+}
+
+impl fmt::Display for ZeroCopy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ZeroCopy::Auto => "auto",
+            ZeroCopy::Always => "always",
+            ZeroCopy::Off => "off",
+        })
+    }
+}
+
 /// How a port's GID is chosen: a fixed index, or by RoCE version and address family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GidPolicy {
@@ -60,6 +86,8 @@ pub struct VerbsSettings {
     pub service_level: u8,
     /// `RAILOVER_QPS_PER_LANE`: RC QPs one lane spreads its writes over.
     pub qps_per_lane: u8,
+    /// `RAILOVER_ZERO_COPY`: auto, always or off.
+    pub zero_copy: ZeroCopy,
 }
 
 impl Default for VerbsSettings {
@@ -74,6 +102,7 @@ impl Default for VerbsSettings {
             traffic_class: 0,
             service_level: 0,
             qps_per_lane: 1,
+            zero_copy: ZeroCopy::Auto,
         }
     }
 }
@@ -147,6 +176,20 @@ impl VerbsSettings {
         if let Some(n) = int("RAILOVER_QPS_PER_LANE", 1, 16, "an integer from 1 to 16")? {
             s.qps_per_lane = n as u8;
         }
+        if let Some(v) = get("RAILOVER_ZERO_COPY") {
+            s.zero_copy = match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => ZeroCopy::Auto,
+                "always" => ZeroCopy::Always,
+                "off" => ZeroCopy::Off,
+                _ => {
+                    return Err(ConfigError {
+                        var: "RAILOVER_ZERO_COPY",
+                        value: v,
+                        accepted: "auto (in place from 4 KiB), always (every payload in place) or off (through the rings)",
+                    })
+                }
+            };
+        }
         Ok(s)
     }
 }
@@ -163,13 +206,14 @@ impl fmt::Display for VerbsSettings {
         }
         write!(
             f,
-            ", timeout {} retry {} (NIC gives up after {:.1} s), tc {} sl {}, {} QP(s) per lane",
+            ", timeout {} retry {} (NIC gives up after {:.1} s), tc {} sl {}, {} QP(s) per lane, zero copy {}",
             self.timeout,
             self.retry_cnt,
             self.nic_give_up().as_secs_f64(),
             self.traffic_class,
             self.service_level,
-            self.qps_per_lane
+            self.qps_per_lane,
+            self.zero_copy
         )
     }
 }
@@ -196,6 +240,7 @@ mod tests {
             ("RAILOVER_IB_TC", "106"),
             ("RAILOVER_IB_SL", "3"),
             ("RAILOVER_QPS_PER_LANE", "4"),
+            ("RAILOVER_ZERO_COPY", " Always"),
         ])
         .unwrap();
         assert_eq!(
@@ -211,6 +256,12 @@ mod tests {
             (20, 7, 106, 3)
         );
         assert_eq!(s.qps_per_lane, 4);
+        assert_eq!(s.zero_copy, ZeroCopy::Always);
+        assert!(
+            s.to_string()
+                .ends_with("4 QP(s) per lane, zero copy always"),
+            "{s}"
+        );
         assert_eq!(
             parse(&[("RAILOVER_IB_GID_INDEX", " Auto")])
                 .unwrap()

@@ -30,8 +30,9 @@ pub const MAX_DATA: u64 = 1 << 40;
 /// `Data.aux` flag: the payload is already in the receive buffer (the sender's NIC wrote
 /// it there, as a `Place` frame allowed); no payload bytes follow the header.
 pub const DATA_PLACED: u32 = 1;
-/// Body of a `Place` frame: the address to write at (little endian).
-pub const PLACE_BODY: u64 = 8;
+/// Body of a `Place` frame: the address to write at, then the receiver's fence count
+/// when it made the offer (see `Fence`), both little endian.
+pub const PLACE_BODY: u64 = 16;
 
 /// Most receives one grouped receive holds (NCCL's `maxRecvs`).
 pub const MAX_GROUP: u8 = 8;
@@ -123,7 +124,10 @@ pub enum Kind {
     Retire,
     /// Receiver → sender, between the two ends of one verbs lane only: receive `seq`'s
     /// buffer (capacity `len`) may be written in place by this lane's NIC, at the address
-    /// in the body with key `aux`. The fabric sends and consumes it; the comm never sees it.
+    /// in the body with key `aux`; the body also counts the lanes the receiver had fenced
+    /// (`Fence`) when it offered, so a message sent again goes in place only with an offer
+    /// made after the lane it was lost with was fenced. The fabric sends and consumes it;
+    /// the comm never sees it.
     Place,
     /// Sender → receiver: the comm's lane of attempt `seq` (its epoch: 0 for the first
     /// lane) was given up; the receiver fences its end of it before it takes anything

@@ -152,6 +152,7 @@ impl Engine {
                             comm.fenced.remove(0);
                         }
                         comm.fenced.push(epoch);
+                        comm.fences += 1;
                         let frame = Header::new(Kind::Fence, epoch, 0).encode();
                         for (other, _) in comm.path.lanes() {
                             if let Some(l) = self.lanes.get_mut(other).filter(|_| other != k) {

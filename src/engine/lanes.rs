@@ -283,12 +283,18 @@ impl Engine {
                     return Ok(Took::Retired);
                 }
                 Heard::Fence(epoch) => {
+                    if !comm.heard.insert(epoch) {
+                        return Ok(Took::Item); // heard on another lane already
+                    }
                     let gone = (comm.path.lanes())
                         .find(|&(other, l)| other != k && l.epoch == epoch)
                         .map(|(other, _)| other);
                     if let Some(gone) = gone {
+                        // Losing it announces every waiting receive again.
                         return Ok(Took::Fence(gone));
                     }
+                    // Gone already: offer the waiting receives again, now stamped later.
+                    comm.machine.replay_point();
                 }
             },
             Inbound::Data { seq, len } => {
@@ -441,6 +447,8 @@ impl Engine {
             replayed: 0,
             lazily: 0,
             fenced: Vec::new(),
+            fences: 0,
+            heard: std::collections::BTreeSet::new(),
         });
         self.carry(lane, key);
         shared

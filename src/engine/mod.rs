@@ -19,7 +19,7 @@ mod failover;
 pub mod gate;
 mod lanes;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -174,10 +174,15 @@ struct Comm {
     /// Send side: epochs of the lanes given up, newest last. Each lane of the comm is
     /// told (`Fence`) before it carries a replay, so the receiver fences its end of them.
     fenced: Vec<u64>,
+    /// Send side: lanes given up so far. A message sent again may be written in place
+    /// only with an offer the receiver made after it had heard of them all.
+    fences: u64,
+    /// Receive side: the epochs of the `Fence`s heard; their number stamps each offer.
+    heard: BTreeSet<u64>,
 }
 
 /// Given-up lane epochs a comm keeps telling new lanes about.
-const MAX_FENCED: usize = 64;
+const MAX_FENCED: usize = 1024;
 
 #[derive(Debug, Clone, Copy)]
 struct Route {
@@ -555,8 +560,12 @@ impl Engine {
                         .machine
                         .message(seq)
                         .expect("transmitting a queued message");
-                    let first = comm.machine.first_try(seq);
-                    lane.writer.push_data(seq, len, p.buf.lend(), first);
+                    let min_gen = if comm.machine.first_try(seq) {
+                        0
+                    } else {
+                        comm.fences
+                    };
+                    lane.writer.push_data(seq, len, p.buf.lend(), Some(min_gen));
                     self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
                     self.metrics.message(lane.nic, true, len);
                 }
@@ -574,7 +583,8 @@ impl Engine {
             for (k, _) in comm.path.lanes() {
                 if let Some(lane) = lanes.get_mut(k) {
                     if let Some((capacity, buf)) = offer {
-                        lane.writer.push_advertise(h.seq, capacity, buf.lend());
+                        let gen = comm.heard.len() as u64;
+                        lane.writer.push_advertise(h.seq, capacity, buf.lend(), gen);
                     }
                     lane.writer.push_ctrl(&frame);
                     self.dirty.push(k);

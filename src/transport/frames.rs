@@ -9,9 +9,16 @@
 
 use std::collections::VecDeque;
 use std::io::{self, IoSlice, Read, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::memory::LentBuf;
 use crate::conn::wire::{Header, Kind, WireError, DATA_PLACED, HEADER_LEN};
+
+/// Payload bytes the CPU copied through lanes' streams, process-wide: out of them into
+/// receive buffers, and into them from send buffers. A payload written in place by a
+/// NIC counts in neither, nor do bytes read and dropped (a duplicate, a probe's).
+pub static STREAMED_IN: AtomicU64 = AtomicU64::new(0);
+pub static STREAMED_OUT: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes moved per call before yielding to other lanes.
 const BUDGET: usize = 8 << 20;
@@ -155,6 +162,7 @@ impl FrameReader {
                         if let Some(d) = dst {
                             d.slice_mut(*off as usize, n)
                                 .copy_from_slice(&self.buf[self.start..self.start + n]);
+                            STREAMED_IN.fetch_add(n as u64, Ordering::Relaxed);
                         }
                         self.start += n;
                         *off += n as u64;
@@ -170,6 +178,7 @@ impl FrameReader {
                                 Ok(0) => return Err(eof_mid_frame()),
                                 Ok(n) => {
                                     *off += n as u64;
+                                    STREAMED_IN.fetch_add(n as u64, Ordering::Relaxed);
                                     moved += n;
                                     self.total += n as u64;
                                     continue;
@@ -302,17 +311,20 @@ enum Chunk {
         off: usize,
         end: usize,
     },
-    /// A `Data` frame the lane may write in place: decided when it reaches the front.
+    /// A `Data` frame the lane may write in place with an offer of generation `min_gen`
+    /// or later: decided when it reaches the front.
     Data {
         seq: u64,
         len: u64,
         buf: LentBuf,
+        min_gen: u64,
     },
     /// A receive the lane may offer to have written in place, sent before its `Cts`.
     Advertise {
         seq: u64,
         capacity: u64,
         buf: LentBuf,
+        gen: u64,
     },
 }
 
@@ -330,18 +342,21 @@ impl Chunk {
 /// frame. A plain stream places nothing: the defaults.
 pub trait Placer: Write {
     /// A `Place` frame offering receive `seq` (`capacity` bytes of `buf`) to the peer,
-    /// written just before its `Cts`; `None` when the peer must send it in the stream.
-    fn advertise(&mut self, seq: u64, buf: &LentBuf, capacity: u64) -> Option<Vec<u8>> {
-        let _ = (seq, buf, capacity);
+    /// written just before its `Cts`, stamped with the receiver's generation `gen` (the
+    /// lanes it had fenced when it decided the offer); `None` when the peer must send it
+    /// in the stream.
+    fn advertise(&mut self, seq: u64, buf: &LentBuf, capacity: u64, gen: u64) -> Option<Vec<u8>> {
+        let _ = (seq, buf, capacity, gen);
         None
     }
 
     /// Writes message `seq`'s `len` bytes from `buf` straight into the buffer the peer
-    /// offered for it. `Ok(true)`: posted, the header goes out flagged
-    /// [`DATA_PLACED`] with no payload behind it;
-    /// `Ok(false)`: send it in the stream; `WouldBlock`: ask again later.
-    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64) -> io::Result<bool> {
-        let _ = (seq, buf, len);
+    /// offered for it, with an offer of generation `min_gen` or later. `Ok(true)`:
+    /// posted, the header goes out flagged [`DATA_PLACED`] with no payload behind it;
+    /// `Ok(false)`: send it in the stream; `WouldBlock`: ask again later (a lane that
+    /// must place every payload waits for the offer).
+    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, min_gen: u64) -> io::Result<bool> {
+        let _ = (seq, buf, len, min_gen);
         Ok(false)
     }
 }
@@ -392,24 +407,35 @@ impl FrameWriter {
     }
 
     /// Queues message `seq`: its `Data` header and the first `len` bytes of `buf`. With
-    /// `may_place`, a [`Placer`] lane may write the payload in place instead; only a
-    /// message's first transmission may (a replay may reach a receive that another lane
-    /// already completed, so it must come through the stream, where it can be dropped).
-    pub fn push_data(&mut self, seq: u64, len: u64, buf: LentBuf, may_place: bool) {
+    /// `place: Some(min_gen)`, a [`Placer`] lane may write the payload in place instead,
+    /// with an offer of generation `min_gen` or later: 0 for a first transmission; a
+    /// message sent again needs an offer the receiver made after it fenced the lane the
+    /// message was lost with, since before that the dead lane could still complete it.
+    pub fn push_data(&mut self, seq: u64, len: u64, buf: LentBuf, place: Option<u64>) {
         let len = len.min(buf.len() as u64);
-        if !may_place || len == 0 {
+        let Some(min_gen) = place.filter(|_| len > 0) else {
             self.push_ctrl(&Header::new(Kind::Data, seq, len).encode());
             self.push_payload(buf, len as usize);
             return;
-        }
+        };
         self.pushed += HEADER_LEN as u64 + len;
-        self.q.push_back(Chunk::Data { seq, len, buf });
+        self.q.push_back(Chunk::Data {
+            seq,
+            len,
+            buf,
+            min_gen,
+        });
     }
 
     /// Offers receive `seq` (`capacity` bytes of `buf`) to be written in place, when the
-    /// lane can; written before the `Cts` that follows.
-    pub fn push_advertise(&mut self, seq: u64, capacity: u64, buf: LentBuf) {
-        self.q.push_back(Chunk::Advertise { seq, capacity, buf });
+    /// lane can, stamped with generation `gen`; written before the `Cts` that follows.
+    pub fn push_advertise(&mut self, seq: u64, capacity: u64, buf: LentBuf, gen: u64) {
+        self.q.push_back(Chunk::Advertise {
+            seq,
+            capacity,
+            buf,
+            gen,
+        });
     }
 
     /// Queues the first `len` bytes of `buf`.
@@ -497,9 +523,14 @@ impl FrameWriter {
     /// or followed by its payload), an offer becomes a `Place` frame or nothing.
     fn settle(&mut self, sock: &mut impl Placer) -> io::Result<()> {
         match self.q.front() {
-            Some(Chunk::Data { seq, len, buf }) => {
+            Some(Chunk::Data {
+                seq,
+                len,
+                buf,
+                min_gen,
+            }) => {
                 let (seq, len) = (*seq, *len);
-                let placed = sock.direct(seq, buf, len)?;
+                let placed = sock.direct(seq, buf, len, *min_gen)?;
                 let Some(Chunk::Data { buf, .. }) = self.q.pop_front() else {
                     unreachable!("the front was a Data");
                 };
@@ -514,8 +545,13 @@ impl FrameWriter {
                 let bytes = h.encode().to_vec();
                 self.q.push_front(Chunk::Ctrl { bytes, off: 0 });
             }
-            Some(Chunk::Advertise { seq, capacity, buf }) => {
-                let frame = sock.advertise(*seq, buf, *capacity);
+            Some(Chunk::Advertise {
+                seq,
+                capacity,
+                buf,
+                gen,
+            }) => {
+                let frame = sock.advertise(*seq, buf, *capacity, *gen);
                 self.q.pop_front();
                 if let Some(bytes) = frame {
                     self.pushed += bytes.len() as u64;
@@ -537,6 +573,7 @@ impl FrameWriter {
                 }
                 Chunk::Payload { off, end, .. } => {
                     let left = *end - *off;
+                    STREAMED_OUT.fetch_add(n.min(left) as u64, Ordering::Relaxed);
                     (off, left)
                 }
                 Chunk::Data { .. } | Chunk::Advertise { .. } => {
@@ -809,15 +846,15 @@ mod tests {
     }
 
     impl Placer for InPlace {
-        fn advertise(&mut self, seq: u64, _: &LentBuf, capacity: u64) -> Option<Vec<u8>> {
+        fn advertise(&mut self, seq: u64, _: &LentBuf, capacity: u64, _: u64) -> Option<Vec<u8>> {
             (seq % 2 == 0)
                 .then(|| Header::new(Kind::Place, seq, capacity).encode().to_vec())
                 .map(|mut f| {
-                    f.extend_from_slice(&[0; 8]);
+                    f.extend_from_slice(&[0; 16]);
                     f
                 })
         }
-        fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64) -> io::Result<bool> {
+        fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, _: u64) -> io::Result<bool> {
             self.asked += 1;
             if self.asked == 1 {
                 return Err(io::ErrorKind::WouldBlock.into());
@@ -837,13 +874,13 @@ mod tests {
         for chunk in [1, 29, 1 << 20] {
             let mut w = FrameWriter::default();
             for seq in 0..4 {
-                w.push_advertise(seq, 1000, src.lend());
+                w.push_advertise(seq, 1000, src.lend(), 0);
                 w.push_ctrl(&Header::new(Kind::Cts, seq, 1000).encode());
             }
             for seq in 0..4 {
-                w.push_data(seq, 1000 * (seq + 1), src.lend(), true);
+                w.push_data(seq, 1000 * (seq + 1), src.lend(), Some(0));
             }
-            w.push_data(4, 500, src.lend(), false);
+            w.push_data(4, 500, src.lend(), None);
             let mut lane = InPlace {
                 sink: Sink {
                     out: Vec::new(),

@@ -92,6 +92,11 @@ pub struct Summary {
     pub placed_bytes: u64,
     /// Ranges of NCCL memory this process registered with an RDMA device.
     pub registrations: u64,
+    /// Payload bytes the CPU copied through lanes' streams: into receive buffers
+    /// (receiver), from send buffers (sender). Zero when every payload was written in
+    /// place.
+    pub streamed_in: u64,
+    pub streamed_out: u64,
 }
 
 /// One line the peer prints on stdout.

@@ -20,9 +20,11 @@
 //! the device needs it), and the sender RDMA-WRITEs the message from its own registered
 //! buffer straight there, then sends the `Data` header flagged as placed through the ring
 //! on the same QP, so the header's completion means the payload is in place. A message
-//! sent again after a lane died always comes through the ring: the receiver may already
-//! have it from the dead lane, and a duplicate in the ring can be dropped where one in
-//! the buffer could not.
+//! sent again after a lane died goes in place only with an offer the receiver made after
+//! it fenced every lane the sender gave up (the offer's generation, see `Fence`): before
+//! that the dead lane might have delivered it, and a duplicate in the ring can be dropped
+//! where one in the buffer could not. `RAILOVER_ZERO_COPY` sets the policy: from
+//! [`PLACE_MIN`] bytes (`auto`), every payload, waiting for an offer (`always`), or none.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -38,7 +40,7 @@ use super::sys::{
     Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
 };
 use super::{completion_error, qp_timing};
-use crate::config::VerbsSettings;
+use crate::config::{VerbsSettings, ZeroCopy};
 use crate::conn::wire::{Header, Kind, PLACE_BODY};
 use crate::transport::frames::Placer;
 use crate::transport::memory::LentBuf;
@@ -57,7 +59,7 @@ const WR_PLACED: u64 = 1 << 61;
 /// Payloads at least this large are written in place when the receiver offers its buffer:
 /// below it the ring's copy costs less than a second work request and a registration.
 pub const PLACE_MIN: u64 = 4096;
-/// Largest payload written in place with one work request.
+/// Largest write in place one work request carries; a larger payload takes several.
 const PLACE_MAX: u64 = 1 << 30;
 /// Offers from the peer a lane keeps at most (the receiver has at most a few hundred
 /// receives open; the oldest go first).
@@ -73,6 +75,8 @@ pub struct Offer {
     pub addr: u64,
     pub rkey: u32,
     pub capacity: u64,
+    /// The lanes the receiver had fenced when it made the offer.
+    pub gen: u64,
 }
 
 impl Offer {
@@ -82,16 +86,20 @@ impl Offer {
         h.aux = self.rkey;
         let mut f = h.encode().to_vec();
         f.extend_from_slice(&self.addr.to_le_bytes());
+        f.extend_from_slice(&self.gen.to_le_bytes());
         f
     }
 
-    /// The offer a `Place` frame makes, `None` if its body is not an address.
+    /// The offer a `Place` frame makes, `None` if its body is not an address and a
+    /// generation.
     pub fn of_frame(h: &Header, body: &[u8]) -> Option<Offer> {
-        let addr: [u8; PLACE_BODY as usize] = body.try_into().ok()?;
+        let body: &[u8; PLACE_BODY as usize] = body.try_into().ok()?;
+        let (addr, gen) = body.split_at(8);
         Some(Offer {
-            addr: u64::from_le_bytes(addr),
+            addr: u64::from_le_bytes(addr.try_into().ok()?),
             rkey: h.aux,
             capacity: h.len,
+            gen: u64::from_le_bytes(gen.try_into().ok()?),
         })
     }
 }
@@ -351,10 +359,11 @@ impl Ring {
         self.next_send = (self.next_send + 1) % self.qps();
     }
 
-    /// Whether a payload may be written in place now: the QP the next ring write goes on
-    /// (which must carry the payload's header after it) has a free slot of `slots`.
-    pub fn can_place(&self, slots: u32) -> bool {
-        self.outstanding[self.next_send] < slots
+    /// Whether a payload may be written in place now with `writes` work requests: the
+    /// QP the next ring write goes on (which must carry the payload's header after them)
+    /// has that many free slots of `slots`.
+    pub fn can_place(&self, slots: u32, writes: u32) -> bool {
+        self.outstanding[self.next_send] + writes <= slots
     }
 
     /// `n` payload bytes were posted in place, on QP [`Ring::send_qp`], which also takes
@@ -478,6 +487,7 @@ pub struct VerbsLane {
     ring: Ring,
     /// Receives the peer offered to have written in place, by sequence number.
     offers: BTreeMap<u64, Offer>,
+    zero_copy: ZeroCopy,
     peer_closed: bool,
     fenced: bool,
     error: Option<(io::ErrorKind, String)>,
@@ -539,6 +549,7 @@ impl VerbsLane {
             peer: None,
             ring: Ring::with_qps(RING, n),
             offers: BTreeMap::new(),
+            zero_copy: settings.zero_copy,
             peer_closed: false,
             fenced: false,
             error: None,
@@ -858,8 +869,13 @@ impl VerbsLane {
 }
 
 impl Placer for VerbsLane {
-    fn advertise(&mut self, seq: u64, buf: &LentBuf, capacity: u64) -> Option<Vec<u8>> {
-        if capacity < PLACE_MIN || !self.is_ready() {
+    fn advertise(&mut self, seq: u64, buf: &LentBuf, capacity: u64, gen: u64) -> Option<Vec<u8>> {
+        let least = match self.zero_copy {
+            ZeroCopy::Off => return None,
+            ZeroCopy::Auto => PLACE_MIN,
+            ZeroCopy::Always => 1,
+        };
+        if capacity < least || !self.is_ready() {
             return None;
         }
         let mr = self.registration(buf)?;
@@ -868,50 +884,82 @@ impl Placer for VerbsLane {
             addr: buf.addr() as u64,
             rkey,
             capacity: capacity.min(buf.len() as u64),
+            gen,
         };
         Some(offer.frame(seq))
     }
 
-    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64) -> io::Result<bool> {
+    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, min_gen: u64) -> io::Result<bool> {
         self.check()?;
-        // Messages go out in order: offers for earlier ones went to other lanes.
+        let (least, wait) = match self.zero_copy {
+            ZeroCopy::Off => return Ok(false),
+            ZeroCopy::Auto => (PLACE_MIN, false),
+            ZeroCopy::Always => (1, true),
+        };
+        // First transmissions go out in order: older offers went to other lanes. (A
+        // message sent again follows a Fence, and the receiver offers it afresh after.)
         while self.offers.first_key_value().is_some_and(|(&s, _)| s < seq) {
             self.offers.pop_first();
         }
-        let Some(&offer) = self.offers.get(&seq) else {
-            return Ok(false);
+        // No offer yet, or one the receiver made before it fenced the lane this message
+        // was lost with: in the stream, or (every payload in place) wait for the next.
+        let fresh = self.offers.get(&seq).filter(|o| o.gen >= min_gen).copied();
+        let Some(offer) = fresh.filter(|_| self.is_ready()) else {
+            return if wait {
+                Err(io::ErrorKind::WouldBlock.into())
+            } else {
+                Ok(false)
+            };
         };
-        if !(PLACE_MIN..=PLACE_MAX).contains(&len) || len > offer.capacity || !self.is_ready() {
+        if len < least || len > offer.capacity {
             self.offers.remove(&seq);
             return Ok(false);
         }
-        if !self.ring.can_place(DATA_SLOTS) {
+        // One work request per PLACE_MAX bytes, all on the QP that carries the header.
+        let writes = len.div_ceil(PLACE_MAX) as u32;
+        if !self.ring.can_place(DATA_SLOTS, writes) {
             return Err(io::ErrorKind::WouldBlock.into());
         }
-        self.offers.remove(&seq);
         let Some(held) = self.registration(buf) else {
+            if wait {
+                return Err(self.fail(
+                    io::ErrorKind::Other,
+                    format!(
+                        "RAILOVER_ZERO_COPY=always: the send buffer at {:#x} cannot be registered on {}",
+                        buf.addr(),
+                        self.dom.name()
+                    ),
+                ));
+            }
+            self.offers.remove(&seq);
             return Ok(false);
         };
+        self.offers.remove(&seq);
         let mr = held
             .as_ref()
             .as_ref()
             .expect("registration() keeps only made ones");
         let qp = self.ring.send_qp();
-        self.qps[qp].post_user_write(
-            mr,
-            &RawWrite {
-                addr: buf.addr() as u64,
-                len: len as u32,
-                lkey: mr.lkey(),
-                remote_addr: offer.addr,
-                rkey: offer.rkey,
-                imm: None,
-                signaled: true,
-                wr_id: WR_PLACED | len,
-            },
-        )?;
-        self.ring.posted_placed(len);
-        self.held[qp].push_back(held);
+        let mut off = 0;
+        while off < len {
+            let n = (len - off).min(PLACE_MAX);
+            self.qps[qp].post_user_write(
+                mr,
+                &RawWrite {
+                    addr: buf.addr() as u64 + off,
+                    len: n as u32,
+                    lkey: mr.lkey(),
+                    remote_addr: offer.addr + off,
+                    rkey: offer.rkey,
+                    imm: None,
+                    signaled: true,
+                    wr_id: WR_PLACED | n,
+                },
+            )?;
+            self.ring.posted_placed(n);
+            self.held[qp].push_back(held.clone());
+            off += n;
+        }
         PLACED_BYTES.fetch_add(len, Ordering::Relaxed);
         Ok(true)
     }
