@@ -1,26 +1,34 @@
 //! `railover verbs-check`: the verbs layer against real devices, for the Soft-RoCE tier
 //! (`scripts/verbs-tier.sh`) and for a first look at a node with RDMA NICs.
 //!
-//! `list` prints what discovery finds. `serve` and `connect` run one RC QP per rail
-//! between two hosts: the QP addresses are exchanged over a TCP connection between the
-//! rails' own addresses (as the fabric's bootstrap will), then the client RDMA-WRITEs
-//! `--messages` checksummed messages with immediates into the server's region, the server
-//! checks every byte and writes it all back, the client checks it, and finally the server
-//! fences its QP (ERR) and the client's next write must fail with an error completion.
+//! `list` prints what discovery finds. `serve` and `connect` set up one verbs lane per rail
+//! the way the plugin does, from the same settings: `RAILOVER_QPS_PER_LANE` RC QPs, each
+//! addressed and timed as a lane's (`RAILOVER_IB_TIMEOUT`, `_RETRY_CNT`, `_TC`, `_SL`; the
+//! header line prints them). The QP addresses are exchanged, in the lane's hello format,
+//! over a TCP connection between the rails' own addresses (as the fabric's bootstrap does),
+//! so ends with different QP counts refuse each other as lanes do. Then on every QP the
+//! client RDMA-WRITEs `--messages` checksummed messages with immediates into the server's
+//! region, the server checks every byte and that each arrived on its QP, and writes it all
+//! back, the client checks it, and finally the server fences its QPs (ERR) and the
+//! client's next write on each QP must fail with an error completion.
 //!
-//! Exit status: 0 when every rail passed, 1 when one failed, 2 on bad arguments.
+//! Exit status: 0 when every rail passed, 1 when one failed, 2 on bad arguments or settings.
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use railover::config::Config;
-use railover::transport::verbs::lane::QpHello;
-use railover::transport::verbs::sys::{
-    wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, RemoteQp, Write as RdmaWrite,
+use railover::config::{Config, ConfigError, VerbsSettings};
+use railover::transport::verbs::lane::{
+    check_hello_count, decode_hellos, encode_hellos, hellos_len, local_gid, local_port, needs_grh,
+    remote_qp, QpHello,
 };
-use railover::transport::verbs::{self, device, VerbsNic, QP_TIMING};
+use railover::transport::verbs::sys::{
+    wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, QpTiming, RemoteQp,
+    Write as RdmaWrite,
+};
+use railover::transport::verbs::{self, device, qp_timing, VerbsNic};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -32,7 +40,7 @@ pub struct Args {
 pub enum Mode {
     /// Print the verbs NICs discovery finds (RAILOVER_HCA applies)
     List,
-    /// Serve every rail: one RC QP per accepted connection
+    /// Serve every rail: one lane (RAILOVER_QPS_PER_LANE RC QPs) per accepted connection
     Serve(Pair),
     /// Connect rail i to the i-th peer address
     Connect(Pair),
@@ -46,7 +54,7 @@ pub struct Pair {
     /// Peer addresses, one per rail in discovery order (connect only)
     #[arg(long, value_delimiter = ',')]
     pub peer: Vec<IpAddr>,
-    /// Messages per rail
+    /// Messages per QP
     #[arg(long, default_value_t = 64)]
     pub messages: usize,
     /// Bytes per message
@@ -58,13 +66,14 @@ pub struct Pair {
 }
 
 pub fn run(args: &Args) -> i32 {
-    let cfg = match Config::from_env() {
+    let cfg = match settings(Config::from_env()) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("railover verbs-check: {e}");
+            eprintln!("{e}");
             return 2;
         }
     };
+    println!("{}", header(&args.mode, &cfg.verbs));
     let found = verbs::discover(&cfg.hca, &cfg.verbs.gid, &cfg.sysfs_root);
     if let Some(why) = &found.absent {
         println!("verbs-check: no verbs devices: {why}");
@@ -105,10 +114,8 @@ pub fn run(args: &Args) -> i32 {
         );
         return 2;
     }
-    if pair.messages == 0 || pair.size == 0 || pair.messages.saturating_mul(pair.size) > 1 << 30 {
-        eprintln!(
-            "railover verbs-check: --messages and --size must be positive, at most 1 GiB in all"
-        );
+    if let Err(e) = region_len(pair, qps_per_rail(&cfg.verbs)) {
+        eprintln!("railover verbs-check: {e}");
         return 2;
     }
     let results: Vec<(String, io::Result<String>)> = std::thread::scope(|s| {
@@ -118,7 +125,8 @@ pub fn run(args: &Args) -> i32 {
             .enumerate()
             .map(|(i, nic)| {
                 let peer = pair.peer.get(i).copied();
-                s.spawn(move || (nic.label(), rail(nic, i, serve, peer, pair)))
+                let v = &cfg.verbs;
+                s.spawn(move || (nic.label(), rail(nic, i, serve, peer, pair, v)))
             })
             .collect();
         handles
@@ -139,14 +147,160 @@ pub fn run(args: &Args) -> i32 {
     i32::from(failed > 0)
 }
 
-/// The byte at `i` of message `seq` on rail `rail`: differs per rail, message and offset.
-fn pattern(rail: usize, seq: usize, i: usize) -> u8 {
-    (i.wrapping_mul(31) ^ seq.wrapping_mul(131) ^ rail.wrapping_mul(7)) as u8
+/// The plugin's configuration, or the line that says which variable is bad and why.
+fn settings(parsed: Result<Config, ConfigError>) -> Result<Config, String> {
+    parsed.map_err(|e| format!("railover verbs-check: {e}"))
+}
+
+/// The first line of a run: the QP settings, in the words of `railover doctor` and of
+/// the plugin's INFO line (one lane per rail here, so "per lane" is per rail).
+fn header(mode: &Mode, s: &VerbsSettings) -> String {
+    match mode {
+        Mode::List => format!("verbs-check: list; verbs lanes would use {s}"),
+        Mode::Serve(p) | Mode::Connect(p) => format!(
+            "verbs-check: {}, one verbs lane per rail: {s}; {} x {} B each way per QP",
+            if matches!(mode, Mode::Serve(_)) {
+                "serve"
+            } else {
+                "connect"
+            },
+            p.messages,
+            p.size
+        ),
+    }
+}
+
+/// QPs each rail opens: as many as a lane (`VerbsLane::new`).
+fn qps_per_rail(s: &VerbsSettings) -> usize {
+    usize::from(s.qps_per_lane.max(1))
+}
+
+/// The bytes of one rail's region: every message of every QP has its own place.
+fn region_len(p: &Pair, qps: usize) -> Result<usize, String> {
+    p.messages
+        .checked_mul(p.size)
+        .and_then(|n| n.checked_mul(qps))
+        .filter(|&n| p.messages > 0 && p.size > 0 && n <= 1 << 30)
+        .ok_or_else(|| {
+            format!(
+                "--messages ({}) and --size ({}) must be positive, and --messages x --size x \
+                 RAILOVER_QPS_PER_LANE ({qps}) at most 1 GiB per rail",
+                p.messages, p.size
+            )
+        })
+}
+
+/// The byte at `i` of message `msg` on rail `rail`: differs per rail, message and offset.
+/// Message `msg` of a rail is message `msg % messages` of QP `msg / messages`.
+fn pattern(rail: usize, msg: usize, i: usize) -> u8 {
+    (i.wrapping_mul(31) ^ msg.wrapping_mul(131) ^ rail.wrapping_mul(7)) as u8
+}
+
+/// Reads the peer's hello of `qps` QPs as a lane does: the count first, so that a peer
+/// with another `RAILOVER_QPS_PER_LANE` is refused (naming both counts) before the rest.
+fn read_hellos(sock: &mut impl Read, qps: usize, region: usize) -> io::Result<Vec<QpHello>> {
+    let bad = |e: String| io::Error::new(io::ErrorKind::InvalidData, e);
+    let mut b = vec![0u8; hellos_len(qps)];
+    sock.read_exact(&mut b[..1])?;
+    check_hello_count(b[0], qps).map_err(bad)?;
+    sock.read_exact(&mut b[1..])?;
+    let theirs = decode_hellos(&b, qps).map_err(bad)?;
+    if theirs[0].len != region as u64 {
+        return Err(bad(format!(
+            "the peer's region is {} bytes, ours {region}: run both sides with the same --messages/--size",
+            theirs[0].len
+        )));
+    }
+    Ok(theirs)
+}
+
+/// How one QP goes to RTR and RTS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Transition {
+    port: LocalPort,
+    remote: RemoteQp,
+    psn: u32,
+    timing: QpTiming,
+}
+
+/// Our QP j joins the peer's QP j, addressed and timed as a lane's QPs are.
+fn transitions(
+    nic: &VerbsNic,
+    s: &VerbsSettings,
+    mine: &[QpHello],
+    theirs: &[QpHello],
+) -> Vec<Transition> {
+    let port = local_port(nic, s);
+    let grh = needs_grh(nic);
+    mine.iter()
+        .zip(theirs)
+        .map(|(m, t)| Transition {
+            port,
+            remote: remote_qp(t, grh, m.mtu),
+            psn: m.psn,
+            timing: qp_timing(s),
+        })
+        .collect()
+}
+
+/// Checks a side's receive completions: every message of every QP once, each on the QP
+/// (`qp_nums[j]`) its writer's QP j is joined to.
+fn check_receives(got: &[Completion], qp_nums: &[u32], messages: usize) -> io::Result<()> {
+    let all = qp_nums.len() * messages;
+    let mut seen = vec![false; all];
+    for c in got {
+        if c.status != wc::SUCCESS {
+            return Err(verbs::completion_error(c));
+        }
+        let msg = c
+            .imm
+            .ok_or_else(|| io::Error::other("a receive completion without immediate"))?
+            as usize;
+        if c.opcode != wc::RECV_RDMA_WITH_IMM
+            || msg >= all
+            || std::mem::replace(&mut seen[msg], true)
+        {
+            return Err(io::Error::other(format!(
+                "unexpected receive completion {c:?}"
+            )));
+        }
+        let qp = qp_nums[msg / messages];
+        if c.qp_num != qp {
+            return Err(io::Error::other(format!(
+                "message {} of QP {} arrived on QP {}, expected QP {qp}",
+                msg % messages,
+                msg / messages,
+                c.qp_num
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The verdict on the writes to a fenced peer, one per QP: each must have failed.
+fn fence_verdict(got: &[Completion], took: Duration, s: &VerbsSettings) -> io::Result<String> {
+    if let Some(ok) = got.iter().find(|c| c.status == wc::SUCCESS) {
+        return Err(io::Error::other(format!(
+            "a write to a fenced QP completed successfully (on QP {})",
+            ok.qp_num
+        )));
+    }
+    let e = got.first().map_or_else(
+        || io::Error::other("no completion"),
+        verbs::completion_error,
+    );
+    Ok(format!(
+        "writes on {} QP(s) to the fenced peer failed after {:.0} ms (the NIC gives up after {:.1} s) as {:?}: {e}",
+        got.len(),
+        took.as_secs_f64() * 1e3,
+        s.nic_give_up().as_secs_f64(),
+        e.kind()
+    ))
 }
 
 struct Rail {
-    // Field order is drop order: the QP goes before the region it reads and writes.
-    qp: Qp,
+    // Field order is drop order: the QPs go before the region they read and write.
+    qps: Vec<Qp>,
     mr: Mr,
     cq: Arc<Cq>,
     done: Vec<Completion>,
@@ -181,8 +335,12 @@ fn rail(
     serve: bool,
     peer: Option<IpAddr>,
     p: &Pair,
+    settings: &VerbsSettings,
 ) -> io::Result<String> {
     let deadline = Instant::now() + Duration::from_secs(p.timeout_s);
+    let qps = qps_per_rail(settings);
+    let msgs = qps * p.messages;
+    let region = region_len(p, qps).map_err(io::Error::other)?;
     let ip = nic
         .ip()
         .ok_or_else(|| io::Error::other("the port has no IP GID to bootstrap from"))?;
@@ -209,204 +367,173 @@ fn rail(
     };
     sock.set_read_timeout(Some(Duration::from_secs(p.timeout_s)))?;
 
+    let too_many = |_| {
+        io::Error::other(format!(
+            "{msgs} messages are too many for one rail's queues"
+        ))
+    };
     let ctx = Context::open(&nic.device)?;
     let pd = Pd::new(&ctx)?;
     let ch = CompChannel::new(&ctx)?;
-    let total = p.messages * p.size;
-    let cq = Cq::new(&ctx, &ch, (2 * p.messages + 16) as i32)?;
-    let qp = Qp::new_rc(&pd, &cq, (p.messages + 8) as u32, (p.messages + 8) as u32)?;
-    let mr = Mr::new(&pd, total)?;
+    let cq = Cq::new(
+        &ctx,
+        &ch,
+        i32::try_from(2 * msgs + 16 * qps).map_err(too_many)?,
+    )?;
+    let depth = u32::try_from(p.messages + 8).map_err(too_many)?;
+    let mut qp_list = Vec::with_capacity(qps);
+    for _ in 0..qps {
+        qp_list.push(Qp::new_rc(&pd, &cq, depth, depth)?);
+    }
+    let mr = Mr::new(&pd, region)?;
     let mut r = Rail {
-        qp,
+        qps: qp_list,
         mr,
         cq,
         done: Vec::new(),
     };
-    r.qp.to_init(nic.port)?;
-    let psn = (0x1000 + idx as u32 * 0x100) & 0xff_ffff;
-    let gid_index = nic.gid_index.unwrap_or(0);
-    let gid = nic
-        .gids
-        .iter()
-        .find(|g| g.index == gid_index)
-        .map_or([0; 16], |g| g.gid);
-    let mine = QpHello {
-        qpn: r.qp.qp_num(),
-        psn,
-        lid: nic.attr.lid,
-        mtu: nic.attr.active_mtu,
-        gid,
-        addr: r.mr.addr(),
-        rkey: r.mr.rkey(),
-        len: total as u64,
-    };
-    sock.write_all(&mine.encode())?;
-    let mut b = [0u8; QpHello::LEN];
-    sock.read_exact(&mut b)?;
-    let theirs = QpHello::decode(&b);
-    if theirs.len != total as u64 {
-        return Err(io::Error::other(format!(
-            "the peer's region is {} bytes, ours {total}: run both sides with the same --messages/--size",
-            theirs.len
-        )));
+    let mut mine = Vec::with_capacity(qps);
+    for (j, qp) in r.qps.iter().enumerate() {
+        qp.to_init(nic.port)?;
+        mine.push(QpHello {
+            qpn: qp.qp_num(),
+            psn: (0x1000 + idx as u32 * 0x100 + j as u32 * 0x10) & 0xff_ffff,
+            lid: nic.attr.lid,
+            mtu: nic.attr.active_mtu,
+            gid: local_gid(nic),
+            addr: r.mr.addr(),
+            rkey: r.mr.rkey(),
+            len: region as u64,
+        });
     }
-    for i in 0..p.messages + 4 {
-        r.qp.post_recv(i as u64)?;
+    sock.write_all(&encode_hellos(&mine))?;
+    let theirs = read_hellos(&mut sock, qps, region)?;
+    let peer_region = theirs[0];
+    for qp in &r.qps {
+        for i in 0..p.messages + 4 {
+            qp.post_recv(i as u64)?;
+        }
     }
-    let global = nic.attr.link_layer == railover::transport::verbs::sys::LINK_LAYER_ETHERNET
-        || nic.attr.flags & railover::transport::verbs::sys::QPF_GRH_REQUIRED != 0;
-    r.qp.to_rtr(
-        &LocalPort {
-            port: nic.port,
-            sgid_index: gid_index as u8,
-            traffic_class: 0,
-            service_level: 0,
-        },
-        &RemoteQp {
-            qp_num: theirs.qpn,
-            psn: theirs.psn,
-            lid: theirs.lid,
-            gid: theirs.gid,
-            global,
-            mtu: mine.mtu.min(theirs.mtu),
-        },
-    )?;
-    r.qp.to_rts(psn, QP_TIMING)?;
+    for (qp, t) in r.qps.iter().zip(transitions(nic, settings, &mine, &theirs)) {
+        qp.to_rtr(&t.port, &t.remote)?;
+        qp.to_rts(t.psn, t.timing)?;
+    }
+    let qp_nums: Vec<u32> = r.qps.iter().map(Qp::qp_num).collect();
     // Both sides at RTS before any write: a one-byte barrier over the bootstrap socket.
     sock.write_all(b"R")?;
     sock.read_exact(&mut [0u8; 1])?;
 
+    // Message k of QP j is message j * messages + k of the rail, at that place in both
+    // regions, with that immediate. The QPs take turns, as a lane spreads its writes.
     let write_all = |r: &mut Rail, remote: &QpHello| -> io::Result<Duration> {
         let t = Instant::now();
-        for seq in 0..p.messages {
-            r.qp.post_write(&RdmaWrite {
-                local: &r.mr,
-                offset: seq * p.size,
-                len: p.size,
-                remote_addr: remote.addr + (seq * p.size) as u64,
-                rkey: remote.rkey,
-                imm: Some(seq as u32),
-                signaled: true,
-                wr_id: seq as u64,
-            })?;
+        for k in 0..p.messages {
+            for (j, qp) in r.qps.iter().enumerate() {
+                let msg = j * p.messages + k;
+                qp.post_write(&RdmaWrite {
+                    local: &r.mr,
+                    offset: msg * p.size,
+                    len: p.size,
+                    remote_addr: remote.addr + (msg * p.size) as u64,
+                    rkey: remote.rkey,
+                    imm: Some(msg as u32),
+                    signaled: true,
+                    wr_id: msg as u64,
+                })?;
+            }
         }
-        let got = r.completions(p.messages, deadline)?;
+        let got = r.completions(msgs, deadline)?;
         if let Some(bad) = got.iter().find(|c| c.status != wc::SUCCESS) {
             return Err(verbs::completion_error(bad));
         }
         Ok(t.elapsed())
     };
     let receive_all = |r: &mut Rail| -> io::Result<()> {
-        let got = r.completions(p.messages, deadline)?;
-        let mut seen = vec![false; p.messages];
-        for c in &got {
-            if c.status != wc::SUCCESS {
-                return Err(verbs::completion_error(c));
-            }
-            let seq = c
-                .imm
-                .ok_or_else(|| io::Error::other("a receive completion without immediate"))?
-                as usize;
-            if c.opcode != wc::RECV_RDMA_WITH_IMM
-                || seq >= p.messages
-                || std::mem::replace(&mut seen[seq], true)
-            {
-                return Err(io::Error::other(format!(
-                    "unexpected receive completion {c:?}"
-                )));
-            }
-        }
-        Ok(())
+        let got = r.completions(msgs, deadline)?;
+        check_receives(&got, &qp_nums, p.messages)
     };
     let check = |r: &Rail, rail_no: usize| -> io::Result<()> {
         let mut buf = vec![0u8; p.size];
-        for seq in 0..p.messages {
-            r.mr.read(seq * p.size, &mut buf)?;
-            if let Some(i) = (0..p.size).find(|&i| buf[i] != pattern(rail_no, seq, i)) {
+        for msg in 0..msgs {
+            r.mr.read(msg * p.size, &mut buf)?;
+            if let Some(i) = (0..p.size).find(|&i| buf[i] != pattern(rail_no, msg, i)) {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     format!(
-                        "message {seq} byte {i}: {:#04x}, expected {:#04x}",
+                        "message {} of QP {} byte {i}: {:#04x}, expected {:#04x}",
+                        msg % p.messages,
+                        msg / p.messages,
                         buf[i],
-                        pattern(rail_no, seq, i)
+                        pattern(rail_no, msg, i)
                     ),
                 ));
             }
         }
         Ok(())
     };
+    let what = format!("{qps} QP(s) x {} x {} B", p.messages, p.size);
 
     if serve {
         receive_all(&mut r)?;
         check(&r, idx)?;
         // Echo: the checked bytes go back to the client's region, once it cleared it.
         sock.read_exact(&mut [0u8; 1])?;
-        let echo = write_all(&mut r, &theirs)?;
-        // The fence: our QP goes to ERR, then the client's next write must fail.
-        r.qp.to_err()?;
+        let echo = write_all(&mut r, &peer_region)?;
+        // The fence: our QPs go to ERR, then the client's next write on each must fail.
+        for qp in &r.qps {
+            qp.to_err()?;
+        }
         sock.write_all(b"F")?;
         let mut verdict = String::new();
         sock.read_to_string(&mut verdict)?;
         Ok(format!(
-            "{} x {} B received and checked, echoed in {:.1} ms; {}",
-            p.messages,
-            p.size,
+            "{what} received and checked, echoed in {:.1} ms; {}",
             echo.as_secs_f64() * 1e3,
             verdict.trim()
         ))
     } else {
-        let mut msg = vec![0u8; p.size];
-        for seq in 0..p.messages {
-            for (i, b) in msg.iter_mut().enumerate() {
-                *b = pattern(idx, seq, i);
+        let mut buf = vec![0u8; p.size];
+        for msg in 0..msgs {
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = pattern(idx, msg, i);
             }
-            r.mr.write(seq * p.size, &msg)?;
+            r.mr.write(msg * p.size, &buf)?;
         }
-        let took = write_all(&mut r, &theirs)?;
+        let took = write_all(&mut r, &peer_region)?;
         // The echo overwrites our region with the same bytes; clear it first so the check
         // proves they came back.
-        r.mr.write(0, &vec![0u8; total])?;
+        r.mr.write(0, &vec![0u8; region])?;
         sock.write_all(b"E")?; // ready for the echo
         receive_all(&mut r)?;
         check(&r, idx)?;
-        let t = Instant::now();
         sock.read_exact(&mut [0u8; 1])?; // the server has fenced
-        r.qp.post_write(&RdmaWrite {
-            local: &r.mr,
-            offset: 0,
-            len: p.size,
-            remote_addr: theirs.addr,
-            rkey: theirs.rkey,
-            imm: Some(u32::MAX),
-            signaled: true,
-            wr_id: u64::MAX,
-        })?;
-        let failed = r.completions(1, deadline)?;
-        let c = failed[0];
-        let verdict = if c.status == wc::SUCCESS {
-            Err(io::Error::other(
-                "a write to a fenced QP completed successfully",
-            ))
-        } else {
-            let e = verbs::completion_error(&c);
-            Ok(format!(
-                "write to the fenced peer failed after {:.0} ms as {:?}: {e}",
-                t.elapsed().as_secs_f64() * 1e3,
-                e.kind()
-            ))
-        };
+        let t = Instant::now();
+        for (j, qp) in r.qps.iter().enumerate() {
+            let at = j * p.messages * p.size;
+            qp.post_write(&RdmaWrite {
+                local: &r.mr,
+                offset: at,
+                len: p.size,
+                remote_addr: peer_region.addr + at as u64,
+                rkey: peer_region.rkey,
+                imm: Some(u32::MAX),
+                signaled: true,
+                wr_id: u64::MAX - j as u64,
+            })?;
+        }
+        let verdict = r
+            .completions(qps, deadline)
+            .and_then(|got| fence_verdict(&got, t.elapsed(), settings));
         let text = match &verdict {
             Ok(s) => s.clone(),
             Err(e) => format!("FAIL {e}"),
         };
         sock.write_all(text.as_bytes())?;
         drop(sock);
-        let mb = (total as f64) / took.as_secs_f64() / 1e6;
+        let mb = (region as f64) / took.as_secs_f64() / 1e6;
         verdict.map(|v| {
             format!(
-                "{} x {} B written in {:.1} ms ({mb:.1} MB/s), echo checked; {v}",
-                p.messages,
-                p.size,
+                "{what} written in {:.1} ms ({mb:.1} MB/s), echo checked; {v}",
                 took.as_secs_f64() * 1e3
             )
         })
@@ -416,6 +543,82 @@ fn rail(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use railover::transport::verbs::sys::{GidEntry, PortAttr, LINK_LAYER_ETHERNET};
+    use railover::transport::verbs::QP_TIMING;
+
+    fn config(pairs: &[(&'static str, &str)]) -> Result<Config, String> {
+        let pairs: Vec<(&str, String)> = pairs.iter().map(|(k, v)| (*k, v.to_string())).collect();
+        settings(Config::from_lookup(|k| {
+            pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
+        }))
+    }
+
+    const TUNED: &[(&str, &str)] = &[
+        ("RAILOVER_IB_TIMEOUT", "20"),
+        ("RAILOVER_IB_RETRY_CNT", "7"),
+        ("RAILOVER_IB_TC", "106"),
+        ("RAILOVER_IB_SL", "3"),
+        ("RAILOVER_QPS_PER_LANE", "3"),
+    ];
+
+    fn pair(messages: usize, size: usize) -> Pair {
+        Pair {
+            port: 18600,
+            peer: Vec::new(),
+            messages,
+            size,
+            timeout_s: 120,
+        }
+    }
+
+    fn roce_nic() -> VerbsNic {
+        VerbsNic {
+            device: "rxe0".into(),
+            port: 1,
+            guid: 1,
+            attr: PortAttr {
+                link_layer: LINK_LAYER_ETHERNET,
+                lid: 0,
+                active_mtu: 3,
+                ..Default::default()
+            },
+            speed_mbps: 10_000,
+            gids: vec![GidEntry {
+                index: 1,
+                gid: [7; 16],
+                gid_type: 2,
+                ndev_ifindex: 0,
+            }],
+            gid_index: Some(1),
+            netdev: Some("eth0".into()),
+            pci_path: None,
+        }
+    }
+
+    fn hello(qpn: u32, mtu: u32, len: u64) -> QpHello {
+        QpHello {
+            qpn,
+            psn: qpn * 10,
+            lid: 0,
+            mtu,
+            gid: [qpn as u8; 16],
+            addr: 0x1000,
+            rkey: 77,
+            len,
+        }
+    }
+
+    fn recv(msg: u32, qp_num: u32) -> Completion {
+        Completion {
+            wr_id: 0,
+            status: wc::SUCCESS,
+            opcode: wc::RECV_RDMA_WITH_IMM,
+            byte_len: 0,
+            imm: Some(msg),
+            qp_num,
+            vendor_err: 0,
+        }
+    }
 
     #[test]
     fn patterns_differ_per_rail_and_message() {
@@ -424,5 +627,176 @@ mod tests {
             (0..64).map(|i| pattern(1, 0, i)).collect::<Vec<_>>()
         );
         assert_ne!(pattern(0, 1, 0), pattern(0, 0, 0));
+    }
+
+    #[test]
+    fn bad_settings_fail_naming_variable_value_and_what_is_accepted() {
+        let e = config(&[("RAILOVER_QPS_PER_LANE", "17")]).unwrap_err();
+        assert!(
+            e.starts_with("railover verbs-check: ")
+                && e.contains("RAILOVER_QPS_PER_LANE")
+                && e.contains("17")
+                && e.contains("1 to 16"),
+            "{e}"
+        );
+        let e = config(&[("RAILOVER_IB_TIMEOUT", "32")]).unwrap_err();
+        assert!(
+            e.contains("RAILOVER_IB_TIMEOUT") && e.contains("1 to 31"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_header_says_what_doctor_and_the_plugin_say() {
+        let cfg = config(TUNED).unwrap();
+        let line = header(&Mode::Serve(pair(64, 65536)), &cfg.verbs);
+        // The same text as `railover doctor`'s "QP settings" and the plugin's INFO line.
+        assert!(line.contains(&cfg.verbs.to_string()), "{line}");
+        assert!(
+            line.starts_with("verbs-check: serve, one verbs lane per rail: ")
+                && line.contains(
+                    "timeout 20 retry 7 (NIC gives up after 34.4 s), tc 106 sl 3, 3 QP(s) per lane"
+                )
+                && line.ends_with("; 64 x 65536 B each way per QP"),
+            "{line}"
+        );
+        let line = header(&Mode::Connect(pair(8, 1)), &config(&[]).unwrap().verbs);
+        assert!(
+            line.contains("connect")
+                && line.contains(
+                    "timeout 16 retry 6 (NIC gives up after 1.9 s), tc 0 sl 0, 1 QP(s) per lane"
+                ),
+            "{line}"
+        );
+        assert!(header(&Mode::List, &cfg.verbs).contains("tc 106 sl 3"));
+    }
+
+    #[test]
+    fn every_qp_is_set_up_from_the_lane_settings() {
+        let cfg = config(TUNED).unwrap();
+        let qps = qps_per_rail(&cfg.verbs);
+        assert_eq!(qps, 3);
+        let nic = roce_nic();
+        let mine: Vec<_> = (1..=3).map(|q| hello(q, 3, 64)).collect();
+        // The peer's port has the larger MTU: the path takes ours.
+        let theirs: Vec<_> = (11..=13).map(|q| hello(q, 5, 64)).collect();
+        let t = transitions(&nic, &cfg.verbs, &mine, &theirs);
+        assert_eq!(t.len(), qps);
+        for (j, t) in t.iter().enumerate() {
+            assert_eq!(
+                t.port,
+                LocalPort {
+                    port: 1,
+                    sgid_index: 1,
+                    traffic_class: 106,
+                    service_level: 3
+                }
+            );
+            assert_eq!(
+                t.timing,
+                QpTiming {
+                    timeout: 20,
+                    retry_cnt: 7
+                }
+            );
+            assert_eq!(t.psn, mine[j].psn);
+            assert_eq!(
+                (t.remote.qp_num, t.remote.psn, t.remote.gid, t.remote.mtu),
+                (theirs[j].qpn, theirs[j].psn, theirs[j].gid, 3)
+            );
+            assert!(t.remote.global, "RoCE paths carry a GRH");
+        }
+        // Unset, the lanes' defaults: what verbs-check used before it read the settings.
+        let t = transitions(&nic, &config(&[]).unwrap().verbs, &mine[..1], &theirs[..1]);
+        assert_eq!(
+            (
+                t[0].timing,
+                t[0].port.traffic_class,
+                t[0].port.service_level
+            ),
+            (QP_TIMING, 0, 0)
+        );
+    }
+
+    #[test]
+    fn the_region_holds_every_qps_messages_and_stays_bounded() {
+        assert_eq!(region_len(&pair(64, 65536), 1), Ok(64 * 65536));
+        assert_eq!(region_len(&pair(64, 65536), 4), Ok(4 * 64 * 65536));
+        assert_eq!(region_len(&pair(1 << 14, 1 << 16), 1), Ok(1 << 30));
+        let e = region_len(&pair(1 << 14, 1 << 16), 2).unwrap_err();
+        assert!(
+            e.contains("RAILOVER_QPS_PER_LANE (2)") && e.contains("1 GiB"),
+            "{e}"
+        );
+        assert!(region_len(&pair(0, 1), 1).is_err());
+        assert!(region_len(&pair(1, 0), 1).is_err());
+        assert!(region_len(&pair(usize::MAX, 2), 1).is_err());
+    }
+
+    #[test]
+    fn hellos_of_another_qp_count_are_refused_naming_both_counts() {
+        let two: Vec<_> = (1..=2).map(|q| hello(q, 3, 4096)).collect();
+        let wire = encode_hellos(&two);
+        let e = read_hellos(&mut &wire[..], 4, 4096).unwrap_err();
+        let text = e.to_string();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        assert!(
+            text.contains("peer opens 2 QP(s)")
+                && text.contains("this end 4")
+                && text.contains("RAILOVER_QPS_PER_LANE"),
+            "{text}"
+        );
+        // Refused on the count byte alone: a shorter hello never leaves us waiting.
+        let e = read_hellos(&mut &wire[..1], 1, 4096).unwrap_err();
+        assert!(e.to_string().contains("this end 1"), "{e}");
+        // Same count, another region: the sizes differ.
+        let e = read_hellos(&mut &wire[..], 2, 8192).unwrap_err();
+        assert!(e.to_string().contains("--messages/--size"), "{e}");
+        assert_eq!(read_hellos(&mut &wire[..], 2, 4096).unwrap(), two);
+    }
+
+    #[test]
+    fn receives_must_arrive_once_each_on_their_own_qp() {
+        let qps = [10, 11];
+        let all: Vec<_> = (0..6).map(|m| recv(m, qps[m as usize / 3])).collect();
+        check_receives(&all, &qps, 3).unwrap();
+        let mut wrong_qp = all.clone();
+        wrong_qp[4].qp_num = 10;
+        let e = check_receives(&wrong_qp, &qps, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("message 1 of QP 1 arrived on QP 10, expected QP 11"),
+            "{e}"
+        );
+        let mut twice = all.clone();
+        twice[5] = twice[4];
+        assert!(check_receives(&twice, &qps, 3).is_err());
+        let mut beyond = all.clone();
+        beyond[0].imm = Some(6);
+        assert!(check_receives(&beyond, &qps, 3).is_err());
+        let mut bare = all.clone();
+        bare[0].imm = None;
+        assert!(check_receives(&bare, &qps, 3).is_err());
+        let mut failed = all;
+        failed[2].status = wc::REM_ACCESS_ERR;
+        assert!(check_receives(&failed, &qps, 3).is_err());
+    }
+
+    #[test]
+    fn every_write_to_the_fenced_peer_must_fail() {
+        let s = config(&[]).unwrap().verbs;
+        let mut got = [recv(0, 10), recv(1, 11)];
+        for c in &mut got {
+            c.status = wc::RETRY_EXC_ERR;
+        }
+        let v = fence_verdict(&got, Duration::from_millis(1900), &s).unwrap();
+        assert!(
+            v.starts_with("writes on 2 QP(s) to the fenced peer failed after 1900 ms")
+                && v.contains("gives up after 1.9 s")
+                && v.contains("TimedOut"),
+            "{v}"
+        );
+        got[1].status = wc::SUCCESS;
+        let e = fence_verdict(&got, Duration::ZERO, &s).unwrap_err();
+        assert!(e.to_string().contains("on QP 11"), "{e}");
     }
 }
