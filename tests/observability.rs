@@ -83,6 +83,7 @@ fn record_all(t: &Telemetry, nic: &str) {
             rx_bytes: 1 << 19,
             tx_messages: 16,
             rx_messages: 8,
+            placed_bytes: 3 << 18,
         });
     }
     let from = NicPair {
@@ -125,6 +126,10 @@ fn record_all(t: &Telemetry, nic: &str) {
     t.record_rejected(1);
     t.record_protocol_errors(1);
     t.record_lane_failures(2);
+    t.record_unmatched_sends(1);
+    t.record_comms_given_up(1);
+    t.record_link_events(2);
+    t.set_memory_registrations(5);
 }
 
 /// The sample value of the series whose name-and-labels text is exactly `series`.
@@ -170,8 +175,24 @@ fn endpoint_serves_recorded_series_over_tcp() {
         ),
         (r#"railover_failbacks_total{nic="fetch0"}"#, 1.0),
         (r#"railover_probe_failures_total{nic="fetch0"}"#, 3.0),
+        (r#"railover_placed_bytes_total{nic="fetch0b"}"#, 786432.0),
     ] {
         assert_eq!(value(&body, series), Some(want), "{series} in\n{body}");
+    }
+    // Unlabelled counters are shared with the other tests of this binary: lower bounds.
+    for (series, least) in [
+        ("railover_unmatched_sends_total", 1.0),
+        ("railover_comms_given_up_total", 1.0),
+        ("railover_link_events_total", 2.0),
+        ("railover_memory_registrations_total", 5.0),
+    ] {
+        let got = value(&body, series).unwrap_or_else(|| panic!("no {series} in\n{body}"));
+        assert!(got >= least, "{series} {got} in\n{body}");
+    }
+    // Every metric says what it means, in the words of the table.
+    for m in METRICS {
+        let help = format!("# HELP {} {}\n", m.name, m.help);
+        assert!(body.contains(&help), "no {help:?} in\n{body}");
     }
     let count = value(&body, "railover_failover_seconds_count").unwrap();
     assert!(count >= 4.0, "{body}");
