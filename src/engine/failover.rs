@@ -17,6 +17,7 @@ use crate::routing::{FailReason, MoveReason};
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
 use crate::telemetry::sampler::{NicNow, Totals};
 use crate::transport::fair::LaneSample;
+use crate::transport::verbs::lane::USER_REGISTRATIONS;
 
 impl Engine {
     /// A send comm was just connected: tell the router about both NIC lists.
@@ -185,7 +186,8 @@ impl Engine {
         }
         self.fair.forget(k);
         self.leave_gate(k);
-        if self.lanes.try_remove(k).is_some() {
+        if let Some(lane) = self.lanes.try_remove(k) {
+            self.last_look(lane, k, io);
             io.bury(k);
         }
     }
@@ -737,6 +739,7 @@ impl Engine {
             // can hold every byte in flight, so the userspace queue alone would not show
             // a stuck path.
             let p = io.progress(k);
+            self.metrics.placed(lane.nic, &mut lane.placed, p.placed);
             let waiting = lane.writer.queued_bytes() + p.sent.saturating_sub(p.acked);
             let s = lane.m.handle_sample(now, p.acked, waiting);
             if let Some(nic) = lane.nic {
@@ -823,6 +826,10 @@ impl Engine {
             handshakes_pending: load(&st.handshakes_pending),
             protocol_errors: load(&st.protocol_errors),
             lane_failures: load(&st.lane_failures),
+            unmatched_sends: load(&st.unmatched_sends),
+            gave_up: load(&st.gave_up),
+            link_events: load(&st.link_events),
+            memory_registrations: USER_REGISTRATIONS.load(Ordering::Relaxed),
         };
         let t = &self.setup.telemetry;
         self.metrics.sample(t, now, &nics, &totals);

@@ -113,15 +113,24 @@ impl Engine {
             ticket: None,
             nic: None,
             setting_up: false,
+            placed: LanePlaced::default(),
         });
     }
 
     pub(super) fn drop_lane(&mut self, k: usize, io: &mut dyn Io) {
         self.fair.forget(k);
         self.leave_gate(k);
-        if self.lanes.try_remove(k).is_some() {
+        if let Some(lane) = self.lanes.try_remove(k) {
+            self.last_look(lane, k, io);
             io.close(k);
         }
+    }
+
+    /// Counts what lane `k`, just taken off the books, wrote in place since the last
+    /// tick: its fabric still holds it, and forgets it at the close.
+    pub(super) fn last_look(&mut self, mut lane: Lane, k: usize, io: &dyn Io) {
+        let placed = io.progress(k).placed;
+        self.metrics.placed(lane.nic, &mut lane.placed, placed);
     }
 
     /// Lane `k` no longer counts against the handshake caps.

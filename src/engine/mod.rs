@@ -40,7 +40,7 @@ use crate::handoff::{
 use crate::routing::rng::SplitMix64;
 use crate::routing::{self, Move, Pair, PeerId, RoutePublisher, Router, RouterConfig};
 use crate::telemetry::metrics::Telemetry;
-use crate::telemetry::sampler::Sampler;
+use crate::telemetry::sampler::{LanePlaced, Sampler};
 use crate::topology::PathType;
 use crate::transport::fair::FairShare;
 use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
@@ -228,6 +228,8 @@ struct Lane {
     /// Accepted while its fabric was still setting it up (a verbs QP being connected):
     /// the pre-authentication clock starts when it is ready.
     setting_up: bool,
+    /// Its fabric's count of payload bytes written in place, at the last look.
+    placed: LanePlaced,
 }
 
 impl Lane {

@@ -29,6 +29,8 @@ struct Mem {
     refuse_connect: bool,
     /// Lanes the fabric is still setting up (not [`Io::ready`]).
     setting_up: BTreeSet<usize>,
+    /// Payload bytes each lane wrote in place, as its fabric counts them while it is open.
+    placed: HashMap<usize, u64>,
     ops: Vec<Op>,
 }
 
@@ -73,8 +75,15 @@ impl Io for Mem {
         );
         writer.flush(self.tx.entry(k).or_default())
     }
-    fn progress(&self, _k: usize) -> LaneProgress {
-        LaneProgress::default()
+    fn progress(&self, k: usize) -> LaneProgress {
+        // A closed lane's counts are gone with it, as in the reactor.
+        match (self.open.contains(&k), self.placed.get(&k)) {
+            (true, Some(&placed)) => LaneProgress {
+                placed,
+                ..LaneProgress::default()
+            },
+            _ => LaneProgress::default(),
+        }
     }
     fn ready(&self, k: usize) -> bool {
         !self.setting_up.contains(&k)
@@ -395,6 +404,40 @@ fn a_lane_that_named_our_secret_has_the_connect_timeout_to_prove_it() {
     assert_eq!(mb.ops, [Op::Close(idle)]);
     b.handle_timeout(now + 30 * s, &mut mb);
     assert_eq!(mb.ops, [Op::Close(idle), Op::Close(named)]);
+}
+
+#[test]
+fn bytes_written_in_place_count_per_nic_and_a_closed_lane_counts_its_last_ones() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    p.ma.placed.insert(0, 5000);
+    p.a.tick(now, &mut p.ma);
+    assert_eq!(p.a.metrics.placed_pending(), [5000]);
+    p.a.tick(now, &mut p.ma);
+    assert_eq!(
+        p.a.metrics.placed_pending(),
+        [5000],
+        "a second look adds nothing"
+    );
+    // 4000 more, then the lane fails before the next tick: its close takes them.
+    p.ma.placed.insert(0, 9000);
+    p.ma.broken.insert(0);
+    p.a.service_lane(0, now, &mut p.ma);
+    p.a.drive(now, &mut p.ma);
+    assert!(p.ma.ops.contains(&Op::Close(0)), "{:?}", p.ma.ops);
+    assert_eq!(p.a.metrics.placed_pending(), [9000]);
+    p.a.tick(now, &mut p.ma);
+    assert_eq!(p.a.metrics.placed_pending(), [9000]);
+}
+
+#[test]
+fn a_lane_buried_by_a_cut_counts_what_it_wrote_in_place() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    p.ma.placed.insert(0, 7000);
+    p.a.inject_link(0, false, now, &mut p.ma);
+    assert_eq!(p.ma.ops.last(), Some(&Op::Bury(0)));
+    assert_eq!(p.a.metrics.placed_pending(), [7000]);
 }
 
 fn assert_send_sync<T: Send + Sync>() {}

@@ -249,7 +249,11 @@ impl Fabric for SimFabric {
 
     fn progress(&self, lane: &SimLane) -> LaneProgress {
         let (sent, acked) = self.net.lock().progress(lane.conn, lane.end);
-        LaneProgress { sent, acked }
+        LaneProgress {
+            sent,
+            acked,
+            placed: 0,
+        }
     }
 
     fn fence(&mut self, lane: &mut SimLane) {

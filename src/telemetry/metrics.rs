@@ -31,6 +31,8 @@ use crate::routing::{CommRoutes, FailReason, LaneStatus, Pair, Routes};
 pub const BYTES_TOTAL: &str = "railover_bytes_total";
 /// `railover_messages_total{nic,direction}`.
 pub const MESSAGES_TOTAL: &str = "railover_messages_total";
+/// `railover_placed_bytes_total{nic}`.
+pub const PLACED_BYTES_TOTAL: &str = "railover_placed_bytes_total";
 /// `railover_lanes{nic}`.
 pub const LANES: &str = "railover_lanes";
 /// `railover_paced_lanes{nic}`.
@@ -71,6 +73,14 @@ pub const PROTOCOL_ERRORS_TOTAL: &str = "railover_protocol_errors_total";
 pub const LANE_FAILURES_TOTAL: &str = "railover_lane_failures_total";
 /// `railover_comm_spread` (histogram).
 pub const COMM_SPREAD: &str = "railover_comm_spread";
+/// `railover_unmatched_sends_total`.
+pub const UNMATCHED_SENDS_TOTAL: &str = "railover_unmatched_sends_total";
+/// `railover_comms_given_up_total`.
+pub const COMMS_GIVEN_UP_TOTAL: &str = "railover_comms_given_up_total";
+/// `railover_link_events_total`.
+pub const LINK_EVENTS_TOTAL: &str = "railover_link_events_total";
+/// `railover_memory_registrations_total`.
+pub const MEMORY_REGISTRATIONS_TOTAL: &str = "railover_memory_registrations_total";
 
 /// Histogram bucket bounds, in seconds, for [`FAILOVER_SECONDS`] and [`DETECTION_SECONDS`]:
 /// fine below the default 1 s completion timeout (P1), coarse up to NCCL's own ~30 s.
@@ -143,6 +153,13 @@ pub const METRICS: &[MetricSpec] = &[
         labels: &["nic", "direction"],
         unit: "messages",
         help: "Messages (NCCL sends or receives) completed over the local NIC, by direction.",
+    },
+    MetricSpec {
+        name: PLACED_BYTES_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["nic"],
+        unit: "bytes",
+        help: "Payload bytes the local NIC wrote straight into the peer's receive buffer (verbs zero copy: RDMA WRITE from NCCL's send buffer, no ring copy at either end), counted when posted; part of the NIC's tx railover_bytes_total, always 0 on TCP.",
     },
     MetricSpec {
         name: LANES,
@@ -284,6 +301,34 @@ pub const METRICS: &[MetricSpec] = &[
         unit: "lanes",
         help: "Lanes lost to socket errors or an unexpected close.",
     },
+    MetricSpec {
+        name: UNMATCHED_SENDS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        unit: "sends",
+        help: "Sends whose tag matched no free receive of the grouped receive they met; each fails its comm (a tag mismatch between the two ranks' NCCL calls).",
+    },
+    MetricSpec {
+        name: COMMS_GIVEN_UP_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        unit: "comms",
+        help: "Comms whose requests railover failed because no NIC pair could carry them any more: the sender found no eligible backup pair, or a receiver's replacement lane did not arrive in time.",
+    },
+    MetricSpec {
+        name: LINK_EVENTS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        unit: "events",
+        help: "Carrier changes (down or up) seen on the local NICs; a steady rise is a flapping link.",
+    },
+    MetricSpec {
+        name: MEMORY_REGISTRATIONS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        unit: "registrations",
+        help: "Registrations of NCCL's memory (regMr ranges) with an RDMA device, each made the first time a lane on that device needs the range; a rise after a failover is the backup NIC registering.",
+    },
 ];
 
 /// The spec of an exported metric, by name. A histogram's `_bucket`, `_sum` and `_count`
@@ -360,6 +405,9 @@ pub struct NicSample<'a> {
     pub tx_messages: u64,
     /// Messages received since the previous sample.
     pub rx_messages: u64,
+    /// Payload bytes written in place since the previous sample: a part of what
+    /// `tx_bytes` counts, taken when posted (`transport::LaneProgress::placed` deltas).
+    pub placed_bytes: u64,
 }
 
 /// Turns one cumulative counter (`ReactorStats`, `conn::Stats`, `routing::Stats`) into the
@@ -608,6 +656,7 @@ impl Telemetry {
             metrics::counter!(BYTES_TOTAL, &labels).increment(bytes);
             metrics::counter!(MESSAGES_TOTAL, &labels).increment(msgs);
         }
+        metrics::counter!(PLACED_BYTES_TOTAL, "nic" => nic.clone()).increment(s.placed_bytes);
         metrics::gauge!(LANES, "nic" => nic.clone()).set(s.lanes as f64);
         metrics::gauge!(PACED_LANES, "nic" => nic.clone()).set(s.paced_lanes as f64);
         metrics::gauge!(NIC_UP, "nic" => nic.clone()).set(if s.up { 1.0 } else { 0.0 });
@@ -703,6 +752,28 @@ impl Telemetry {
     /// Lanes lost to socket errors since the last call (`ReactorStats::lane_failures`).
     pub fn record_lane_failures(&self, n: u64) {
         metrics::counter!(LANE_FAILURES_TOTAL).increment(n);
+    }
+
+    /// Sends that matched no receive since the last call (`ReactorStats::unmatched_sends`).
+    pub fn record_unmatched_sends(&self, n: u64) {
+        metrics::counter!(UNMATCHED_SENDS_TOTAL).increment(n);
+    }
+
+    /// Comms given up since the last call (`ReactorStats::gave_up`).
+    pub fn record_comms_given_up(&self, n: u64) {
+        metrics::counter!(COMMS_GIVEN_UP_TOTAL).increment(n);
+    }
+
+    /// Carrier changes since the last call (`ReactorStats::link_events`).
+    pub fn record_link_events(&self, n: u64) {
+        metrics::counter!(LINK_EVENTS_TOTAL).increment(n);
+    }
+
+    /// The process's registrations of NCCL memory so far: a process-wide total, not a
+    /// delta. The counter keeps the largest total it was given, so every reactor of the
+    /// process (one after each finalize and init) may report it without counting twice.
+    pub fn set_memory_registrations(&self, total: u64) {
+        metrics::counter!(MEMORY_REGISTRATIONS_TOTAL).absolute(total);
     }
 }
 
@@ -1032,6 +1103,7 @@ mod tests {
             r#"railover_failbacks_total{nic="unit_decl0"} 0"#.to_owned(),
             r#"railover_probe_failures_total{nic="unit_decl1"} 0"#.to_owned(),
             r#"railover_messages_total{nic="unit_decl0",direction="rx"} 0"#.to_owned(),
+            r#"railover_placed_bytes_total{nic="unit_decl1"} 0"#.to_owned(),
         ];
         for r in FailReason::ALL {
             want.push(format!(
@@ -1047,6 +1119,43 @@ mod tests {
         }
         assert!(text.contains("railover_detection_seconds_count "), "{text}");
         assert!(text.contains("railover_no_eligible_pair_total "), "{text}");
+        for name in [
+            UNMATCHED_SENDS_TOTAL,
+            COMMS_GIVEN_UP_TOTAL,
+            LINK_EVENTS_TOTAL,
+            MEMORY_REGISTRATIONS_TOTAL,
+        ] {
+            assert!(text.contains(&format!("\n{name} ")), "no {name} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn memory_registrations_keep_the_largest_process_total() {
+        let t = Telemetry::start(&ExporterConfig::off(), None);
+        let value = || -> u64 {
+            let text = t.render();
+            let series = format!("{MEMORY_REGISTRATIONS_TOTAL} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(series.as_str()))
+                .unwrap_or_else(|| panic!("no {series}in\n{text}"))
+                .parse()
+                .unwrap()
+        };
+        t.set_memory_registrations(0);
+        // Far above what any reactor of this test binary registers for real.
+        let base = value() + (1 << 40);
+        t.set_memory_registrations(base + 3);
+        assert_eq!(value(), base + 3);
+        t.set_memory_registrations(base + 3);
+        assert_eq!(value(), base + 3, "the same total again adds nothing");
+        t.set_memory_registrations(base + 1);
+        assert_eq!(
+            value(),
+            base + 3,
+            "a reactor that sampled earlier lowers nothing"
+        );
+        t.set_memory_registrations(base + 5);
+        assert_eq!(value(), base + 5);
     }
 
     #[test]
@@ -1063,6 +1172,7 @@ mod tests {
             rx_bytes: 1024,
             tx_messages: 2,
             rx_messages: 1,
+            placed_bytes: 3072,
         });
         t.record_failover(&Failover {
             comm: 1,
@@ -1077,6 +1187,7 @@ mod tests {
             r#"railover_bytes_total{nic="unit_nic0",direction="tx"} 4096"#,
             r#"railover_bytes_total{nic="unit_nic0",direction="rx"} 1024"#,
             r#"railover_messages_total{nic="unit_nic0",direction="tx"} 2"#,
+            r#"railover_placed_bytes_total{nic="unit_nic0"} 3072"#,
             r#"railover_lanes{nic="unit_nic0"} 3"#,
             r#"railover_paced_lanes{nic="unit_nic0"} 2"#,
             r#"railover_nic_up{nic="unit_nic0"} 1"#,

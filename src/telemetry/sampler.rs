@@ -29,6 +29,19 @@ pub struct Totals {
     pub handshakes_pending: u64,
     pub protocol_errors: u64,
     pub lane_failures: u64,
+    pub unmatched_sends: u64,
+    pub gave_up: u64,
+    pub link_events: u64,
+    /// Registrations of NCCL memory with RDMA devices: process-wide, so every reactor of
+    /// the process reads the same total (exported as the largest seen, not as a delta).
+    pub memory_registrations: u64,
+}
+
+/// What one lane's fabric reported written in place at its previous look: the engine
+/// keeps one per lane, beside the lane, so a lane key used again starts afresh.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LanePlaced {
+    last: u64,
 }
 
 /// Counts since the last sample.
@@ -36,6 +49,8 @@ pub struct Totals {
 pub struct Sampler {
     /// Per local NIC: tx bytes, rx bytes, tx messages, rx messages.
     nic: Vec<[u64; 4]>,
+    /// Per local NIC: payload bytes its lanes wrote in place.
+    placed: Vec<u64>,
     probe_failures: Vec<u64>,
     last_sample: Instant,
     idle: Duration,
@@ -45,12 +60,16 @@ pub struct Sampler {
     refused: Delta,
     protocol_errors: Delta,
     lane_failures: Delta,
+    unmatched_sends: Delta,
+    gave_up: Delta,
+    link_events: Delta,
 }
 
 impl Sampler {
     pub fn new(nics: usize, now: Instant) -> Sampler {
         Sampler {
             nic: vec![[0; 4]; nics],
+            placed: vec![0; nics],
             probe_failures: vec![0; nics],
             last_sample: now,
             idle: Duration::ZERO,
@@ -60,6 +79,9 @@ impl Sampler {
             refused: Delta::default(),
             protocol_errors: Delta::default(),
             lane_failures: Delta::default(),
+            unmatched_sends: Delta::default(),
+            gave_up: Delta::default(),
+            link_events: Delta::default(),
         }
     }
 
@@ -70,6 +92,24 @@ impl Sampler {
             n[i] += len;
             n[i + 2] += 1;
         }
+    }
+
+    /// A lane on local NIC `nic` has written `total` payload bytes in place since it
+    /// opened, by its fabric's count (`transport::LaneProgress::placed`); `lane` is what it
+    /// reported before. Call it on every look at the lane's progress and once more just
+    /// before the lane is closed, so that nothing it wrote since the last look is lost. A
+    /// total below the previous one (the fabric no longer knows the lane) adds nothing.
+    pub fn placed(&mut self, nic: Option<usize>, lane: &mut LanePlaced, total: u64) {
+        let new = total.saturating_sub(lane.last);
+        lane.last = lane.last.max(total);
+        if let Some(n) = nic.and_then(|n| self.placed.get_mut(n)) {
+            *n += new;
+        }
+    }
+
+    /// Per local NIC, bytes written in place since the last sample (not handed over yet).
+    pub fn placed_pending(&self) -> &[u64] {
+        &self.placed
     }
 
     pub fn probe_failed(&mut self, nic: usize) {
@@ -98,6 +138,7 @@ impl Sampler {
         self.idle = Duration::ZERO;
         for (i, nic) in nics.iter().enumerate() {
             let c = self.nic.get_mut(i).map(std::mem::take).unwrap_or_default();
+            let placed = self.placed.get_mut(i).map_or(0, std::mem::take);
             t.record_nic(&NicSample {
                 nic: nic.name,
                 rail: nic.rail,
@@ -108,6 +149,7 @@ impl Sampler {
                 rx_bytes: c[1],
                 tx_messages: c[2],
                 rx_messages: c[3],
+                placed_bytes: placed,
             });
             let probes = self.probe_failures.get_mut(i).map_or(0, std::mem::take);
             if probes > 0 {
@@ -121,12 +163,125 @@ impl Sampler {
         t.set_handshakes_pending(st.handshakes_pending);
         t.record_protocol_errors(self.protocol_errors.take(st.protocol_errors));
         t.record_lane_failures(self.lane_failures.take(st.lane_failures));
+        t.record_unmatched_sends(self.unmatched_sends.take(st.unmatched_sends));
+        t.record_comms_given_up(self.gave_up.take(st.gave_up));
+        t.record_link_events(self.link_events.take(st.link_events));
+        t.set_memory_registrations(st.memory_registrations);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::telemetry::exporter::ExporterConfig;
+
+    /// The value of the series `series` (name and labels, exactly) in `t`'s text.
+    fn value(t: &Telemetry, series: &str) -> u64 {
+        let text = t.render();
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+            .parse()
+            .unwrap()
+    }
+
+    fn nics<'a>(names: &[&'a str]) -> Vec<NicNow<'a>> {
+        names
+            .iter()
+            .map(|&name| NicNow {
+                name,
+                rail: None,
+                up: true,
+                lanes: 1,
+                paced_lanes: 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn placed_bytes_of_lanes_add_up_per_nic_and_reach_its_counter() {
+        let t = Telemetry::start(&ExporterConfig::off(), None);
+        let now = Instant::now();
+        let names = ["unit_placed0", "unit_placed1"];
+        let mut s = Sampler::new(2, now);
+        let (mut a, mut b, mut c) = Default::default();
+        s.placed(Some(0), &mut a, 10_000);
+        s.placed(Some(0), &mut a, 25_000);
+        s.placed(Some(1), &mut b, 4096);
+        s.placed(Some(0), &mut c, 8192);
+        s.placed(None, &mut c, 9000);
+        s.placed(Some(7), &mut c, 9100);
+        assert_eq!(s.placed, [33_192, 4096], "unknown NICs are ignored");
+        s.sample(&t, now, &nics(&names), &Totals::default());
+        assert_eq!(s.placed, [0, 0], "a sample hands everything over");
+        let series = |n: &str| format!(r#"railover_placed_bytes_total{{nic="{n}"}}"#);
+        assert_eq!(value(&t, &series(names[0])), 33_192);
+        assert_eq!(value(&t, &series(names[1])), 4096);
+
+        s.placed(Some(0), &mut a, 25_000);
+        s.placed(Some(0), &mut a, 30_000);
+        s.sample(&t, now, &nics(&names), &Totals::default());
+        assert_eq!(value(&t, &series(names[0])), 38_192, "only what is new");
+        assert_eq!(value(&t, &series(names[1])), 4096);
+    }
+
+    #[test]
+    fn a_lane_dropped_between_samples_counts_once_and_never_backwards() {
+        let t = Telemetry::start(&ExporterConfig::off(), None);
+        let now = Instant::now();
+        let names = ["unit_dropped0"];
+        let series = r#"railover_placed_bytes_total{nic="unit_dropped0"}"#;
+        let mut s = Sampler::new(1, now);
+        let mut lane = LanePlaced::default();
+        s.placed(Some(0), &mut lane, 8000);
+        s.sample(&t, now, &nics(&names), &Totals::default());
+        assert_eq!(value(&t, series), 8000);
+        // It writes 4000 more, and closes before the next look: the last look before
+        // the close takes them.
+        s.placed(Some(0), &mut lane, 12_000);
+        // Once closed its fabric reports nothing for it.
+        s.placed(Some(0), &mut lane, 0);
+        assert_eq!(s.placed, [4000]);
+        // A new lane under the same key starts from zero.
+        let mut again = LanePlaced::default();
+        s.placed(Some(0), &mut again, 3000);
+        s.sample(&t, now, &nics(&names), &Totals::default());
+        assert_eq!(value(&t, series), 15_000);
+        s.placed(Some(0), &mut lane, 12_000);
+        s.sample(&t, now, &nics(&names), &Totals::default());
+        assert_eq!(value(&t, series), 15_000, "the old lane's count was taken");
+    }
+
+    #[test]
+    fn engine_totals_reach_their_counters_as_increases() {
+        let t = Telemetry::start(&ExporterConfig::off(), None);
+        let now = Instant::now();
+        // Other tests of this binary add to these unlabelled counters too: lower bounds,
+        // with values none of them reach.
+        let names = [
+            "railover_unmatched_sends_total",
+            "railover_comms_given_up_total",
+            "railover_link_events_total",
+        ];
+        let before = names.map(|n| value(&t, n));
+        let mut s = Sampler::new(0, now);
+        let totals = Totals {
+            unmatched_sends: 1000,
+            gave_up: 2000,
+            link_events: 3000,
+            ..Totals::default()
+        };
+        s.sample(&t, now, &[], &totals);
+        s.sample(&t, now, &[], &totals);
+        for (i, n) in names.iter().enumerate() {
+            let added = value(&t, n) - before[i];
+            let want = 1000 * (i as u64 + 1);
+            assert!(
+                (want..2 * want).contains(&added),
+                "{n} grew by {added}, not {want}: counted once per increase"
+            );
+        }
+    }
 
     #[test]
     fn messages_count_per_nic_and_direction_and_unknown_nics_are_ignored() {

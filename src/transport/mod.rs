@@ -41,6 +41,10 @@ pub struct LaneProgress {
     /// `sent - acked` is what the path still holds: a brown-out shows as `acked` growing
     /// slowly while bytes wait.
     pub acked: u64,
+    /// Of `sent`, payload bytes written straight into the peer's receive buffer rather
+    /// than through the lane's stream (verbs: RDMA WRITE into a buffer the receiver
+    /// offered). 0 on a fabric that cannot place.
+    pub placed: u64,
 }
 
 /// What a fabric provides to the reactor.

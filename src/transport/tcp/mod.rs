@@ -120,6 +120,7 @@ impl Fabric for TcpFabric {
         LaneProgress {
             sent: lane.sent,
             acked: lane.sent.saturating_sub(unacked),
+            placed: 0,
         }
     }
 

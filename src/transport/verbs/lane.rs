@@ -448,6 +448,11 @@ impl Ring {
     pub fn unacked(&self) -> u64 {
         self.head + self.placed - self.acked
     }
+
+    /// Payload bytes posted in place so far (a share of [`Ring::progress`]'s posted bytes).
+    pub fn placed(&self) -> u64 {
+        self.placed
+    }
 }
 
 #[derive(Debug)]
@@ -571,6 +576,12 @@ impl VerbsLane {
     /// (bytes posted, bytes the peer acknowledged).
     pub fn progress(&self) -> (u64, u64) {
         self.ring.progress()
+    }
+
+    /// Of the bytes posted, payload bytes written in place (this lane's share of
+    /// [`PLACED_BYTES`]).
+    pub fn placed(&self) -> u64 {
+        self.ring.placed()
     }
 
     fn fail(&mut self, kind: io::ErrorKind, msg: String) -> io::Error {
@@ -1334,6 +1345,24 @@ mod tests {
         a.arrived(0, Imm::Credit(100)).unwrap();
         assert_eq!(a.send_window(8), (0, 100), "wrapped to the start");
         assert_eq!(a.send_window(2).1, 0, "but two WRs are in flight");
+    }
+
+    #[test]
+    fn placed_payloads_count_as_posted_but_take_no_ring_space() {
+        let mut a = Ring::new(100);
+        a.posted(40);
+        a.posted_placed(5000);
+        assert_eq!(a.placed(), 5000);
+        assert_eq!(a.progress(), (5040, 0));
+        assert_eq!(
+            a.send_window(8),
+            (40, 60),
+            "the payload went around the ring"
+        );
+        a.send_done(0, 40);
+        a.send_done(0, 5000);
+        assert_eq!((a.progress(), a.unacked()), ((5040, 5040), 0));
+        assert_eq!(a.placed(), 5000, "completions leave the placed count alone");
     }
 
     #[test]

@@ -273,7 +273,11 @@ impl Fabric for VerbsFabric {
 
     fn progress(&self, lane: &VerbsLane) -> LaneProgress {
         let (sent, acked) = lane.progress();
-        LaneProgress { sent, acked }
+        LaneProgress {
+            sent,
+            acked,
+            placed: lane.placed(),
+        }
     }
 
     fn fence(&mut self, lane: &mut VerbsLane) {
