@@ -58,6 +58,8 @@ pub struct VerbsFabric {
     /// Each device opened once, for all its lanes and for its async events.
     domains: Vec<Arc<Domain>>,
     settings: VerbsSettings,
+    /// Where closed lanes go to be torn down (see [`Fabric::close`]).
+    reaper: Option<std::sync::mpsc::Sender<VerbsLane>>,
 }
 
 impl VerbsFabric {
@@ -88,6 +90,7 @@ impl VerbsFabric {
             nics: fabric,
             verbs: nics,
             domains: Vec::new(),
+            reaper: reaper(),
             settings,
         })
     }
@@ -284,9 +287,43 @@ impl Fabric for VerbsFabric {
         lane.fence();
     }
 
-    fn close(&mut self, mut lane: VerbsLane) {
-        lane.linger();
-        drop(lane);
+    /// The lane's last acknowledgements and its teardown happen on the reaper thread:
+    /// tearing a lane down can block (on Soft-RoCE the reactor was once held, and every
+    /// comm with it, for as long as the lane's port was down; its QP destroy waits for
+    /// the QP's kernel tasks to go idle), and lingering takes up to 200 ms.
+    fn close(&mut self, lane: VerbsLane) {
+        let lane = match &self.reaper {
+            Some(tx) => match tx.send(lane) {
+                Ok(()) => return,
+                Err(back) => back.0,
+            },
+            None => lane,
+        };
+        bury(lane);
+    }
+}
+
+/// A lane's end: what its peer was sent is acknowledged (briefly waited for unless it was
+/// fenced), then its QPs, rings and CQ go.
+fn bury(mut lane: VerbsLane) {
+    lane.linger();
+    drop(lane);
+}
+
+/// The thread that tears closed lanes down, off the reactor; it ends with the fabric.
+fn reaper() -> Option<std::sync::mpsc::Sender<VerbsLane>> {
+    let (tx, rx) = std::sync::mpsc::channel::<VerbsLane>();
+    let spawned = std::thread::Builder::new()
+        .name("railover-verbs-reaper".into())
+        .spawn(move || rx.into_iter().for_each(bury));
+    match spawned {
+        Ok(_) => Some(tx),
+        Err(e) => {
+            tracing::warn!(
+                "railover: no thread to close verbs lanes on ({e}); the reactor closes them itself"
+            );
+            None
+        }
     }
 }
 
