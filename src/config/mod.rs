@@ -18,7 +18,7 @@ use crate::topology::rails::RailMap;
 use crate::topology::{PathType, RailRule};
 
 pub use router::RouterConfig;
-pub use verbs::{AddrFamily, GidPolicy, VerbsSettings, ZeroCopy};
+pub use verbs::{AddrFamily, Gdr, GidPolicy, VerbsSettings, ZeroCopy};
 
 /// A rejected environment value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

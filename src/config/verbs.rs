@@ -51,6 +51,31 @@ impl fmt::Display for ZeroCopy {
     }
 }
 
+/// Whether verbs NICs take GPU memory (`RAILOVER_GDR`), reported to NCCL as
+/// `NCCL_PTR_CUDA` (and `NCCL_PTR_DMABUF` where dma-buf registration works).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Gdr {
+    /// When the system can register it: nvidia-peermem loaded (`NCCL_PTR_CUDA`), or the
+    /// NIC's driver takes dma-buf memory (`NCCL_PTR_CUDA | NCCL_PTR_DMABUF`).
+    #[default]
+    Auto,
+    /// `NCCL_PTR_CUDA` whatever the checks say: for a peer-memory client railover does
+    /// not know by name. A registration that then fails fails its comm.
+    Force,
+    /// Host memory only.
+    Off,
+}
+
+impl fmt::Display for Gdr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Gdr::Auto => "auto",
+            Gdr::Force => "force",
+            Gdr::Off => "off",
+        })
+    }
+}
+
 /// How a port's GID is chosen: a fixed index, or by RoCE version and address family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GidPolicy {
@@ -88,6 +113,8 @@ pub struct VerbsSettings {
     pub qps_per_lane: u8,
     /// `RAILOVER_ZERO_COPY`: auto, always or off.
     pub zero_copy: ZeroCopy,
+    /// `RAILOVER_GDR`: auto, force or off.
+    pub gdr: Gdr,
 }
 
 impl Default for VerbsSettings {
@@ -103,6 +130,7 @@ impl Default for VerbsSettings {
             service_level: 0,
             qps_per_lane: 1,
             zero_copy: ZeroCopy::Auto,
+            gdr: Gdr::Auto,
         }
     }
 }
@@ -190,6 +218,27 @@ impl VerbsSettings {
                 }
             };
         }
+        if let Some(v) = get("RAILOVER_GDR") {
+            s.gdr = match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => Gdr::Auto,
+                "force" => Gdr::Force,
+                "off" => Gdr::Off,
+                _ => {
+                    return Err(ConfigError {
+                        var: "RAILOVER_GDR",
+                        value: v,
+                        accepted: "auto (GPU memory when nvidia-peermem or dma-buf registration is there), force or off (host memory only)",
+                    })
+                }
+            };
+        }
+        if s.gdr == Gdr::Force && s.zero_copy == ZeroCopy::Off {
+            return Err(ConfigError {
+                var: "RAILOVER_ZERO_COPY",
+                value: "off".into(),
+                accepted: "auto or always while RAILOVER_GDR=force: GPU memory can only be moved in place by the NIC",
+            });
+        }
         Ok(s)
     }
 }
@@ -206,14 +255,15 @@ impl fmt::Display for VerbsSettings {
         }
         write!(
             f,
-            ", timeout {} retry {} (NIC gives up after {:.1} s), tc {} sl {}, {} QP(s) per lane, zero copy {}",
+            ", timeout {} retry {} (NIC gives up after {:.1} s), tc {} sl {}, {} QP(s) per lane, zero copy {}, gdr {}",
             self.timeout,
             self.retry_cnt,
             self.nic_give_up().as_secs_f64(),
             self.traffic_class,
             self.service_level,
             self.qps_per_lane,
-            self.zero_copy
+            self.zero_copy,
+            self.gdr
         )
     }
 }
@@ -241,6 +291,7 @@ mod tests {
             ("RAILOVER_IB_SL", "3"),
             ("RAILOVER_QPS_PER_LANE", "4"),
             ("RAILOVER_ZERO_COPY", " Always"),
+            ("RAILOVER_GDR", "FORCE"),
         ])
         .unwrap();
         assert_eq!(
@@ -257,9 +308,10 @@ mod tests {
         );
         assert_eq!(s.qps_per_lane, 4);
         assert_eq!(s.zero_copy, ZeroCopy::Always);
+        assert_eq!(s.gdr, Gdr::Force);
         assert!(
             s.to_string()
-                .ends_with("4 QP(s) per lane, zero copy always"),
+                .ends_with("4 QP(s) per lane, zero copy always, gdr force"),
             "{s}"
         );
         assert_eq!(
@@ -268,6 +320,21 @@ mod tests {
                 .gid
                 .index,
             None
+        );
+    }
+
+    #[test]
+    fn gpu_memory_needs_the_nic_to_move_it() {
+        let e = parse(&[("RAILOVER_GDR", "yes")]).unwrap_err();
+        assert_eq!((e.var, e.value.as_str()), ("RAILOVER_GDR", "yes"));
+        assert!(e.accepted.contains("force"), "{e}");
+        let e = parse(&[("RAILOVER_GDR", "force"), ("RAILOVER_ZERO_COPY", "off")]).unwrap_err();
+        assert_eq!(e.var, "RAILOVER_ZERO_COPY", "{e}");
+        assert_eq!(
+            parse(&[("RAILOVER_GDR", "off"), ("RAILOVER_ZERO_COPY", "off")])
+                .unwrap()
+                .gdr,
+            Gdr::Off
         );
     }
 

@@ -10,7 +10,7 @@
 //! idempotent, so whichever lane survives carries them), and settle the requests
 //! [`CommMachine::poll_outcome`] gives.
 
-use super::wire::{Group, Header, Kind};
+use super::wire::{Group, Header, Kind, STALLED_MEMORY};
 use super::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
 };
@@ -110,6 +110,9 @@ impl<T> CommMachine<T> {
     pub fn handle_frame(&mut self, h: &Header) -> Result<Heard, ConnError> {
         match (self, h.kind) {
             (_, Kind::Close) => Err(ConnError::PeerClosed),
+            (CommMachine::Send(_), Kind::Stalled) if h.len == STALLED_MEMORY => {
+                Err(ConnError::PeerMemory)
+            }
             (CommMachine::Send(_), Kind::Stalled) => Err(ConnError::Stalled(
                 "the receiver has heard nothing on this lane for the completion timeout".into(),
             )),

@@ -18,6 +18,7 @@ use super::health::{self, Progress, Verdict, MAX_PROBE_DEADLINE};
 use super::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
 use super::ConnError;
 use crate::routing::FailReason;
+use crate::transport::memory::MemoryUnreachable;
 
 /// How long a lane that is done may keep flushing its last bytes.
 pub const LINGER: Duration = Duration::from_secs(2);
@@ -31,7 +32,9 @@ pub fn sample_interval(timeout: Duration) -> Duration {
 /// How a socket error is classified: a peer that closed or reset the connection is gone
 /// (its kernel answered, so the path works); anything else is a path failure.
 pub fn io_error(e: &io::Error) -> ConnError {
+    let memory = e.get_ref().is_some_and(|i| i.is::<MemoryUnreachable>());
     match e.kind() {
+        _ if memory => ConnError::Memory(e.to_string()),
         io::ErrorKind::ConnectionReset
         | io::ErrorKind::BrokenPipe
         | io::ErrorKind::UnexpectedEof => ConnError::PeerClosed,

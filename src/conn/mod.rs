@@ -49,6 +49,14 @@ pub enum ConnError {
     /// nothing on it.
     #[error("no progress: {0}")]
     Stalled(String),
+    /// The lane's NIC cannot register memory a message is in (GPU memory out of its
+    /// reach): the comm needs a pair with another local NIC.
+    #[error("{0}")]
+    Memory(String),
+    /// The peer's NIC cannot register its receive buffer: the comm needs a pair with
+    /// another remote NIC.
+    #[error("the receiver's NIC cannot register its receive buffer")]
+    PeerMemory,
 }
 
 /// Plain counters of one machine; telemetry reads them, the machine knows no metrics.

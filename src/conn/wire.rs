@@ -19,8 +19,9 @@ pub const MAGIC: [u8; 2] = *b"RO";
 /// handshake (`Challenge`, `Proof`), no token on the wire. 3: striped comms (a comm runs
 /// over several lanes at once; `Retire` ends one of them). 4: grouped receives (a `Cts`
 /// carries its receive's tag and place in a group of up to [`MAX_GROUP`]). 5: payloads
-/// written in place (`Place`, and [`DATA_PLACED`] on a `Data`), and `Fence`.
-pub const VERSION: u8 = 5;
+/// written in place (`Place`, and [`DATA_PLACED`] on a `Data`), and `Fence`. 6: a `Cts`
+/// may require its payload in place ([`CTS_IN_PLACE`]).
+pub const VERSION: u8 = 6;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
 pub const MAX_BODY: u64 = 4096;
@@ -30,6 +31,9 @@ pub const MAX_DATA: u64 = 1 << 40;
 /// `Data.aux` flag: the payload is already in the receive buffer (the sender's NIC wrote
 /// it there, as a `Place` frame allowed); no payload bytes follow the header.
 pub const DATA_PLACED: u32 = 1;
+/// `Stalled.len`: the receiver's NIC cannot register the receive buffer (0: it heard
+/// nothing on the lane for the completion timeout).
+pub const STALLED_MEMORY: u64 = 1;
 /// Body of a `Place` frame: the address to write at, then the receiver's fence count
 /// when it made the offer (see `Fence`), both little endian.
 pub const PLACE_BODY: u64 = 16;
@@ -38,7 +42,10 @@ pub const PLACE_BODY: u64 = 16;
 pub const MAX_GROUP: u8 = 8;
 /// Where a `Cts` keeps its [`Group`]: the top byte of `len`, above any capacity.
 const GROUP_SHIFT: u32 = 56;
-const CAPACITY_MASK: u64 = (1 << GROUP_SHIFT) - 1;
+/// `Cts.len` flag, below the group: the receive buffer is GPU memory, which only a NIC
+/// writes; the payload must come in place, never through the stream.
+pub const CTS_IN_PLACE: u64 = 1 << 55;
+const CAPACITY_MASK: u64 = CTS_IN_PLACE - 1;
 
 /// A receive's place in a grouped receive (NCCL's `irecv` with `n` buffers): the next
 /// `count` sends fill the group's receives, each the one whose tag equals the send's.
@@ -81,6 +88,11 @@ impl Group {
             count: (g >> 4) + 1,
         };
         (h.len & CAPACITY_MASK, group)
+    }
+
+    /// Whether a `Cts` asks for its payload in place ([`CTS_IN_PLACE`]).
+    pub fn in_place(h: &Header) -> bool {
+        h.len & CTS_IN_PLACE != 0
     }
 
     fn valid(self) -> bool {
@@ -570,6 +582,12 @@ mod tests {
             let g = Group { tag, index, count };
             let h = Header::decode(&g.cts(9, MAX_DATA).encode()).unwrap();
             assert_eq!(Group::of_cts(&h), (MAX_DATA, g));
+            assert!(!Group::in_place(&h));
+            let mut placed = g.cts(9, MAX_DATA);
+            placed.len |= CTS_IN_PLACE;
+            let h = Header::decode(&placed.encode()).unwrap();
+            assert_eq!(Group::of_cts(&h), (MAX_DATA, g), "the flag is no capacity");
+            assert!(Group::in_place(&h));
         }
         // A single receive's CTS is the plain capacity.
         assert_eq!(Group::SINGLE.cts(4, 100), Header::new(Kind::Cts, 4, 100));

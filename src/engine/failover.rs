@@ -11,8 +11,8 @@ use super::*;
 use crate::conn::health;
 use crate::conn::lane::{sample_interval, Cause};
 use crate::conn::path::{Loss, Moved, Placed, Replaced};
-use crate::conn::wire::Purpose;
-use crate::routing::{CommId, CommSpec, Event, NicId, PeerId};
+use crate::conn::wire::{Purpose, STALLED_MEMORY};
+use crate::routing::{CommId, CommSpec, End, Event, NicId, PeerId};
 use crate::routing::{FailReason, MoveReason};
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
 use crate::telemetry::sampler::{NicNow, Totals};
@@ -135,8 +135,14 @@ impl Engine {
                 }
             }
             Role::Comm(c) => {
-                if !cut && matches!(error, ConnError::Io(_) | ConnError::Stalled(_)) {
-                    self.tell_sender(c, k, io);
+                if !cut
+                    && matches!(
+                        error,
+                        ConnError::Io(_) | ConnError::Stalled(_) | ConnError::Memory(_)
+                    )
+                {
+                    let memory = matches!(error, ConnError::Memory(_));
+                    self.tell_sender(c, k, memory, io);
                 }
                 self.release_lane(k, cut, io);
                 let comm = &mut self.comms[c];
@@ -252,10 +258,22 @@ impl Engine {
                     pair.map(|p| p.to_string()).unwrap_or_default(),
                     reason.as_str()
                 );
-                if let Err(e) = self
-                    .router
-                    .handle_lane_failure(CommId(c), stripe, reason, now)
-                {
+                let memory = match &error {
+                    ConnError::Memory(_) => Some(End::Local),
+                    ConnError::PeerMemory => Some(End::Remote),
+                    _ => None,
+                };
+                let routed = match memory {
+                    Some(end) => {
+                        self.memory_excluded(c, pair, end);
+                        self.router
+                            .handle_memory_unreachable(CommId(c), stripe, end, reason, now)
+                    }
+                    None => self
+                        .router
+                        .handle_lane_failure(CommId(c), stripe, reason, now),
+                };
+                if let Err(e) = routed {
                     tracing::warn!("railover: comm {c}: router refused the failure report: {e}");
                 }
                 self.routes_dirty = true;
@@ -707,15 +725,33 @@ impl Engine {
     /// first. In a one-way failure the sender still hears us and would otherwise never
     /// notice; after a short carrier flap it would read only our close and take the comm
     /// for ended. Best effort, one small write, before the close.
-    fn tell_sender(&mut self, c: usize, k: usize, io: &mut dyn Io) {
+    /// Comm `c`'s lane on `pair` failed because the NIC at `end` cannot register the
+    /// comm's memory: said and counted; the router leaves that NIC out for the comm.
+    fn memory_excluded(&mut self, c: usize, pair: Option<Pair>, end: End) {
+        let Some(pair) = pair else {
+            return;
+        };
+        let nic = match end {
+            End::Local => self.setup.nics[pair.local.0 as usize].name.clone(),
+            End::Remote => format!("peer{}/nic{}", pair.peer.0, pair.remote.0),
+        };
+        tracing::warn!(
+            "railover: comm {c}: {nic} cannot register the comm's memory (GPU memory out of its reach?); the comm leaves it for the next candidate pair"
+        );
+        self.stats.memory_exclusions.fetch_add(1, Ordering::Relaxed);
+        self.setup.telemetry.record_memory_exclusion(&nic);
+    }
+
+    fn tell_sender(&mut self, c: usize, k: usize, memory: bool, io: &mut dyn Io) {
         if self
             .comms
             .get(c)
             .is_some_and(|m| m.shared.side == Side::Recv)
         {
             let lane = &mut self.lanes[k];
+            let why = if memory { STALLED_MEMORY } else { 0 };
             lane.writer
-                .push_ctrl(&Header::new(Kind::Stalled, 0, 0).encode());
+                .push_ctrl(&Header::new(Kind::Stalled, 0, why).encode());
             let _ = io.write(k, &mut lane.writer);
         }
     }

@@ -281,6 +281,13 @@ impl Engine {
     fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<Took, ConnError> {
         let comm = &mut self.comms[c];
         match item {
+            Inbound::Frame(h, _) if h.kind == Kind::Cts && Group::in_place(&h) => {
+                // Remember it (before the machine, which may hand the send out at once).
+                comm.in_place.insert(h.seq);
+                let keep = h.seq.saturating_sub(super::IN_PLACE_KEPT);
+                comm.in_place = comm.in_place.split_off(&keep);
+                comm.machine.handle_frame(&h)?;
+            }
             Inbound::Frame(h, _) => match comm.machine.handle_frame(&h)? {
                 Heard::Control => {}
                 Heard::Progress => comm.path.handle_resumed(),
@@ -458,6 +465,7 @@ impl Engine {
             fenced: Vec::new(),
             fences: 0,
             heard: std::collections::BTreeSet::new(),
+            in_place: std::collections::BTreeSet::new(),
         });
         self.carry(lane, key);
         shared

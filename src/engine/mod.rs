@@ -32,7 +32,7 @@ use crate::conn::auth::{self, CommId, Initiator, Session};
 use crate::conn::comm::{CommMachine, Out};
 use crate::conn::lane::{io_error, Cause, LaneMachine, LINGER};
 use crate::conn::path::PathMachine;
-use crate::conn::wire::{Group, Header, Kind, NicAddr};
+use crate::conn::wire::{Group, Header, Kind, NicAddr, CTS_IN_PLACE};
 use crate::conn::ConnError;
 use crate::handoff::{
     CommShared, CommandQueue, Error, ListenShared, PendingConnect, Request, Side,
@@ -43,7 +43,7 @@ use crate::telemetry::metrics::Telemetry;
 use crate::telemetry::sampler::{LanePlaced, Sampler};
 use crate::topology::PathType;
 use crate::transport::fair::FairShare;
-use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
+use crate::transport::frames::{FrameReader, FrameWriter, Inbound, Placing, ReadError};
 use crate::transport::memory::UserBuf;
 use crate::transport::LaneProgress;
 
@@ -101,6 +101,8 @@ pub struct ReactorStats {
     pub bytes_received: AtomicU64,
     /// Comms that failed because no eligible NIC pair remained.
     pub gave_up: AtomicU64,
+    /// NICs excluded for a comm because they could not register its memory.
+    pub memory_exclusions: AtomicU64,
     /// Bytes sent again after a move.
     pub replayed_bytes: AtomicU64,
     /// Duplicates the receivers dropped.
@@ -179,7 +181,14 @@ struct Comm {
     fences: u64,
     /// Receive side: the epochs of the `Fence`s heard; their number stamps each offer.
     heard: BTreeSet<u64>,
+    /// Send side: receives whose `Cts` asked for the payload in place (GPU memory), the
+    /// latest [`IN_PLACE_KEPT`] sequence numbers.
+    in_place: BTreeSet<u64>,
 }
+
+/// How far below the newest receive a comm remembers that one wanted its payload in
+/// place: beyond the sender's window of announced receives.
+const IN_PLACE_KEPT: u64 = 1 << 17;
 
 /// Given-up lane epochs a comm keeps telling new lanes about.
 const MAX_FENCED: usize = 1024;
@@ -567,7 +576,11 @@ impl Engine {
                     } else {
                         comm.fences
                     };
-                    lane.writer.push_data(seq, len, p.buf.lend(), Some(min_gen));
+                    let place = Placing {
+                        min_gen,
+                        must: comm.in_place.contains(&seq),
+                    };
+                    lane.writer.push_data(seq, len, p.buf.lend(), Some(place));
                     self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
                     self.metrics.message(lane.nic, true, len);
                 }
@@ -575,13 +588,17 @@ impl Engine {
             self.dirty.push(k);
         }
         while let Some(h) = comm.machine.poll_control() {
-            let frame = h.encode();
             // A receive is offered to be written in place on each lane that can: the
-            // sender picks the lane.
+            // sender picks the lane. One in GPU memory must be.
             let offer = (h.kind == Kind::Cts)
                 .then(|| comm.machine.message(h.seq))
                 .flatten()
                 .map(|p| (Group::of_cts(&h).0, &p.buf));
+            let mut h = h;
+            if offer.is_some_and(|(_, buf)| !buf.lend().cpu_reachable()) {
+                h.len |= CTS_IN_PLACE;
+            }
+            let frame = h.encode();
             for (k, _) in comm.path.lanes() {
                 if let Some(lane) = lanes.get_mut(k) {
                     if let Some((capacity, buf)) = offer {

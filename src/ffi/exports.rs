@@ -163,7 +163,7 @@ fn properties(dev: c_int) -> Result<PropertiesV12, Error> {
         name: n.name.as_ptr(),
         pci_path: pci(&n),
         guid: n.guid,
-        ptr_support: NCCL_PTR_HOST,
+        ptr_support: n.ptr_support,
         reg_is_global: 0,
         force_flush: 0,
         speed: n.tcp.speed_mbps,
@@ -368,20 +368,35 @@ unsafe extern "C" fn reg_mr(
 
 unsafe extern "C" fn reg_mr_dma_buf(
     comm: Ptr,
-    _data: Ptr,
-    _size: usize,
-    _kind: c_int,
-    _offset: u64,
-    _fd: c_int,
+    data: Ptr,
+    size: usize,
+    kind: c_int,
+    offset: u64,
+    fd: c_int,
     mhandle: *mut Ptr,
 ) -> NcclResult {
     guard("regMrDmaBuf", || {
         // SAFETY: `mhandle` is NCCL's out-pointer for this call: NULL or writable.
-        unsafe { write_opt(mhandle, std::ptr::null_mut()) };
-        COMMS.get(comm)?;
-        Err(Error::InvalidUsage(
-            "DMA-BUF registration is not available: railover advertises host memory only (NCCL_PTR_HOST); its lanes copy through their own registered rings and never register NCCL's buffers with a NIC".into(),
-        ))
+        unsafe { write(mhandle, std::ptr::null_mut(), "mhandle") }?;
+        let c = COMMS.get(comm)?;
+        if data.is_null() || size == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "regMrDmaBuf of {size} bytes at {data:?}: a dma-buf range needs an address and a size"
+            )));
+        }
+        if fd < 0 {
+            return Err(Error::InvalidArgument(format!("regMrDmaBuf with fd {fd}")));
+        }
+        // NCCL closes `fd` when we return; a backup NIC registers the memory later, from
+        // our duplicate (close-on-exec), which the range keeps until `deregMr`.
+        // SAFETY: `fd` is NCCL's open dma-buf fd for the length of this call.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let owned = borrowed
+            .try_clone_to_owned()
+            .map_err(|e| Error::System(format!("cannot duplicate dma-buf fd {fd}: {e}")))?;
+        let mr = plugin::reg_mr_dmabuf(&c, data as usize, size, kind, offset, owned)?;
+        // SAFETY: `mhandle` is NCCL's out-pointer for this call: NULL or writable.
+        unsafe { write(mhandle, MRS.insert(mr), "mhandle") }
     })
 }
 

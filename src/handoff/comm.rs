@@ -12,7 +12,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::queue::CommandQueue;
 use super::Error;
-use crate::transport::memory::Region;
+use crate::transport::memory::{Memory, Region};
 
 /// Requests a comm may have in flight (`NCCL_NET_MAX_REQUESTS`, which `ffi` reports).
 pub const NCCL_NET_MAX_REQUESTS: usize = 32;
@@ -21,6 +21,7 @@ pub const MAX_RECVS: usize = crate::conn::wire::MAX_GROUP as usize;
 /// `regMr` pointer types (`NCCL_PTR_HOST`, `NCCL_PTR_CUDA`, which `ffi` reports).
 pub const NCCL_PTR_HOST: i32 = 0x1;
 pub const NCCL_PTR_CUDA: i32 = 0x2;
+pub const NCCL_PTR_DMABUF: i32 = 0x4;
 
 /// Which half of a connection a comm is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,6 +210,7 @@ impl MemoryRegion {
         base: usize,
         len: usize,
         ptr_type: i32,
+        memory: Memory,
     ) -> MemoryRegion {
         let nic = comm.nic();
         MemoryRegion {
@@ -216,7 +218,7 @@ impl MemoryRegion {
             base,
             len,
             ptr_type,
-            region: Arc::new(Region::new(base, len)),
+            region: Arc::new(Region::of(base, len, memory)),
             nics: Mutex::new(vec![nic]),
         }
     }
@@ -282,9 +284,9 @@ mod tests {
     #[test]
     fn registrations_follow_the_comm_to_a_backup_nic_only_when_it_moves() {
         let c = comm();
-        let a = Arc::new(MemoryRegion::new(c.clone(), 0x1000, 4096, 1));
+        let a = Arc::new(MemoryRegion::new(c.clone(), 0x1000, 4096, 1, Memory::Host));
         c.remember_region(&a);
-        let b = Arc::new(MemoryRegion::new(c.clone(), 0x9000, 4096, 1));
+        let b = Arc::new(MemoryRegion::new(c.clone(), 0x9000, 4096, 1, Memory::Host));
         c.remember_region(&b);
         // At regMr time: registered on the comm's NIC only, nothing on any backup (P6).
         assert_eq!(a.registered_nics(), vec![1]);
@@ -306,7 +308,7 @@ mod tests {
     #[test]
     fn buffers_outside_the_registration_are_refused() {
         let c = comm();
-        let r = MemoryRegion::new(c.clone(), 0x1000, 100, 1);
+        let r = MemoryRegion::new(c.clone(), 0x1000, 100, 1, Memory::Host);
         assert!(r.check(&c, 0x1000, 100).is_ok());
         assert!(r.check(&c, 0x1000, 0).is_ok());
         assert!(r.check(&c, 0x1001, 100).is_err());

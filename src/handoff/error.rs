@@ -33,7 +33,10 @@ impl From<ConnError> for Error {
             ConnError::Protocol(_) | ConnError::PeerClosed | ConnError::Gone(_) => {
                 Error::Remote(e.to_string())
             }
-            ConnError::Io(_) | ConnError::Stalled(_) => Error::System(e.to_string()),
+            ConnError::Io(_)
+            | ConnError::Stalled(_)
+            | ConnError::Memory(_)
+            | ConnError::PeerMemory => Error::System(e.to_string()),
         }
     }
 }

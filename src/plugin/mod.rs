@@ -15,7 +15,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use crate::config::{Config, TransportChoice};
-use crate::handoff::comm::MAX_RECVS;
+use crate::handoff::comm::{MAX_RECVS, NCCL_PTR_HOST};
 pub use crate::handoff::{
     CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Side,
     Status,
@@ -25,7 +25,7 @@ use crate::reactor::{LocalNic, ReactorHandle, ReactorStats, Setup};
 use crate::telemetry::exporter::ExporterConfig;
 use crate::telemetry::metrics::Telemetry;
 use crate::topology::{Fabric, Topology};
-pub use crate::transport::memory::UserBuf;
+pub use crate::transport::memory::{Memory, UserBuf};
 use crate::transport::tcp::{self, TcpFabric, TcpNic};
 use crate::transport::verbs::{self, VerbsFabric, VerbsNic};
 pub use net_handle::NetHandle;
@@ -43,6 +43,8 @@ pub struct NicInfo {
     pub guid: u64,
     /// The NIC's rail, when known (reported as `railId` to NCCL v12).
     pub rail: Option<u32>,
+    /// The memory NCCL may register with it (`NCCL_PTR_HOST`, `_CUDA`, `_DMABUF`).
+    pub ptr_support: i32,
 }
 
 /// Everything alive between the first `init` and the last `finalize`.
@@ -84,6 +86,13 @@ impl Runtime {
         } else {
             Fabric::Tcp
         };
+        let mut verbs_fabric = verbs_nics
+            .map(|v| VerbsFabric::with_settings(v, config.verbs))
+            .transpose()?;
+        let gpu = match verbs_fabric.as_mut() {
+            Some(f) => f.gpu_memory(&config.sysfs_root),
+            None => Vec::new(),
+        };
         let topo = match Topology::discover_fabric(&config.sysfs_root, kind) {
             Ok(t) => Some(t),
             Err(e) => {
@@ -103,9 +112,22 @@ impl Runtime {
                 // Unique per device within the process; NCCL treats equal guids as one port.
                 guid: 0x7261_696c_0000_0000 | i as u64,
                 rail,
+                ptr_support: gpu.get(i).map_or(NCCL_PTR_HOST, ptr_support),
                 tcp,
             })
             .collect();
+        for (n, g) in nics.iter().zip(&gpu) {
+            tracing::info!(
+                "railover: {}: {} ({})",
+                n.tcp.name,
+                if g.cuda {
+                    "GPU memory registered in place (NCCL_PTR_CUDA)"
+                } else {
+                    "host memory only"
+                },
+                g.why
+            );
+        }
         let setup = Setup {
             nics: nics
                 .iter()
@@ -134,9 +156,8 @@ impl Runtime {
             entropy_seed: None,
         };
         let telemetry = setup.telemetry.clone();
-        let spawned = match verbs_nics {
-            Some(v) => VerbsFabric::with_settings(v, config.verbs)
-                .and_then(|f| ReactorHandle::spawn(setup, f)),
+        let spawned = match verbs_fabric {
+            Some(f) => ReactorHandle::spawn(setup, f),
             None => ReactorHandle::spawn(
                 setup,
                 TcpFabric::new(&nics.iter().map(|n| n.tcp.clone()).collect::<Vec<_>>()),
@@ -186,6 +207,19 @@ impl Runtime {
     pub fn stats(&self) -> &ReactorStats {
         &self.reactor.stats
     }
+}
+
+/// `ptrSupport` for a verbs NIC that can do `g` with GPU memory.
+fn ptr_support(g: &verbs::GpuMemory) -> i32 {
+    use crate::handoff::comm::{NCCL_PTR_CUDA, NCCL_PTR_DMABUF};
+    let mut p = NCCL_PTR_HOST;
+    if g.cuda {
+        p |= NCCL_PTR_CUDA;
+    }
+    if g.dmabuf {
+        p |= NCCL_PTR_DMABUF;
+    }
+    p
 }
 
 /// Applies `RAILOVER_TRANSPORT`: the verbs NICs to run on, or `None` for TCP, and says
@@ -543,32 +577,82 @@ pub fn close_listen(listen: &Arc<ListenShared>) {
     });
 }
 
-/// Registers `[addr, addr + len)` for use with `comm`. Host memory only while TCP is
-/// the only fabric.
+/// Registers `[addr, addr + len)` for use with `comm`: host memory, or GPU memory
+/// (`NCCL_PTR_CUDA`) where the comm's NIC reported it can take it. Nothing is registered
+/// with a NIC here: each device registers the range the first time one of its lanes moves
+/// a buffer of it, so a backup NIC only when a comm moves there.
 pub fn reg_mr(
     comm: &Arc<CommShared>,
     addr: usize,
     len: usize,
     ptr_type: i32,
 ) -> Result<Arc<MemoryRegion>, Error> {
-    use crate::handoff::comm::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
+    use crate::handoff::comm::NCCL_PTR_CUDA;
+    let memory = match ptr_type {
+        NCCL_PTR_HOST => Memory::Host,
+        NCCL_PTR_CUDA => {
+            gpu_allowed(comm, NCCL_PTR_CUDA, "GPU memory (NCCL_PTR_CUDA)")?;
+            Memory::Gpu
+        }
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "unknown memory type {other}"
+            )))
+        }
+    };
+    register(comm, addr, len, ptr_type, memory)
+}
+
+/// Registers `[addr, addr + len)`, GPU memory exported as the dma-buf `fd` from `offset`:
+/// `fd` is our duplicate of NCCL's (which closes its own on return), kept with the range
+/// so that a backup NIC can register it when a comm moves there.
+pub fn reg_mr_dmabuf(
+    comm: &Arc<CommShared>,
+    addr: usize,
+    len: usize,
+    ptr_type: i32,
+    offset: u64,
+    fd: std::os::fd::OwnedFd,
+) -> Result<Arc<MemoryRegion>, Error> {
+    use crate::handoff::comm::{NCCL_PTR_CUDA, NCCL_PTR_DMABUF};
+    if ptr_type != NCCL_PTR_CUDA && ptr_type != NCCL_PTR_DMABUF {
+        return Err(Error::InvalidArgument(format!(
+            "regMrDmaBuf of memory type {ptr_type}: railover takes NCCL_PTR_CUDA or NCCL_PTR_DMABUF"
+        )));
+    }
+    gpu_allowed(comm, NCCL_PTR_DMABUF, "DMA-BUF memory (NCCL_PTR_DMABUF)")?;
+    register(comm, addr, len, ptr_type, Memory::DmaBuf { fd, offset })
+}
+
+/// `Ok` when `comm`'s NIC reported `ptr` in `ptrSupport`.
+fn gpu_allowed(comm: &Arc<CommShared>, ptr: i32, what: &str) -> Result<(), Error> {
+    let rt = runtime()?;
+    let nic = rt.nic(comm.nic() as i32)?;
+    if nic.ptr_support & ptr != 0 {
+        return Ok(());
+    }
+    Err(Error::InvalidUsage(format!(
+        "{what} cannot be registered on {}: it reports ptrSupport {:#x} (GPU memory needs the verbs fabric with nvidia-peermem or dma-buf registration, or RAILOVER_GDR=force)",
+        nic.tcp.name, nic.ptr_support
+    )))
+}
+
+fn register(
+    comm: &Arc<CommShared>,
+    addr: usize,
+    len: usize,
+    ptr_type: i32,
+    memory: Memory,
+) -> Result<Arc<MemoryRegion>, Error> {
     // Registration is local: a comm whose peer already failed may still register; one
     // whose reactor is gone may not.
     comm.queue.check()?;
     if comm.is_closed() {
         return Err(Error::InvalidArgument("comm is closed".into()));
     }
-    match ptr_type {
-        NCCL_PTR_HOST => {
-            let r = Arc::new(MemoryRegion::new(comm.clone(), addr, len, ptr_type));
-            comm.remember_region(&r);
-            Ok(r)
-        }
-        NCCL_PTR_CUDA => Err(Error::InvalidUsage(
-            "GPU memory (NCCL_PTR_CUDA) cannot be registered: railover advertises host memory only (NCCL_PTR_HOST); its lanes copy messages with the CPU through their own registered rings".into(),
-        )),
-        other => Err(Error::InvalidArgument(format!("unknown memory type {other}"))),
-    }
+    let r = Arc::new(MemoryRegion::new(comm.clone(), addr, len, ptr_type, memory));
+    comm.remember_region(&r);
+    Ok(r)
 }
 
 /// A request on `comm`, or `Ok(None)` when all its slots are busy. A comm that is closed

@@ -243,6 +243,9 @@ pub enum Exclusion {
     Rule(crate::topology::Exclusion),
     /// The local NIC has no carrier.
     Down,
+    /// One end of the pair cannot register the comm's memory (GPU memory out of that
+    /// NIC's reach): that NIC is out for this comm.
+    Memory,
     /// The pair failed recently (a lane error or a failed probe) and has not passed a
     /// probe since; it is re-probed with backoff while a lane waits for it.
     Unhealthy {
@@ -256,6 +259,7 @@ impl fmt::Display for Exclusion {
         match *self {
             Exclusion::Rule(e) => e.fmt(f),
             Exclusion::Down => f.write_str("local NIC down"),
+            Exclusion::Memory => f.write_str("its NIC cannot register the comm's memory"),
             Exclusion::Unhealthy { failed_probes: 0 } => f.write_str("pair unhealthy"),
             Exclusion::Unhealthy { failed_probes: n } => write!(
                 f,
@@ -264,6 +268,15 @@ impl fmt::Display for Exclusion {
             ),
         }
     }
+}
+
+/// An end of a pair: our NIC or the peer's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// Our NIC ([`Pair::local`]).
+    Local,
+    /// The peer's NIC ([`Pair::remote`]).
+    Remote,
 }
 
 /// Something the reactor should log or act on, from [`Router::poll_event`].

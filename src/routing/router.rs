@@ -9,7 +9,7 @@ use crate::config::RouterConfig;
 use crate::topology::pair_eligibility;
 
 use super::{
-    CommId, CommSpec, Event, Exclusion, FailReason, LaneId, LocalNic, Move, MoveReason, NicId,
+    CommId, CommSpec, End, Event, Exclusion, FailReason, LaneId, LocalNic, Move, MoveReason, NicId,
     Pair, PeerId, ProbeRequest, RemoteNic, RouterError, Stats,
 };
 
@@ -86,6 +86,22 @@ struct Comm {
     local: Vec<LocalNic>,
     remote: Vec<RemoteNic>,
     lanes: Vec<Lane>,
+    /// NICs that cannot register the comm's memory, at our end or the peer's: no lane of
+    /// the comm goes to a pair with one of them again.
+    unreachable: Vec<(End, NicId)>,
+}
+
+impl Comm {
+    /// The end of `pair` that cannot register the comm's memory, if one cannot.
+    fn unreachable_at(&self, pair: Pair) -> Option<End> {
+        self.unreachable.iter().find_map(|&(end, nic)| {
+            let at = match end {
+                End::Local => pair.local,
+                End::Remote => pair.remote,
+            };
+            (at == nic).then_some(end)
+        })
+    }
 }
 
 #[derive(Debug)]
@@ -304,6 +320,7 @@ impl Router {
                 local: spec.local_nics,
                 remote: spec.remote_nics,
                 lanes,
+                unreachable: Vec::new(),
             },
         );
         for pair in displaced {
@@ -361,6 +378,45 @@ impl Router {
         }
         let pair = l.current;
         self.fail_pair(pair, reason, now);
+        self.settle(now);
+        Ok(())
+    }
+
+    /// A lane of `comm` failed because one end of its pair cannot register the comm's
+    /// memory (GPU memory too far from that NIC): unlike a lane failure, the pair is fine
+    /// for other comms and answers probes, so the NIC at that `end` is excluded for this
+    /// comm alone, for good, and the lane waits for a pair without it.
+    pub fn handle_memory_unreachable(
+        &mut self,
+        comm: CommId,
+        lane: LaneId,
+        end: End,
+        reason: FailReason,
+        now: Instant,
+    ) -> Result<(), RouterError> {
+        self.tick(now);
+        let c = self
+            .comms
+            .get_mut(&comm)
+            .ok_or(RouterError::UnknownComm(comm))?;
+        let l = c
+            .lanes
+            .get_mut(lane.0)
+            .ok_or(RouterError::UnknownLane { comm, lane })?;
+        let nic = match end {
+            End::Local => l.current.local,
+            End::Remote => l.current.remote,
+        };
+        if l.state == LaneState::Active {
+            l.state = LaneState::Pending {
+                reason,
+                since: now,
+                reported: false,
+            };
+        }
+        if !c.unreachable.contains(&(end, nic)) {
+            c.unreachable.push((end, nic));
+        }
         self.settle(now);
         Ok(())
     }
@@ -677,8 +733,9 @@ impl Router {
         }
         let mut moved = 0;
         for (&comm, c) in &mut self.comms {
+            let home = c.unreachable_at(pair).is_none();
             for (i, l) in c.lanes.iter_mut().enumerate() {
-                if l.original == pair && l.displaced() {
+                if home && l.original == pair && l.displaced() {
                     self.moves.push_back(Move {
                         comm,
                         lane: LaneId(i),
@@ -858,6 +915,9 @@ impl Router {
                 let topology_unknown = allowed.is_ok_and(|a| a.distance_unknown);
                 let verdict = match allowed {
                     Err(e) => Verdict::Excluded(Exclusion::Rule(e)),
+                    Ok(_) if comm.unreachable_at(pair).is_some() => {
+                        Verdict::Excluded(Exclusion::Memory)
+                    }
                     Ok(_) if self.down.contains(&x.id) => Verdict::Excluded(Exclusion::Down),
                     Ok(allowed) => match self.health(pair, loads, now) {
                         Health::Bad(_) => Verdict::Excluded(Exclusion::Unhealthy {

@@ -1444,3 +1444,76 @@ fn probes_that_take_time_do_not_hold_off_the_give_up() {
         giveup.as_millis()
     );
 }
+
+#[test]
+fn a_nic_that_cannot_reach_a_comms_memory_is_left_out_for_that_comm_alone() {
+    let mut sim = router_with_rails(3, 2, config(5));
+    sim.router
+        .handle_memory_unreachable(
+            CommId(0),
+            LaneId(1),
+            End::Local,
+            FailReason::NicError,
+            sim.now,
+        )
+        .unwrap();
+    sim.drive();
+    let moves = sim.take_moves();
+    assert_eq!(moves.len(), 1, "only comm 0's lane moves: {moves:?}");
+    assert_eq!((moves[0].comm, moves[0].from), (CommId(0), pair(1, 1)));
+    assert_ne!(moves[0].to.local, NicId(1), "not to our NIC 1 again");
+    assert_eq!(
+        sim.router.current_pair(CommId(1), LaneId(1)),
+        Some(pair(1, 1)),
+        "comm 1's memory is fine there"
+    );
+    // The peer's NIC 2 cannot register comm 0's receive buffer.
+    sim.router
+        .handle_memory_unreachable(
+            CommId(0),
+            LaneId(2),
+            End::Remote,
+            FailReason::NicError,
+            sim.now,
+        )
+        .unwrap();
+    sim.drive();
+    let moves = sim.take_moves();
+    assert_eq!(moves.len(), 1, "{moves:?}");
+    assert_eq!(moves[0].from, pair(2, 2));
+    assert!(moves[0].to.remote != NicId(2) && moves[0].to.local != NicId(1));
+    // The pairs stay healthy (probes pass), yet the comm never goes back to them.
+    sim.advance_to(ms(30_000));
+    assert!(sim.take_moves().is_empty(), "no fail-back onto them");
+    for lane in [1, 2] {
+        let p = sim.router.current_pair(CommId(0), LaneId(lane)).unwrap();
+        assert!(p.local != NicId(1) && p.remote != NicId(2), "{p}");
+    }
+    // Every local NIC excluded in turn, wherever the lanes go: it gives up, naming why.
+    // (A same-rail pair (i, i) is each lane's only choice under the default rail rule.)
+    for _ in 0..3 {
+        for lane in 0..3 {
+            sim.router
+                .handle_memory_unreachable(
+                    CommId(0),
+                    LaneId(lane),
+                    End::Local,
+                    FailReason::NicError,
+                    sim.now,
+                )
+                .unwrap();
+            sim.drive();
+        }
+    }
+    let gave_up = sim.events.iter().any(|e| match e {
+        Event::NoEligiblePair { exclusions, .. } => {
+            // The same-rail pairs (the rail rule rules out the others) for memory.
+            let memory = exclusions
+                .iter()
+                .filter(|(p, why)| p.local.0 == p.remote.0 && *why == Exclusion::Memory);
+            memory.count() == 3
+        }
+        _ => false,
+    });
+    assert!(gave_up, "{:?}", sim.events);
+}

@@ -75,6 +75,8 @@ pub const LANE_FAILURES_TOTAL: &str = "railover_lane_failures_total";
 pub const COMM_SPREAD: &str = "railover_comm_spread";
 /// `railover_unmatched_sends_total`.
 pub const UNMATCHED_SENDS_TOTAL: &str = "railover_unmatched_sends_total";
+/// `railover_memory_exclusions_total{nic}`.
+pub const MEMORY_EXCLUSIONS_TOTAL: &str = "railover_memory_exclusions_total";
 /// `railover_comms_given_up_total`.
 pub const COMMS_GIVEN_UP_TOTAL: &str = "railover_comms_given_up_total";
 /// `railover_link_events_total`.
@@ -307,6 +309,13 @@ pub const METRICS: &[MetricSpec] = &[
         labels: &[],
         unit: "sends",
         help: "Sends whose tag matched no free receive of the grouped receive they met; each fails its comm (a tag mismatch between the two ranks' NCCL calls).",
+    },
+    MetricSpec {
+        name: MEMORY_EXCLUSIONS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["nic"],
+        unit: "exclusions",
+        help: "A NIC (ours, or the peer's as the peer named it) left out of a comm's candidate pairs because it could not register the comm's GPU memory.",
     },
     MetricSpec {
         name: COMMS_GIVEN_UP_TOTAL,
@@ -757,6 +766,11 @@ impl Telemetry {
     /// Sends that matched no receive since the last call (`ReactorStats::unmatched_sends`).
     pub fn record_unmatched_sends(&self, n: u64) {
         metrics::counter!(UNMATCHED_SENDS_TOTAL).increment(n);
+    }
+
+    /// A NIC excluded for a comm because it could not register the comm's memory.
+    pub fn record_memory_exclusion(&self, nic: &str) {
+        metrics::counter!(MEMORY_EXCLUSIONS_TOTAL, "nic" => nic.to_string()).increment(1);
     }
 
     /// Comms given up since the last call (`ReactorStats::gave_up`).

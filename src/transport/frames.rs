@@ -157,6 +157,14 @@ impl FrameReader {
                         return Ok(Some(Inbound::PayloadDone { seq, len }));
                     }
                     let want = (len - *off) as usize;
+                    if dst.as_ref().is_some_and(|d| !d.cpu_reachable()) {
+                        // Only a NIC writes GPU memory: its sender should have waited
+                        // for an offer and written it in place.
+                        return Err(WireError::Malformed(
+                            "a payload for GPU memory came through the stream",
+                        )
+                        .into());
+                    }
                     if avail > 0 {
                         let n = avail.min(want);
                         if let Some(d) = dst {
@@ -311,13 +319,13 @@ enum Chunk {
         off: usize,
         end: usize,
     },
-    /// A `Data` frame the lane may write in place with an offer of generation `min_gen`
-    /// or later: decided when it reaches the front.
+    /// A `Data` frame the lane may write in place as `place` allows: decided when it
+    /// reaches the front.
     Data {
         seq: u64,
         len: u64,
         buf: LentBuf,
-        min_gen: u64,
+        place: Placing,
     },
     /// A receive the lane may offer to have written in place, sent before its `Cts`.
     Advertise {
@@ -335,6 +343,18 @@ impl Chunk {
     }
 }
 
+/// How a message may be written in place ([`FrameWriter::push_data`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Placing {
+    /// The least generation of an offer it may use: 0 for a first transmission; a
+    /// message sent again needs an offer the receiver made after it fenced the lane the
+    /// message was lost with, since before that the dead lane could still complete it.
+    pub min_gen: u64,
+    /// The receive buffer is GPU memory (its `Cts` said so): the payload must be written
+    /// in place, whatever its size, waiting for the offer if need be.
+    pub must: bool,
+}
+
 /// A lane that can move a payload in place (the verbs fabric: its NIC writes the send
 /// buffer straight into the receive buffer). [`FrameWriter::flush_placing`] asks it
 /// about each receive it announces and each message it sends, in stream order, just
@@ -345,18 +365,23 @@ pub trait Placer: Write {
     /// written just before its `Cts`, stamped with the receiver's generation `gen` (the
     /// lanes it had fenced when it decided the offer); `None` when the peer must send it
     /// in the stream.
-    fn advertise(&mut self, seq: u64, buf: &LentBuf, capacity: u64, gen: u64) -> Option<Vec<u8>> {
+    fn advertise(
+        &mut self,
+        seq: u64,
+        buf: &LentBuf,
+        capacity: u64,
+        gen: u64,
+    ) -> io::Result<Option<Vec<u8>>> {
         let _ = (seq, buf, capacity, gen);
-        None
+        Ok(None)
     }
 
     /// Writes message `seq`'s `len` bytes from `buf` straight into the buffer the peer
-    /// offered for it, with an offer of generation `min_gen` or later. `Ok(true)`:
-    /// posted, the header goes out flagged [`DATA_PLACED`] with no payload behind it;
-    /// `Ok(false)`: send it in the stream; `WouldBlock`: ask again later (a lane that
-    /// must place every payload waits for the offer).
-    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, min_gen: u64) -> io::Result<bool> {
-        let _ = (seq, buf, len, min_gen);
+    /// offered for it, as `place` allows. `Ok(true)`: posted, the header goes out flagged
+    /// [`DATA_PLACED`] with no payload behind it; `Ok(false)`: send it in the stream;
+    /// `WouldBlock`: ask again later (a payload that must be placed waits for the offer).
+    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, place: Placing) -> io::Result<bool> {
+        let _ = (seq, buf, len, place);
         Ok(false)
     }
 }
@@ -407,13 +432,11 @@ impl FrameWriter {
     }
 
     /// Queues message `seq`: its `Data` header and the first `len` bytes of `buf`. With
-    /// `place: Some(min_gen)`, a [`Placer`] lane may write the payload in place instead,
-    /// with an offer of generation `min_gen` or later: 0 for a first transmission; a
-    /// message sent again needs an offer the receiver made after it fenced the lane the
-    /// message was lost with, since before that the dead lane could still complete it.
-    pub fn push_data(&mut self, seq: u64, len: u64, buf: LentBuf, place: Option<u64>) {
+    /// `place: Some(..)`, a [`Placer`] lane may write the payload in place instead, as
+    /// [`Placing`] allows.
+    pub fn push_data(&mut self, seq: u64, len: u64, buf: LentBuf, place: Option<Placing>) {
         let len = len.min(buf.len() as u64);
-        let Some(min_gen) = place.filter(|_| len > 0) else {
+        let Some(place) = place.filter(|_| len > 0) else {
             self.push_ctrl(&Header::new(Kind::Data, seq, len).encode());
             self.push_payload(buf, len as usize);
             return;
@@ -423,7 +446,7 @@ impl FrameWriter {
             seq,
             len,
             buf,
-            min_gen,
+            place,
         });
     }
 
@@ -527,10 +550,10 @@ impl FrameWriter {
                 seq,
                 len,
                 buf,
-                min_gen,
+                place,
             }) => {
                 let (seq, len) = (*seq, *len);
-                let placed = sock.direct(seq, buf, len, *min_gen)?;
+                let placed = sock.direct(seq, buf, len, *place)?;
                 let Some(Chunk::Data { buf, .. }) = self.q.pop_front() else {
                     unreachable!("the front was a Data");
                 };
@@ -538,6 +561,11 @@ impl FrameWriter {
                 if placed {
                     h.aux |= DATA_PLACED;
                     self.pushed -= len;
+                } else if !buf.cpu_reachable() {
+                    // The lane fails; the comm sends the message again on another.
+                    return Err(io::Error::other(format!(
+                        "message {seq} is in GPU memory, which only a NIC can send, and this lane cannot write it in place"
+                    )));
                 } else {
                     let end = len as usize;
                     self.q.push_front(Chunk::Payload { buf, off: 0, end });
@@ -545,14 +573,18 @@ impl FrameWriter {
                 let bytes = h.encode().to_vec();
                 self.q.push_front(Chunk::Ctrl { bytes, off: 0 });
             }
-            Some(Chunk::Advertise {
-                seq,
-                capacity,
-                buf,
-                gen,
-            }) => {
-                let frame = sock.advertise(*seq, buf, *capacity, *gen);
-                self.q.pop_front();
+            Some(Chunk::Advertise { .. }) => {
+                let Some(Chunk::Advertise {
+                    seq,
+                    capacity,
+                    buf,
+                    gen,
+                }) = self.q.pop_front()
+                else {
+                    unreachable!("the front was an offer");
+                };
+                // Gone from the queue even when it fails: what follows may still go out.
+                let frame = sock.advertise(seq, &buf, capacity, gen)?;
                 if let Some(bytes) = frame {
                     self.pushed += bytes.len() as u64;
                     self.q.push_front(Chunk::Ctrl { bytes, off: 0 });
@@ -846,15 +878,21 @@ mod tests {
     }
 
     impl Placer for InPlace {
-        fn advertise(&mut self, seq: u64, _: &LentBuf, capacity: u64, _: u64) -> Option<Vec<u8>> {
-            (seq % 2 == 0)
+        fn advertise(
+            &mut self,
+            seq: u64,
+            _: &LentBuf,
+            capacity: u64,
+            _: u64,
+        ) -> io::Result<Option<Vec<u8>>> {
+            Ok((seq % 2 == 0)
                 .then(|| Header::new(Kind::Place, seq, capacity).encode().to_vec())
                 .map(|mut f| {
                     f.extend_from_slice(&[0; 16]);
                     f
-                })
+                }))
         }
-        fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, _: u64) -> io::Result<bool> {
+        fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, _: Placing) -> io::Result<bool> {
             self.asked += 1;
             if self.asked == 1 {
                 return Err(io::ErrorKind::WouldBlock.into());
@@ -878,7 +916,7 @@ mod tests {
                 w.push_ctrl(&Header::new(Kind::Cts, seq, 1000).encode());
             }
             for seq in 0..4 {
-                w.push_data(seq, 1000 * (seq + 1), src.lend(), Some(0));
+                w.push_data(seq, 1000 * (seq + 1), src.lend(), Some(Placing::default()));
             }
             w.push_data(4, 500, src.lend(), None);
             let mut lane = InPlace {
@@ -993,5 +1031,66 @@ mod tests {
             assert_eq!(w.queued_bytes(), 0);
             assert_eq!(sink.out, expected, "chunk {chunk}");
         }
+    }
+}
+
+#[cfg(test)]
+mod gpu_memory {
+    //! GPU memory is the NIC's alone: neither end copies it through the stream.
+    use super::*;
+    use crate::conn::wire::Header;
+    use crate::transport::memory::{Memory, Region, UserBuf};
+
+    /// `v` as if NCCL had registered it as GPU memory (the CPU touching it is the bug).
+    fn gpu_buf(v: &[u8]) -> UserBuf {
+        let s = Vec::leak(v.to_vec());
+        let region = std::sync::Arc::new(Region::of(s.as_ptr() as usize, s.len(), Memory::Gpu));
+        let mut b = UserBuf::of_slice(s);
+        b.attach(region);
+        b
+    }
+
+    #[test]
+    fn a_sender_never_streams_gpu_memory() {
+        let src = gpu_buf(&[7u8; 5000]);
+        let mut w = FrameWriter::default();
+        w.push_data(1, 5000, src.lend(), Some(Placing::default()));
+        let mut out = Vec::new();
+        let e = w.flush(&mut out).unwrap_err();
+        assert!(e.to_string().contains("GPU memory"), "{e}");
+        assert!(out.is_empty(), "not a byte went out");
+    }
+
+    #[test]
+    fn a_receiver_refuses_a_streamed_payload_for_gpu_memory() {
+        let mut wire = Header::new(Kind::Data, 4, 16).encode().to_vec();
+        wire.extend_from_slice(&[9u8; 16]);
+        let mut sock = io::Cursor::new(wire);
+        let mut r = FrameReader::default();
+        assert!(matches!(
+            r.next(&mut sock).unwrap(),
+            Some(Inbound::Data { seq: 4, len: 16 })
+        ));
+        let dst = gpu_buf(&[0u8; 16]);
+        r.place(Some(dst.lend()));
+        let e = r.next(&mut sock).unwrap_err();
+        assert!(e.to_string().contains("GPU memory"), "{e}");
+    }
+
+    #[test]
+    fn a_payload_placed_in_gpu_memory_completes_untouched() {
+        let mut wire = Header::new(Kind::Data, 4, 16).encode().to_vec();
+        wire[4] |= crate::conn::wire::DATA_PLACED as u8;
+        let mut sock = io::Cursor::new(wire);
+        let mut r = FrameReader::default();
+        assert!(matches!(
+            r.next(&mut sock).unwrap(),
+            Some(Inbound::Data { seq: 4, len: 16 })
+        ));
+        r.place(Some(gpu_buf(&[0u8; 16]).lend()));
+        assert!(matches!(
+            r.next(&mut sock).unwrap(),
+            Some(Inbound::PayloadDone { seq: 4, len: 16 })
+        ));
     }
 }

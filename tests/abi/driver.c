@@ -66,6 +66,12 @@ static __thread const char* t_phase = NULL;
 static char g_stale_request;
 #define STALE ((void*)&g_stale_request)
 
+/* Whether the plugin reports NCCL_PTR_CUDA (then regMr(NCCL_PTR_CUDA) must succeed), and
+ * the type the data streams register their buffers as: RAILOVER_ABI_PTR=cuda registers
+ * host memory as GPU memory, which the plugin must then never touch with the CPU. */
+static int g_gpu_ok = 0;
+static int g_data_ptr = NCCL_PTR_HOST;
+
 typedef struct {
   const char* name;
   int failed;
@@ -608,7 +614,7 @@ typedef struct {
   double max_test_s;       /* longest single test() call */
   double max_post_s;       /* longest single isend()/irecv() call */
   slot_t slots[MAX_SLOTS];
-  long null_retries, tests, flushes;
+  long null_retries, tests, flushes, flush_reqs;
   size_t bytes;
 } stream_t;
 
@@ -706,9 +712,9 @@ static int stream_prepare(stream_t* s, slot_t* sl, int idx) {
     if (!CHECK(s->t, sl->alloc != NULL, "out of memory (%zu bytes)", len + GUARD)) return -1;
     sl->buf = sl->alloc;
     size_t reg = len ? len : 1;
-    ncclResult_t r = net_regmr(s->comm, sl->buf, reg, NCCL_PTR_HOST, &sl->mh);
-    if (!CHECK(s->t, r == ncclSuccess, "regMr(%s comm, %zu bytes, NCCL_PTR_HOST) = %d",
-               s->is_send ? "send" : "recv", reg, r)) {
+    ncclResult_t r = net_regmr(s->comm, sl->buf, reg, g_data_ptr, &sl->mh);
+    if (!CHECK(s->t, r == ncclSuccess, "regMr(%s comm, %zu bytes, type %d) = %d",
+               s->is_send ? "send" : "recv", reg, g_data_ptr, r)) {
       free(sl->alloc);
       memset(sl, 0, sizeof *sl);
       return -1;
@@ -816,8 +822,20 @@ static int stream_test_oldest(stream_t* s) {
       ncclResult_t fr = net_iflush(s->comm, sl->buf, (int)m->size, mh, &freq);
       s->flushes++;
       CHECK(s->t, fr == ncclSuccess, "iflush(recv comm, n=1, size %zu) = %d", m->size, fr);
-      CHECK(s->t, fr != ncclSuccess || freq == NULL,
+      int host = g_data_ptr == NCCL_PTR_HOST || s->staging_mode;
+      CHECK(s->t, fr != ncclSuccess || !host || freq == NULL,
             "iflush on host memory returned request %p, expected NULL", freq);
+      if (fr == ncclSuccess && !host && freq != NULL && freq != STALE) {
+        /* GPU memory: the flush is a request like any other, done within seconds. */
+        int done = 0;
+        double end = now_s() + 30;
+        while (!done && now_s() < end) {
+          ncclResult_t tr = NET_CALL(test, freq, &done, NULL);
+          if (!CHECK(s->t, tr == ncclSuccess, "test(flush request) = %d", tr)) break;
+        }
+        CHECK(s->t, done, "the flush of msg %d did not complete within 30 s", sl->msg);
+        s->flush_reqs++;
+      }
     }
   }
   s->bytes += m->size;
@@ -931,9 +949,10 @@ static int run_streams(stream_t* ss, int n, double deadline_s) {
   double dt = now_s() - t0;
   for (int i = 0; i < n; i++) {
     note("stream %u (%s): %d msgs, %zu bytes in %.2f s, %ld NULL-request retries, %ld tests,"
-         " %ld flushes, slowest test() %.1f ms",
+         " %ld flushes (%ld awaited), slowest test() %.1f ms",
          ss[i].id, ss[i].is_send ? "send" : "recv", ss[i].nmsgs, ss[i].bytes, dt,
-         ss[i].null_retries, ss[i].tests, ss[i].flushes, ss[i].max_test_s * 1e3);
+         ss[i].null_retries, ss[i].tests, ss[i].flushes, ss[i].flush_reqs,
+         ss[i].max_test_s * 1e3);
     CHECK(ss[i].t, ss[i].max_test_s < TEST_MAX_S,
           "stream %u: one test() call took %.2f s; test must never block", ss[i].id,
           ss[i].max_test_s);
@@ -1188,9 +1207,9 @@ static int looks_filled(const void* ptr) {
           dev, a->ptrSupport);                                                               \
     CHECK(t, (a->ptrSupport & ~(NCCL_PTR_HOST | NCCL_PTR_CUDA | NCCL_PTR_DMABUF)) == 0,      \
           "dev %d: ptrSupport 0x%x has unknown bits", dev, a->ptrSupport);                   \
-    CHECK(t, (a->ptrSupport & (NCCL_PTR_CUDA | NCCL_PTR_DMABUF)) == 0,                       \
-          "dev %d: ptrSupport 0x%x advertises GPU memory, but regMr(NCCL_PTR_CUDA) is "      \
-          "expected to fail for this host plugin", dev, a->ptrSupport);                      \
+    CHECK(t, !(a->ptrSupport & NCCL_PTR_DMABUF) || (a->ptrSupport & NCCL_PTR_CUDA),          \
+          "dev %d: ptrSupport 0x%x has DMABUF without CUDA", dev, a->ptrSupport);            \
+    if (dev == 0) g_gpu_ok = (a->ptrSupport & NCCL_PTR_CUDA) != 0;                           \
     CHECK(t, a->regIsGlobal == 0 || a->regIsGlobal == 1, "dev %d: regIsGlobal %d", dev,      \
           a->regIsGlobal);                                                                   \
     CHECK(t, a->speed >= 0 && a->speed <= 10000000, "dev %d: speed %d Mbps", dev, a->speed); \
@@ -1346,8 +1365,9 @@ static void test_loopback_one_thread(void* ctx, test_t* t) {
   r = net_regmr(rc, rbuf, 1u << 20, NCCL_PTR_HOST, &rmh);
   CHECK(t, r == ncclSuccess, "regMr(recvComm, 1 MiB, NCCL_PTR_HOST) = %d", r);
   r = net_regmr(sc, sbuf, 1u << 20, NCCL_PTR_CUDA, &cmh);
-  CHECK(t, r != ncclSuccess, "regMr(sendComm, host pointer, NCCL_PTR_CUDA) succeeded; a host "
-                             "plugin must refuse GPU registrations");
+  CHECK(t, (r == ncclSuccess) == g_gpu_ok,
+        "regMr(sendComm, NCCL_PTR_CUDA) = %d, but ptrSupport %s NCCL_PTR_CUDA", r,
+        g_gpu_ok ? "has" : "lacks");
   if (r == ncclSuccess) net_deregmr(sc, cmh);
   r = net_deregmr(rc, NULL);
   CHECK(t, r == ncclSuccess, "deregMr(recvComm, NULL) = %d", r);
@@ -1548,8 +1568,8 @@ static void test_regmr(void* comm, int is_send, test_t* t) {
   }
   void* cmh = NULL;
   r = net_regmr(comm, buf, len, NCCL_PTR_CUDA, &cmh);
-  CHECK(t, r != ncclSuccess, "regMr(%s comm, NCCL_PTR_CUDA) succeeded; expected an error",
-        is_send ? "send" : "recv");
+  CHECK(t, (r == ncclSuccess) == g_gpu_ok, "regMr(%s comm, NCCL_PTR_CUDA) = %d, but ptrSupport %s NCCL_PTR_CUDA",
+        is_send ? "send" : "recv", r, g_gpu_ok ? "has" : "lacks");
   if (r == ncclSuccess) net_deregmr(comm, cmh);
   r = net_deregmr(comm, NULL);
   CHECK(t, r == ncclSuccess, "deregMr(comm, NULL) = %d (NCCL passes NULL mhandles)", r);
@@ -2376,6 +2396,8 @@ int main(int argc, char** argv) {
   else
     seed = splitmix64((uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32));
   g_verbose = getenv("RAILOVER_ABI_VERBOSE") != NULL;
+  const char* env_ptr = getenv("RAILOVER_ABI_PTR");
+  if (env_ptr && strcmp(env_ptr, "cuda") == 0) g_data_ptr = NCCL_PTR_CUDA;
 
   setvbuf(stdout, NULL, _IOLBF, 0);
   /* Tests may only use loopback. */

@@ -128,6 +128,7 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_IB_SL", "16", "16");
   bad_value("RAILOVER_QPS_PER_LANE", "17", "17");
   bad_value("RAILOVER_ZERO_COPY", "sometimes", "sometimes");
+  bad_value("RAILOVER_GDR", "yes", "yes");
   bad_value("LOCAL_RANK", "first", "first");
 
   /* Not UTF-8: an error for every variable, shown with U+FFFD for the bad bytes. Some
@@ -147,7 +148,8 @@ int main(int argc, char** argv) {
       "RAILOVER_IB_ADDR_FAMILY",   "RAILOVER_IB_TIMEOUT",
       "RAILOVER_IB_RETRY_CNT",     "RAILOVER_IB_TC",
       "RAILOVER_IB_SL",            "RAILOVER_QPS_PER_LANE",
-      "RAILOVER_ZERO_COPY",        "LOCAL_RANK",
+      "RAILOVER_ZERO_COPY",        "RAILOVER_GDR",
+      "LOCAL_RANK",
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
     bad_value(vars[i], "lo\xff\xfe", "lo\xef\xbf\xbd");

@@ -9,6 +9,7 @@
 mod sys;
 
 use std::any::Any;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -26,16 +27,82 @@ pub use sys::{LentBuf, UserBuf};
 pub struct Region {
     pub base: usize,
     pub len: usize,
+    pub memory: Memory,
     keys: Mutex<Vec<(u64, Arc<dyn Any + Send + Sync>)>>,
 }
 
+/// What kind of memory a registered range is, which decides who may touch it: the CPU
+/// copies host memory through the lanes' rings; GPU memory only a NIC can move, in place.
+#[derive(Debug)]
+pub enum Memory {
+    /// `NCCL_PTR_HOST`.
+    Host,
+    /// `NCCL_PTR_CUDA` through `regMr`: a GPU virtual address a NIC registers through a
+    /// peer-memory client (nvidia-peermem).
+    Gpu,
+    /// `regMrDmaBuf`: GPU memory exported as a dma-buf. The fd is our duplicate (NCCL
+    /// closes its own when the call returns), kept so that a backup NIC can register the
+    /// memory later; `offset` is where the range starts in the dma-buf.
+    DmaBuf { fd: OwnedFd, offset: u64 },
+}
+
+/// A fabric's device cannot register memory one of a comm's messages is in (GPU memory
+/// out of its NIC's reach, or a driver without peer memory): the comm must move to a pair
+/// whose NIC can, which a probe of the pair would not show. The `io::Error` a lane fails
+/// with carries it, so that the engine can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryUnreachable(pub String);
+
+impl std::fmt::Display for MemoryUnreachable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for MemoryUnreachable {}
+
+impl std::fmt::Display for Memory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Memory::Host => "host memory",
+            Memory::Gpu => "GPU memory",
+            Memory::DmaBuf { .. } => "GPU memory (dma-buf)",
+        })
+    }
+}
+
 impl Region {
+    /// Host memory at `[base, base + len)`.
     pub fn new(base: usize, len: usize) -> Region {
+        Region::of(base, len, Memory::Host)
+    }
+
+    pub fn of(base: usize, len: usize, memory: Memory) -> Region {
         Region {
             base,
             len,
+            memory,
             keys: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Whether the CPU may read and write the range (host memory). GPU memory is moved by
+    /// NICs only: every payload in or out of it is written in place.
+    pub fn cpu_reachable(&self) -> bool {
+        matches!(self.memory, Memory::Host)
+    }
+
+    /// The dma-buf the range lies in, and the range's offset there.
+    pub fn dmabuf(&self) -> Option<(BorrowedFd<'_>, u64)> {
+        match &self.memory {
+            Memory::DmaBuf { fd, offset } => Some((fd.as_fd(), *offset)),
+            _ => None,
+        }
+    }
+
+    /// The registrations made so far, for whoever must reach each domain's (a flush).
+    pub fn keys(&self) -> Vec<(u64, Arc<dyn Any + Send + Sync>)> {
+        self.keys.lock().clone()
     }
 
     /// Domain `domain`'s registration of the range: `make`'s, the first time.
@@ -91,5 +158,20 @@ mod tests {
         assert_eq!(r.domains(), 1, "a failed registration is not kept");
         r.key(8, || Ok::<_, ()>(5u32)).unwrap();
         assert_eq!(r.domains(), 2);
+        assert!(r.cpu_reachable() && r.dmabuf().is_none());
+    }
+
+    #[test]
+    fn gpu_memory_is_not_the_cpus_and_keeps_its_dmabuf() {
+        assert!(!Region::of(0, 8, Memory::Gpu).cpu_reachable());
+        let fd: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        let r = Region::of(0, 8, Memory::DmaBuf { fd, offset: 4096 });
+        assert!(!r.cpu_reachable());
+        let (fd, off) = r.dmabuf().unwrap();
+        assert_eq!(off, 4096);
+        assert!(
+            fd.try_clone_to_owned().is_ok(),
+            "the fd stays open with the region"
+        );
     }
 }

@@ -105,7 +105,13 @@ impl LentBuf {
         self.region.as_ref()
     }
 
-    /// Bytes `off..off + n` of the buffer (clamped to its length).
+    /// Whether the CPU may copy the buffer: not GPU memory (see [`Region::cpu_reachable`]).
+    pub fn cpu_reachable(&self) -> bool {
+        self.region.as_ref().map_or(true, |r| r.cpu_reachable())
+    }
+
+    /// Bytes `off..off + n` of the buffer (clamped to its length; empty for GPU memory,
+    /// which the CPU must not touch: callers check [`LentBuf::cpu_reachable`] first).
     pub fn slice(&self, off: usize, n: usize) -> &[u8] {
         let (off, n) = self.clamp(off, n);
         if n == 0 {
@@ -116,7 +122,8 @@ impl LentBuf {
         unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) }
     }
 
-    /// Writable bytes `off..off + n` of the buffer (clamped to its length).
+    /// Writable bytes `off..off + n` of the buffer (clamped to its length; empty for GPU
+    /// memory).
     pub fn slice_mut(&mut self, off: usize, n: usize) -> &mut [u8] {
         let (off, n) = self.clamp(off, n);
         if n == 0 {
@@ -128,7 +135,7 @@ impl LentBuf {
     }
 
     fn clamp(&self, off: usize, n: usize) -> (usize, usize) {
-        if self.ptr.is_null() {
+        if self.ptr.is_null() || !self.cpu_reachable() {
             return (0, 0);
         }
         let off = off.min(self.len);

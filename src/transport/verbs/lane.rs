@@ -25,6 +25,13 @@
 //! that the dead lane might have delivered it, and a duplicate in the ring can be dropped
 //! where one in the buffer could not. `RAILOVER_ZERO_COPY` sets the policy: from
 //! [`PLACE_MIN`] bytes (`auto`), every payload, waiting for an offer (`always`), or none.
+//!
+//! GPU memory (`NCCL_PTR_CUDA`, `regMrDmaBuf`) is never touched by the CPU: a payload
+//! from it, or into it (its `Cts` says so), is always written in place, whatever the
+//! policy, waiting for the offer; and unless `RAILOVER_GDR=off` the receiver offers every
+//! receive, so that a sender with GPU memory finds an offer for a small one too. A device
+//! that cannot register such memory fails the lane with [`MemoryUnreachable`], and the
+//! comm moves to another pair.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -40,10 +47,11 @@ use super::sys::{
     Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
 };
 use super::{completion_error, qp_timing};
-use crate::config::{VerbsSettings, ZeroCopy};
+use crate::config::{Gdr, VerbsSettings, ZeroCopy};
 use crate::conn::wire::{Header, Kind, PLACE_BODY};
-use crate::transport::frames::Placer;
+use crate::transport::frames::{Placer, Placing};
 use crate::transport::memory::LentBuf;
+use crate::transport::memory::MemoryUnreachable;
 
 /// Bytes of each end's ring (and of the sender's staging region).
 pub const RING: usize = 4 << 20;
@@ -493,9 +501,12 @@ pub struct VerbsLane {
     /// Receives the peer offered to have written in place, by sequence number.
     offers: BTreeMap<u64, Offer>,
     zero_copy: ZeroCopy,
+    /// Offer every receive, whatever its size (a sender's GPU memory needs an offer).
+    offer_all: bool,
     peer_closed: bool,
     fenced: bool,
-    error: Option<(io::ErrorKind, String)>,
+    /// The first error: its kind, its message, and whether it was [`MemoryUnreachable`].
+    error: Option<(io::ErrorKind, String, bool)>,
     wcs: Vec<Completion>,
 }
 
@@ -555,6 +566,7 @@ impl VerbsLane {
             ring: Ring::with_qps(RING, n),
             offers: BTreeMap::new(),
             zero_copy: settings.zero_copy,
+            offer_all: settings.gdr != Gdr::Off && settings.zero_copy != ZeroCopy::Off,
             peer_closed: false,
             fenced: false,
             error: None,
@@ -585,13 +597,21 @@ impl VerbsLane {
     }
 
     fn fail(&mut self, kind: io::ErrorKind, msg: String) -> io::Error {
-        self.error.get_or_insert((kind, msg.clone()));
+        self.error.get_or_insert((kind, msg.clone(), false));
         io::Error::new(kind, msg)
+    }
+
+    /// Fails the lane with `e`, kept as it is (a [`MemoryUnreachable`] stays one).
+    fn fail_with(&mut self, e: io::Error) -> io::Error {
+        let memory = e.get_ref().is_some_and(|i| i.is::<MemoryUnreachable>());
+        self.error.get_or_insert((e.kind(), e.to_string(), memory));
+        e
     }
 
     fn check(&self) -> io::Result<()> {
         match &self.error {
-            Some((k, m)) => Err(io::Error::new(*k, m.clone())),
+            Some((_, m, true)) => Err(io::Error::other(MemoryUnreachable(m.clone()))),
+            Some((k, m, false)) => Err(io::Error::new(*k, m.clone())),
             None => Ok(()),
         }
     }
@@ -845,64 +865,108 @@ impl VerbsLane {
     }
 
     /// This device's registration of the range `buf` lies in: made the first time a lane
-    /// of the device needs it. `None` when NCCL named no range, or registering it failed
-    /// (said once per range and device); the payload then goes through the ring.
-    fn registration(&self, buf: &LentBuf) -> Option<Arc<Option<UserMr>>> {
-        let region = buf.region()?;
+    /// of the device needs it. `Ok(None)` when NCCL named no range, or registering host
+    /// memory failed (said once per range and device; the payload then goes through the
+    /// ring); an error when GPU memory cannot be registered here, which the ring cannot
+    /// carry either.
+    fn registration(&self, buf: &LentBuf) -> io::Result<Option<Arc<Option<UserMr>>>> {
+        let Some(region) = buf.region() else {
+            return Ok(None);
+        };
         let dom = &self.dom;
         let mr = region
             .key(dom.id, || {
-                Ok::<_, Infallible>(match UserMr::register(&dom.pd, region.base, region.len) {
+                let made = match region.dmabuf() {
+                    Some((fd, offset)) => {
+                        UserMr::register_dmabuf(&dom.pd, fd, offset, region.base, region.len)
+                    }
+                    None => UserMr::register(&dom.pd, region.base, region.len),
+                };
+                Ok::<_, Infallible>(match made {
                     Ok(mr) => {
                         USER_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(
-                            "railover: registered {:#x}+{} on {} (first use there)",
+                            "railover: registered {:#x}+{} ({}) on {} (first use there)",
                             region.base,
                             region.len,
+                            region.memory,
                             dom.name()
                         );
                         Some(mr)
                     }
                     Err(e) => {
                         tracing::warn!(
-                            "railover: cannot register {:#x}+{} on {} ({e}); messages in it are copied through the lanes' rings there",
+                            "railover: cannot register {:#x}+{} ({}) on {}: {e}{}",
                             region.base,
                             region.len,
-                            dom.name()
+                            region.memory,
+                            dom.name(),
+                            if region.cpu_reachable() {
+                                "; messages in it are copied through the lanes' rings there"
+                            } else {
+                                "; comms whose messages are in it leave this device"
+                            }
                         );
                         None
                     }
                 })
             })
             .unwrap_or_else(|e| match e {});
-        mr.is_some().then_some(mr)
+        if mr.is_some() {
+            return Ok(Some(mr));
+        }
+        if region.cpu_reachable() {
+            return Ok(None);
+        }
+        Err(io::Error::other(MemoryUnreachable(format!(
+            "{} at {:#x}+{} cannot be registered on {}",
+            region.memory,
+            region.base,
+            region.len,
+            dom.name()
+        ))))
     }
 }
 
 impl Placer for VerbsLane {
-    fn advertise(&mut self, seq: u64, buf: &LentBuf, capacity: u64, gen: u64) -> Option<Vec<u8>> {
+    fn advertise(
+        &mut self,
+        seq: u64,
+        buf: &LentBuf,
+        capacity: u64,
+        gen: u64,
+    ) -> io::Result<Option<Vec<u8>>> {
+        let gpu = !buf.cpu_reachable();
         let least = match self.zero_copy {
-            ZeroCopy::Off => return None,
+            _ if gpu || self.offer_all => 1,
+            ZeroCopy::Off => return Ok(None),
             ZeroCopy::Auto => PLACE_MIN,
             ZeroCopy::Always => 1,
         };
         if capacity < least || !self.is_ready() {
-            return None;
+            return Ok(None);
         }
-        let mr = self.registration(buf)?;
-        let rkey = mr.as_ref().as_ref()?.rkey();
+        // Not the lane's failure: the engine fails it, after telling the sender why.
+        let Some(mr) = self.registration(buf)? else {
+            return Ok(None);
+        };
+        let Some(rkey) = mr.as_ref().as_ref().map(UserMr::rkey) else {
+            return Ok(None);
+        };
         let offer = Offer {
             addr: buf.addr() as u64,
             rkey,
             capacity: capacity.min(buf.len() as u64),
             gen,
         };
-        Some(offer.frame(seq))
+        Ok(Some(offer.frame(seq)))
     }
 
-    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, min_gen: u64) -> io::Result<bool> {
+    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, place: Placing) -> io::Result<bool> {
         self.check()?;
+        let must = place.must || !buf.cpu_reachable();
         let (least, wait) = match self.zero_copy {
+            _ if must => (1, true),
             ZeroCopy::Off => return Ok(false),
             ZeroCopy::Auto => (PLACE_MIN, false),
             ZeroCopy::Always => (1, true),
@@ -914,7 +978,9 @@ impl Placer for VerbsLane {
         }
         // No offer yet, or one the receiver made before it fenced the lane this message
         // was lost with: in the stream, or (every payload in place) wait for the next.
-        let fresh = self.offers.get(&seq).filter(|o| o.gen >= min_gen).copied();
+        let fresh = (self.offers.get(&seq))
+            .filter(|o| o.gen >= place.min_gen)
+            .copied();
         let Some(offer) = fresh.filter(|_| self.is_ready()) else {
             return if wait {
                 Err(io::ErrorKind::WouldBlock.into())
@@ -922,7 +988,7 @@ impl Placer for VerbsLane {
                 Ok(false)
             };
         };
-        if len < least || len > offer.capacity {
+        if len > offer.capacity || (len < least && !must) {
             self.offers.remove(&seq);
             return Ok(false);
         }
@@ -931,8 +997,10 @@ impl Placer for VerbsLane {
         if !self.ring.can_place(DATA_SLOTS, writes) {
             return Err(io::ErrorKind::WouldBlock.into());
         }
-        let Some(held) = self.registration(buf) else {
-            if wait {
+        let held = match self.registration(buf) {
+            Ok(Some(held)) => held,
+            Err(e) => return Err(self.fail_with(e)),
+            Ok(None) if wait => {
                 return Err(self.fail(
                     io::ErrorKind::Other,
                     format!(
@@ -942,8 +1010,10 @@ impl Placer for VerbsLane {
                     ),
                 ));
             }
-            self.offers.remove(&seq);
-            return Ok(false);
+            Ok(None) => {
+                self.offers.remove(&seq);
+                return Ok(false);
+            }
         };
         self.offers.remove(&seq);
         let mr = held

@@ -9,11 +9,13 @@
 
 pub mod device;
 pub mod domain;
+pub mod gpu;
 pub mod lane;
 pub mod sys;
 
 pub use device::{discover, Discovery, VerbsNic};
 pub use domain::Domain;
+pub use gpu::GpuMemory;
 pub use lane::VerbsLane;
 
 /// The default QP timing (`RAILOVER_IB_TIMEOUT`, `RAILOVER_IB_RETRY_CNT`): 4.096 us * 2^16
@@ -93,6 +95,25 @@ impl VerbsFabric {
             reaper: reaper(),
             settings,
         })
+    }
+
+    /// What each NIC can do with GPU memory (`ptrSupport`), as `RAILOVER_GDR` and the
+    /// checks under `sysfs_root` decide: a dma-buf probe on each device, opened for it
+    /// (and kept open, as the fabric's).
+    pub fn gpu_memory(&mut self, sysfs_root: &std::path::Path) -> Vec<GpuMemory> {
+        let peer = gpu::peermem(sysfs_root);
+        (0..self.verbs.len())
+            .map(|nic| {
+                if self.settings.gdr == crate::config::Gdr::Off {
+                    return GpuMemory::none("RAILOVER_GDR=off");
+                }
+                let probe = self
+                    .domain(nic)
+                    .and_then(|d| sys::UserMr::dmabuf_supported(&d.pd))
+                    .map_err(|e| e.to_string());
+                gpu::decide(self.settings.gdr, peer, probe)
+            })
+            .collect()
     }
 
     /// The device of NIC `nic`, opened the first time.

@@ -18,7 +18,7 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::ptr::{null_mut, NonNull};
 use std::sync::Arc;
 
@@ -510,13 +510,18 @@ unsafe impl Send for UserMr {}
 // SAFETY: the `&self` methods read the registration's keys.
 unsafe impl Sync for UserMr {}
 
+/// What peers and flushes may do with user memory: be written (payloads), be read (a
+/// flush reads back through the NIC that wrote).
+const USER_ACCESS: ffi::ibv_access_flags = ffi::ibv_access_flags(
+    ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+);
+
 impl UserMr {
     /// Registers `[addr, addr + len)` with `pd`.
     pub fn register(pd: &Arc<Pd>, addr: usize, len: usize) -> io::Result<UserMr> {
-        let access = (ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
-            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
-            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ)
-            .0 as c_int;
+        let access = USER_ACCESS.0 as c_int;
         // SAFETY: the kernel pins and checks the range (EFAULT if it is not mapped); the
         // call itself reads nothing through the pointer.
         let mr = unsafe { ffi::ibv_reg_mr(pd.pd.as_ptr(), addr as *mut c_void, len, access) };
@@ -537,6 +542,55 @@ impl UserMr {
     pub fn rkey(&self) -> u32 {
         // SAFETY: as above.
         unsafe { (*self.mr.as_ptr()).rkey }
+    }
+
+    /// Registers `len` bytes of the dma-buf `fd` from `offset`, addressed from `iova` (the
+    /// range's virtual address, so work requests name it as for any other registration).
+    /// The kernel takes its own reference on the dma-buf: `fd` may close after the call.
+    pub fn register_dmabuf(
+        pd: &Arc<Pd>,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        iova: usize,
+        len: usize,
+    ) -> io::Result<UserMr> {
+        // SAFETY: the kernel checks the fd, offset and length; nothing is read through a
+        // pointer, and `fd` is open for the call (borrowed).
+        let mr = unsafe {
+            ffi::ibv_reg_dmabuf_mr(
+                pd.pd.as_ptr(),
+                offset,
+                len,
+                iova as u64,
+                fd.as_raw_fd(),
+                USER_ACCESS.0 as c_int,
+            )
+        };
+        let mr = NonNull::new(mr).ok_or_else(|| null_err("ibv_reg_dmabuf_mr"))?;
+        Ok(UserMr {
+            mr,
+            addr: iova as u64,
+            len,
+            _pd: pd.clone(),
+        })
+    }
+
+    /// Whether the device's driver registers dma-buf memory, as NCCL tells: a registration
+    /// of no fd fails with `EBADF` where dma-bufs are supported, and with `EOPNOTSUPP` or
+    /// `EPROTONOSUPPORT` where the kernel, the driver or libibverbs is without them.
+    pub fn dmabuf_supported(pd: &Arc<Pd>) -> Result<(), io::Error> {
+        // SAFETY: an fd of -1 and a length of 0: the call only validates its arguments.
+        let mr = unsafe { ffi::ibv_reg_dmabuf_mr(pd.pd.as_ptr(), 0, 0, 0, -1, 0) };
+        let e = io::Error::last_os_error();
+        if let Some(mr) = NonNull::new(mr) {
+            // SAFETY: registered just now, deregistered once.
+            unsafe { ffi::ibv_dereg_mr(mr.as_ptr()) };
+            return Ok(());
+        }
+        match e.raw_os_error() {
+            Some(libc::EOPNOTSUPP | libc::EPROTONOSUPPORT) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Whether `[addr, addr + len)` lies inside the registration.
