@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use super::device::VerbsNic;
 use super::lane::{local_gid, local_port, needs_grh, remote_qp, QpHello};
-use super::sys::{wc, Completion, LocalPort, Mr, Pd, PolledCq, Qp, Read};
+use super::sys::{wc, Completion, Mr, Pd, PolledCq, Qp, Read};
 use super::{completion_error, qp_timing};
 use crate::config::VerbsSettings;
 
@@ -49,7 +49,7 @@ pub struct Flusher {
     qp: Qp,
     cq: Arc<PolledCq>,
     landing: Mr,
-    port: LocalPort,
+    port: u8,
     tickets: Tickets,
     wcs: Vec<Completion>,
 }
@@ -74,7 +74,6 @@ impl Flusher {
         // One receive slot: the QP never receives, some providers refuse none.
         let qp = Qp::new_rc_polled(pd, &cq, FLUSH_DEPTH, 1)?;
         let landing = Mr::new(pd, FLUSH_DEPTH as usize * FLUSH_BYTES)?;
-        let port = local_port(nic, settings);
         qp.to_init(nic.port)?;
         let me = QpHello {
             qpn: qp.qp_num(),
@@ -86,13 +85,14 @@ impl Flusher {
             rkey: landing.rkey(),
             len: landing.len() as u64,
         };
-        qp.to_rtr(&port, &remote_qp(&me, needs_grh(nic), me.mtu))?;
+        let remote = remote_qp(&me, needs_grh(nic), me.mtu);
+        qp.to_rtr(&local_port(nic, settings), &remote)?;
         qp.to_rts(FLUSH_PSN, qp_timing(settings))?;
         Ok(Flusher {
             qp,
             cq,
             landing,
-            port,
+            port: nic.port,
             tickets: Tickets::new(FLUSH_DEPTH),
             wcs: Vec::with_capacity(FLUSH_DEPTH as usize),
         })
@@ -142,9 +142,9 @@ impl Flusher {
         self.tickets.error.is_some()
     }
 
-    /// The port the QP is on (its device's port it was made for).
+    /// The device's port the QP is on.
     pub fn port(&self) -> u8 {
-        self.port.port
+        self.port
     }
 
     pub fn qp_num(&self) -> u32 {
