@@ -7,7 +7,10 @@
 # guests (steps, as RAILOVER_VERBS_STEPS names them):
 #   base  the raw fabric baseline, ib_write_bw and ib_write_lat (perftest) over rxe0;
 #         `railover verbs-check` on every rail (RC QPs set up from discovery, checksummed
-#         RDMA WRITE_WITH_IMM both ways, then a fenced peer must fail the next write);
+#         RDMA WRITE_WITH_IMM both ways, then a fenced peer must fail the next write), and
+#         on both guests every device's flush QP (iflush's loopback RDMA READ of a
+#         registered buffer brings back its bytes through two patterns; a READ under a
+#         deregistered key fails and stays failed; a fresh flush QP then works);
 #         `railover doctor`, RAILOVER_HCA;
 #   fp    the plugin's comms over verbs lanes (fault-peer, one comm per rail);
 #   pb/pl throughput (one comm, 1 MiB messages) and 8-byte ping-pong latency on rxe0,
@@ -443,7 +446,7 @@ failed_steps=()
 check() { # STEP NAME COMMAND...: STEP names what the diagnostics show on a failure
     local step=$1 name=$2 group=$1
     shift 2
-    case $step in bw | lat | check | doctor | hca) group=base ;; esac
+    case $step in bw | lat | check | flush | doctor | hca) group=base ;; esac
     [ -z "$only" ] || case ",$only," in *",$group,"*) ;; *) return 0 ;; esac
     if "$@"; then
         echo "verbs tier: ok   $name"
@@ -471,6 +474,8 @@ check lat "ib_write_lat over rxe0 ran" grep -q 'VT: lat rc=0' "$b"
 for r in 0 1 2; do
     check check "verbs-check rail rxe$r (client)" grep -q "verbs-check: rail rxe$r:1 PASS" "$b"
     check check "verbs-check rail rxe$r (server)" grep -q "verbs-check: rail rxe$r:1 PASS" "$a"
+    check flush "verbs-check flush QP of rxe$r: READs bring the buffer's bytes back, a stale key fails (guest b)" grep -q "verbs-check: flush rxe$r:1 PASS" "$b"
+    check flush "verbs-check flush QP of rxe$r: READs bring the buffer's bytes back, a stale key fails (guest a)" grep -q "verbs-check: flush rxe$r:1 PASS" "$a"
 done
 check doctor "doctor shows rxe2:1 ACTIVE Ethernet with a rail" grep -qE 'VT: doctor\| +rxe2:1 +ACTIVE +Ethernet .* rail [0-9]' "$a"
 check doctor "doctor marks the IPv4 RoCE v2 GID of rxe0" grep -q 'VT: doctor| .*\*gid\[[0-9]*\] RoCEv2 ::ffff:192.0.2.1' "$a"

@@ -12,6 +12,12 @@
 //! back, the client checks it, and finally the server fences its QPs (ERR) and the
 //! client's next write on each QP must fail with an error completion.
 //!
+//! Then, on both ends (and alone with `flush`), every rail's device flush QP (the READ
+//! that NCCL's `iflush` posts, `Flusher`): READs of a registered host buffer through its
+//! key must bring back its bytes, twice with a changed pattern so a stale value cannot
+//! pass; a READ under a deregistered key must fail with an error completion that stays;
+//! and the device must then hand out a fresh flusher that works.
+//!
 //! Exit status: 0 when every rail passed, 1 when one failed, 2 on bad arguments or settings.
 
 use std::io::{self, Read, Write};
@@ -20,15 +26,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use railover::config::{Config, ConfigError, VerbsSettings};
+use railover::transport::verbs::flush::{SharedFlusher, Ticket, FLUSH_BYTES};
 use railover::transport::verbs::lane::{
     check_hello_count, decode_hellos, encode_hellos, hellos_len, local_gid, local_port, needs_grh,
     remote_qp, QpHello,
 };
 use railover::transport::verbs::sys::{
-    wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, QpTiming, RemoteQp,
+    wc, CompChannel, Completion, Context, Cq, LocalPort, Mr, Pd, Qp, QpTiming, RemoteQp, UserMr,
     Write as RdmaWrite,
 };
-use railover::transport::verbs::{self, device, qp_timing, VerbsNic};
+use railover::transport::verbs::{self, device, qp_timing, Domain, VerbsNic};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -44,6 +51,12 @@ pub enum Mode {
     Serve(Pair),
     /// Connect rail i to the i-th peer address
     Connect(Pair),
+    /// Only the flush check of every rail's device (serve and connect run it too)
+    Flush {
+        /// Give up on a rail's READs after this many seconds
+        #[arg(long, default_value_t = 30)]
+        timeout_s: u64,
+    },
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -99,6 +112,14 @@ pub fn run(args: &Args) -> i32 {
     }
     let (pair, serve) = match &args.mode {
         Mode::List => return 0,
+        Mode::Flush { timeout_s } => {
+            if found.nics.is_empty() {
+                println!("verbs-check: FAIL: no usable verbs NIC");
+                return 1;
+            }
+            let deadline = Duration::from_secs(*timeout_s);
+            return i32::from(flush_checks(&found.nics, &cfg.verbs, deadline) > 0);
+        }
         Mode::Serve(p) => (p, true),
         Mode::Connect(p) => (p, false),
     };
@@ -144,7 +165,146 @@ pub fn run(args: &Args) -> i32 {
             }
         }
     }
+    let flush_timeout = Duration::from_secs(pair.timeout_s.min(FLUSH_TIMEOUT_S));
+    failed += flush_checks(&found.nics, &cfg.verbs, flush_timeout);
     i32::from(failed > 0)
+}
+
+/// The longest a rail's flush check waits for one READ within serve and connect.
+const FLUSH_TIMEOUT_S: u64 = 30;
+/// Bytes of the host buffer the flush check READs from (as NCCL's receive buffer).
+const FLUSH_BUF: usize = 4096;
+
+/// The flush check on every rail's device, one line each; returns how many failed.
+fn flush_checks(nics: &[VerbsNic], s: &VerbsSettings, timeout: Duration) -> usize {
+    let mut failed = 0;
+    for nic in nics {
+        match flush_check(nic, s, timeout) {
+            Ok(summary) => println!("verbs-check: flush {} PASS ({summary})", nic.label()),
+            Err(e) => {
+                failed += 1;
+                println!("verbs-check: flush {} FAIL ({e})", nic.label());
+            }
+        }
+    }
+    failed
+}
+
+/// The byte at `i` of the flush check's buffer in round `round`: never 0 (what the
+/// flusher's landing slots start as), and different in the next round.
+fn flush_pattern(round: usize, i: usize) -> u8 {
+    1 + ((i.wrapping_mul(7).wrapping_add(round.wrapping_mul(101))) % 255) as u8
+}
+
+/// Waits, polling, until flush `t` is done; `Err` with the flusher's error, or at
+/// `deadline`.
+fn await_flush(f: &SharedFlusher, t: Ticket, deadline: Instant) -> io::Result<()> {
+    loop {
+        if f.lock().done(t)? {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("flush READ {t} did not complete in time"),
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// One READ of `FLUSH_BYTES` at `buf[off..]` through `mr`, which must bring back those
+/// bytes.
+fn flush_read(
+    f: &SharedFlusher,
+    buf: &[u8],
+    mr: &UserMr,
+    off: usize,
+    timeout: Duration,
+) -> io::Result<()> {
+    let t = f.lock().post(buf.as_ptr() as u64 + off as u64, mr.rkey())?;
+    await_flush(f, t, Instant::now() + timeout)?;
+    let got = f.lock().fetched(t).ok_or_else(|| {
+        io::Error::other(format!("flush READ {t} is done but its bytes are gone"))
+    })?;
+    let want = &buf[off..off + FLUSH_BYTES];
+    if got[..] != *want {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("flush READ {t} of byte {off} brought back {got:02x?}, the buffer holds {want:02x?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The flush check of `nic`'s device, as the plugin's `iflush` will use it: a host buffer
+/// registered as user memory is (`UserMr`) READ through the device's `Flusher`.
+fn flush_check(nic: &VerbsNic, s: &VerbsSettings, timeout: Duration) -> io::Result<String> {
+    let dom = Domain::open(&nic.device)?;
+    let f = dom.flusher(nic, s)?;
+    let (port, qpn) = {
+        let f = f.lock();
+        (f.port(), f.qp_num())
+    };
+    let mut buf = vec![0u8; FLUSH_BUF].into_boxed_slice();
+    let mr = UserMr::register(&dom.pd, buf.as_ptr() as usize, buf.len())?;
+    // The first and the last byte, then both again after the pattern changed.
+    let t0 = Instant::now();
+    let mut reads = 0;
+    for round in 0..2 {
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = flush_pattern(round, i);
+        }
+        for off in [0, FLUSH_BUF - FLUSH_BYTES] {
+            flush_read(&f, &buf, &mr, off, timeout)
+                .map_err(|e| io::Error::new(e.kind(), format!("round {round}: {e}")))?;
+            reads += 1;
+        }
+    }
+    let took = t0.elapsed();
+
+    // A key that no longer exists: registered, then deregistered.
+    let stale = UserMr::register(&dom.pd, buf.as_ptr() as usize, buf.len())?.rkey();
+    let t = f.lock().post(buf.as_ptr() as u64, stale)?;
+    let failed = match await_flush(&f, t, Instant::now() + timeout) {
+        Ok(()) => {
+            return Err(io::Error::other(format!(
+                "a flush READ under the deregistered key {stale:#x} completed successfully"
+            )))
+        }
+        Err(e) if e.kind() == io::ErrorKind::TimedOut && !f.lock().is_broken() => return Err(e),
+        Err(e) => e,
+    };
+    {
+        let mut g = f.lock();
+        if !g.is_broken() || g.done(t).is_ok() {
+            return Err(io::Error::other(format!(
+                "the failed READ's error did not stay: {failed}"
+            )));
+        }
+        if g.post(buf.as_ptr() as u64, mr.rkey()).is_ok() {
+            return Err(io::Error::other(
+                "a broken flusher accepted another READ".to_string(),
+            ));
+        }
+    }
+    // The device replaces its broken flusher; the new one works.
+    let fresh = dom.flusher(nic, s)?;
+    if Arc::ptr_eq(&fresh, &f) {
+        return Err(io::Error::other(
+            "the device handed out its broken flusher again",
+        ));
+    }
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = flush_pattern(2, i);
+    }
+    flush_read(&fresh, &buf, &mr, 0, timeout)
+        .map_err(|e| io::Error::new(e.kind(), format!("the fresh flusher: {e}")))?;
+    Ok(format!(
+        "QP {qpn} on port {port} connected to itself: {reads} READs of {FLUSH_BYTES} B from a {FLUSH_BUF} B registered buffer brought back its bytes through two patterns in {:.1} ms; a READ under the deregistered key {stale:#x} failed as {:?} and stayed failed: {failed}; a fresh flusher then read correctly",
+        took.as_secs_f64() * 1e3,
+        failed.kind()
+    ))
 }
 
 /// The plugin's configuration, or the line that says which variable is bad and why.
@@ -157,6 +317,7 @@ fn settings(parsed: Result<Config, ConfigError>) -> Result<Config, String> {
 fn header(mode: &Mode, s: &VerbsSettings) -> String {
     match mode {
         Mode::List => format!("verbs-check: list; verbs lanes would use {s}"),
+        Mode::Flush { .. } => format!("verbs-check: flush; flush QPs use {s}"),
         Mode::Serve(p) | Mode::Connect(p) => format!(
             "verbs-check: {}, one verbs lane per rail: {s}; {} x {} B each way per QP",
             if matches!(mode, Mode::Serve(_)) {
@@ -618,6 +779,21 @@ mod tests {
             qp_num,
             vendor_err: 0,
         }
+    }
+
+    #[test]
+    fn flush_patterns_are_never_zero_and_change_each_round() {
+        for round in 0..3 {
+            for i in 0..FLUSH_BUF {
+                assert_ne!(flush_pattern(round, i), 0, "round {round} byte {i}");
+                assert_ne!(
+                    flush_pattern(round, i),
+                    flush_pattern(round + 1, i),
+                    "round {round} byte {i}"
+                );
+            }
+        }
+        assert_ne!(flush_pattern(0, 0), flush_pattern(0, FLUSH_BUF - 1));
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! One opened device, shared by every lane on it: its context, one protection domain
-//! (so user memory is registered once per device, for all its lanes) and the faults its
-//! async events reported. The fabric opens it once, reads its async-event fd (an fd can
-//! be in the reactor's poll once only), and files what concerns a lane here, where the
-//! lane looks at each turn.
+//! (so user memory is registered once per device, for all its lanes), the faults its
+//! async events reported, and its flush QP ([`Flusher`], made on first use). The fabric
+//! opens it once, reads its async-event fd (an fd can be in the reactor's poll once
+//! only), and files what concerns a lane here, where the lane looks at each turn.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,7 +10,10 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::device::VerbsNic;
+use super::flush::{Flusher, SharedFlusher};
 use super::sys::{event, AsyncEvent, Context, Pd};
+use crate::config::VerbsSettings;
 
 /// Process-wide numbering of domains: the key a registration is filed under in a
 /// [`Region`](crate::transport::memory::Region).
@@ -24,6 +27,8 @@ pub struct Domain {
     pub pd: Arc<Pd>,
     pub id: u64,
     faults: Mutex<Faults>,
+    /// The device's flush QP, once something flushed (see [`Domain::flusher`]).
+    flusher: Mutex<Option<SharedFlusher>>,
 }
 
 #[derive(Debug, Default)]
@@ -47,6 +52,7 @@ impl Domain {
             pd,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             faults: Mutex::new(Faults::default()),
+            flusher: Mutex::new(None),
         }))
     }
 
@@ -62,6 +68,25 @@ impl Domain {
     /// Why a lane on `port` with QPs `qps` must fail, if an event said so.
     pub fn fault(&self, port: u8, qps: &[u32]) -> Option<String> {
         fault(&self.faults.lock(), self.name(), port, qps)
+    }
+
+    /// The device's flush QP, shared by every caller (the reactor and NCCL's threads
+    /// lock it to post and to test). Made on the first call, on `nic`'s port (a port of
+    /// this device) with `settings`' QP timing; later calls get the same one whatever
+    /// they pass, until a READ on it fails: then the next call makes a fresh one (who
+    /// still holds the broken one keeps getting its error). A failure to make one is
+    /// returned and nothing is kept, so the next call tries again.
+    ///
+    /// Not to be called while holding the flusher's own lock: this locks it to see
+    /// whether it is broken.
+    pub fn flusher(&self, nic: &VerbsNic, settings: &VerbsSettings) -> io::Result<SharedFlusher> {
+        let mut slot = self.flusher.lock();
+        if let Some(f) = slot.as_ref().filter(|f| !f.lock().is_broken()) {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(Mutex::new(Flusher::new(&self.pd, nic, settings)?));
+        *slot = Some(f.clone());
+        Ok(f)
     }
 }
 

@@ -1,20 +1,26 @@
 //! The RDMA verbs fabric, on rdma-mummy-sys (libibverbs opened at run time).
 //!
 //! What is here: the raw calls and their owned wrappers ([`sys`]), device discovery with
-//! GID and speed selection ([`device`]), and [`VerbsFabric`]: lanes that are RC QPs moving
-//! the lane's byte stream through registered rings ([`lane`]), set up over a bootstrap TCP
-//! connection to the address the trait passes. Tested on Soft-RoCE in QEMU
+//! GID and speed selection ([`device`]), each opened device shared by its lanes
+//! ([`domain`]: context, protection domain, async-event faults, flush QP), and
+//! [`VerbsFabric`]: lanes that are RC QPs moving the lane's byte stream through
+//! registered rings ([`lane`]), set up over a bootstrap TCP connection to the address the
+//! trait passes. [`flush`] is a device's loopback QP whose RDMA READ makes the NIC's
+//! earlier writes into a buffer visible (NCCL's `iflush`), and [`gpu`] says whether the
+//! NICs take GPU memory (`ptrSupport`). Tested on Soft-RoCE in QEMU
 //! (`scripts/verbs-tier.sh`); `RAILOVER_TRANSPORT=verbs` selects it, and so does `auto`
 //! when a usable port exists.
 
 pub mod device;
 pub mod domain;
+pub mod flush;
 pub mod gpu;
 pub mod lane;
 pub mod sys;
 
 pub use device::{discover, Discovery, VerbsNic};
 pub use domain::Domain;
+pub use flush::Flusher;
 pub use gpu::GpuMemory;
 pub use lane::VerbsLane;
 

@@ -7,10 +7,10 @@
 //! they do not (`ibv_query_port_speed`, `ibv_rate_to_mbps`, ...), and a plugin calling one
 //! fails to `dlopen` in NCCL (`tests/abi_symbols.rs` checks the `.so`).
 //!
-//! Ownership makes the destruction order right: a [`Qp`] holds its [`Pd`] and [`Cq`], a
-//! [`Cq`] its [`CompChannel`], an [`Mr`] its [`Pd`], and all of them the [`Context`], so a
-//! QP is destroyed before its CQ, a CQ before its channel, an MR and a QP before their PD,
-//! and the device is closed last. The inline verbs (`poll_cq`, `post_send`, `post_recv`,
+//! Ownership makes the destruction order right: a [`Qp`] holds its [`Pd`] and its [`Cq`]
+//! (or [`PolledCq`]), a [`Cq`] its [`CompChannel`], an [`Mr`] its [`Pd`], and all of them
+//! the [`Context`], so a QP is destroyed before its CQ, a CQ before its channel, an MR and
+//! a QP before their PD, and the device is closed last. The inline verbs (`poll_cq`, `post_send`, `post_recv`,
 //! `req_notify_cq`, `query_port`) go through the context's provider table, so they are
 //! reachable only through objects that a real device produced.
 #![allow(unsafe_code)]
@@ -759,41 +759,9 @@ impl Cq {
         Ok(n)
     }
 
-    /// Copies up to `out.len()` completions out; returns how many.
+    /// Copies up to `max` completions out; returns how many.
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> io::Result<usize> {
-        const BATCH: usize = 16;
-        let mut wcs = [MaybeUninit::<ffi::ibv_wc>::zeroed(); BATCH];
-        let mut total = 0;
-        while total < max {
-            let want = (max - total).min(BATCH) as i32;
-            // SAFETY: a CQ of a real device; `wcs` has room for `want` entries.
-            let n = unsafe { ffi::ibv_poll_cq(self.cq.as_ptr(), want, wcs.as_mut_ptr().cast()) };
-            if n < 0 {
-                return Err(io::Error::other(format!("ibv_poll_cq failed ({n})")));
-            }
-            for w in &wcs[..n as usize] {
-                // SAFETY: the first `n` entries were filled by the poll.
-                let w = unsafe { w.assume_init_ref() };
-                let with_imm = w.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
-                out.push(Completion {
-                    wr_id: w.wr_id,
-                    status: w.status,
-                    opcode: w.opcode,
-                    byte_len: w.byte_len,
-                    imm: with_imm.then(|| {
-                        // SAFETY: the union holds the immediate when the flag says so.
-                        u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data })
-                    }),
-                    qp_num: w.qp_num,
-                    vendor_err: w.vendor_err,
-                });
-            }
-            total += n as usize;
-            if (n as usize) < want as usize {
-                break;
-            }
-        }
-        Ok(total)
+        poll_cq(self.cq, out, max)
     }
 }
 
@@ -803,6 +771,82 @@ impl Drop for Cq {
         // was acknowledged in `drain_and_rearm`.
         unsafe { ffi::ibv_destroy_cq(self.cq.as_ptr()) };
     }
+}
+
+/// A completion queue without a channel, for a user that polls it (the flush QP's):
+/// nothing arms it, nothing reads events for it.
+#[derive(Debug)]
+pub struct PolledCq {
+    cq: NonNull<ffi::ibv_cq>,
+    _ctx: Arc<Context>,
+}
+
+// SAFETY: see `Context`.
+unsafe impl Send for PolledCq {}
+// SAFETY: polling is thread-safe in libibverbs; one poller at a time is the caller's
+// contract (its owner polls it under a lock).
+unsafe impl Sync for PolledCq {}
+
+impl PolledCq {
+    /// A CQ of at least `cqe` entries with no completion channel.
+    pub fn new(ctx: &Arc<Context>, cqe: i32) -> io::Result<Arc<PolledCq>> {
+        // SAFETY: the context is open; no cq_context, no channel.
+        let cq = unsafe { ffi::ibv_create_cq(ctx.ctx.as_ptr(), cqe, null_mut(), null_mut(), 0) };
+        Ok(Arc::new(PolledCq {
+            cq: NonNull::new(cq).ok_or_else(|| null_err("ibv_create_cq"))?,
+            _ctx: ctx.clone(),
+        }))
+    }
+
+    /// Copies up to `max` completions out; returns how many.
+    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> io::Result<usize> {
+        poll_cq(self.cq, out, max)
+    }
+}
+
+impl Drop for PolledCq {
+    fn drop(&mut self) {
+        // SAFETY: QPs on this CQ hold an `Arc` of it, so none is left; it has no channel,
+        // so no event is left unacknowledged.
+        unsafe { ffi::ibv_destroy_cq(self.cq.as_ptr()) };
+    }
+}
+
+/// Copies up to `max` completions of `cq` out; returns how many. One poller at a time.
+fn poll_cq(cq: NonNull<ffi::ibv_cq>, out: &mut Vec<Completion>, max: usize) -> io::Result<usize> {
+    const BATCH: usize = 16;
+    let mut wcs = [MaybeUninit::<ffi::ibv_wc>::zeroed(); BATCH];
+    let mut total = 0;
+    while total < max {
+        let want = (max - total).min(BATCH) as i32;
+        // SAFETY: a CQ of a real device; `wcs` has room for `want` entries.
+        let n = unsafe { ffi::ibv_poll_cq(cq.as_ptr(), want, wcs.as_mut_ptr().cast()) };
+        if n < 0 {
+            return Err(io::Error::other(format!("ibv_poll_cq failed ({n})")));
+        }
+        for w in &wcs[..n as usize] {
+            // SAFETY: the first `n` entries were filled by the poll.
+            let w = unsafe { w.assume_init_ref() };
+            let with_imm = w.wc_flags & ffi::ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+            out.push(Completion {
+                wr_id: w.wr_id,
+                status: w.status,
+                opcode: w.opcode,
+                byte_len: w.byte_len,
+                imm: with_imm.then(|| {
+                    // SAFETY: the union holds the immediate when the flag says so.
+                    u32::from_be(unsafe { w.imm_data_invalidated_rkey_union.imm_data })
+                }),
+                qp_num: w.qp_num,
+                vendor_err: w.vendor_err,
+            });
+        }
+        total += n as usize;
+        if (n as usize) < want as usize {
+            break;
+        }
+    }
+    Ok(total)
 }
 
 /// Where a QP's peer is, as exchanged at connection time.
@@ -839,8 +883,15 @@ pub struct QpTiming {
 #[derive(Debug)]
 pub struct Qp {
     qp: NonNull<ffi::ibv_qp>,
-    _cq: Arc<Cq>,
+    _cq: QpCq,
     _pd: Arc<Pd>,
+}
+
+/// The CQ a QP completes on, held (never read) so that it outlives the QP.
+#[derive(Debug)]
+enum QpCq {
+    Armed { _cq: Arc<Cq> },
+    Polled { _cq: Arc<PolledCq> },
 }
 
 // SAFETY: see `Context`.
@@ -862,13 +913,57 @@ pub struct Write<'a> {
     pub wr_id: u64,
 }
 
+/// One RDMA READ of remote bytes into a local region, always signaled.
+#[derive(Debug, Clone, Copy)]
+pub struct Read<'a> {
+    pub local: &'a Mr,
+    pub offset: usize,
+    pub len: usize,
+    pub remote_addr: u64,
+    pub rkey: u32,
+    pub wr_id: u64,
+}
+
 impl Qp {
     /// An RC QP on `pd` using `cq` for sends and receives.
     pub fn new_rc(pd: &Arc<Pd>, cq: &Arc<Cq>, max_send: u32, max_recv: u32) -> io::Result<Qp> {
+        Qp::create_rc(
+            pd,
+            cq.cq,
+            QpCq::Armed { _cq: cq.clone() },
+            max_send,
+            max_recv,
+        )
+    }
+
+    /// An RC QP on `pd` completing on the polled `cq`.
+    pub fn new_rc_polled(
+        pd: &Arc<Pd>,
+        cq: &Arc<PolledCq>,
+        max_send: u32,
+        max_recv: u32,
+    ) -> io::Result<Qp> {
+        Qp::create_rc(
+            pd,
+            cq.cq,
+            QpCq::Polled { _cq: cq.clone() },
+            max_send,
+            max_recv,
+        )
+    }
+
+    /// `cq` is the CQ `held` holds.
+    fn create_rc(
+        pd: &Arc<Pd>,
+        cq: NonNull<ffi::ibv_cq>,
+        held: QpCq,
+        max_send: u32,
+        max_recv: u32,
+    ) -> io::Result<Qp> {
         // SAFETY: zeroed is a valid value for this plain C struct.
         let mut ia: ffi::ibv_qp_init_attr = unsafe { MaybeUninit::zeroed().assume_init() };
-        ia.send_cq = cq.cq.as_ptr();
-        ia.recv_cq = cq.cq.as_ptr();
+        ia.send_cq = cq.as_ptr();
+        ia.recv_cq = cq.as_ptr();
         ia.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
         ia.cap.max_send_wr = max_send;
         ia.cap.max_recv_wr = max_recv;
@@ -878,7 +973,7 @@ impl Qp {
         let qp = unsafe { ffi::ibv_create_qp(pd.pd.as_ptr(), &mut ia) };
         Ok(Qp {
             qp: NonNull::new(qp).ok_or_else(|| null_err("ibv_create_qp"))?,
-            _cq: cq.clone(),
+            _cq: held,
             _pd: pd.clone(),
         })
     }
@@ -1035,7 +1130,35 @@ impl Qp {
         self.post_raw(w)
     }
 
+    /// Posts one signaled RDMA READ of `r.len` bytes at `r.remote_addr` (under `r.rkey`)
+    /// into `r.local` at `r.offset`. The local region must outlive the completion: the
+    /// caller drops QPs before their regions.
+    pub fn post_read(&self, r: &Read<'_>) -> io::Result<()> {
+        r.local.check(r.offset, r.len)?;
+        let len = u32::try_from(r.len)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a READ is at most 4 GiB"))?;
+        self.post_wr(
+            &RawWrite {
+                addr: r.local.addr() + r.offset as u64,
+                len,
+                lkey: r.local.lkey(),
+                remote_addr: r.remote_addr,
+                rkey: r.rkey,
+                imm: None,
+                signaled: true,
+                wr_id: r.wr_id,
+            },
+            true,
+        )
+    }
+
     fn post_raw(&self, w: &RawWrite) -> io::Result<()> {
+        self.post_wr(w, false)
+    }
+
+    /// Posts `w` as a WRITE (with immediate when `w.imm` is set), or as a READ into the
+    /// local bytes when `read`.
+    fn post_wr(&self, w: &RawWrite, read: bool) -> io::Result<()> {
         let mut sge = ffi::ibv_sge {
             addr: w.addr,
             length: w.len,
@@ -1044,11 +1167,12 @@ impl Qp {
         // SAFETY: zeroed is a valid value for this plain C struct.
         let mut wr: ffi::ibv_send_wr = unsafe { MaybeUninit::zeroed().assume_init() };
         wr.wr_id = w.wr_id;
-        wr.opcode = match w.imm {
-            Some(_) => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
-            None => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        wr.opcode = match (read, w.imm) {
+            (true, _) => ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+            (false, Some(_)) => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+            (false, None) => ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
         };
-        if let Some(imm) = w.imm {
+        if let (false, Some(imm)) = (read, w.imm) {
             wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
         }
         if w.signaled {
@@ -1065,7 +1189,8 @@ impl Qp {
         let mut bad: *mut ffi::ibv_send_wr = null_mut();
         // SAFETY: a QP of a real device; `wr` and `sge` are complete live locals (the
         // provider copies them before returning); the callers checked that the SGE lies
-        // inside a registration that outlives the completion.
+        // inside a registration that outlives the completion (a READ's SGE is in an `Mr`,
+        // registered for local write, which the NIC fills).
         rc(
             unsafe { ffi::ibv_post_send(self.qp.as_ptr(), &mut wr, &mut bad) },
             "ibv_post_send",

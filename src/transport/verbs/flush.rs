@@ -1,0 +1,395 @@
+//! One device's flush QP: what makes a NIC's RDMA WRITEs into GPU memory visible to the
+//! GPU before a kernel reads them, as NCCL's IB transport does it (`ncclIbIflush`).
+//!
+//! The flush is an RDMA READ of [`FLUSH_BYTES`] at the receive buffer's address, through
+//! the buffer's registration, posted on an RC QP of the same device connected to itself,
+//! into a small registered host buffer. The NIC answers a READ only after its earlier
+//! PCIe writes to that memory have landed, so the READ's completion is the proof. The QP
+//! is addressed as a lane's (port, GID, GRH, traffic class, service level, timing from
+//! the same settings) with itself as the peer, and completes on a CQ of its own that its
+//! user polls (no completion channel).
+//!
+//! Every READ of one QP completes in posting order, so a flush is a [`Ticket`] and
+//! "done" is a watermark: [`Flusher::done`] says whether that ticket and every earlier one
+//! completed. At most [`FLUSH_DEPTH`] READs are outstanding; each lands in its own slot of
+//! the host buffer, so [`Flusher::fetched`] can say what one of them read.
+//!
+//! An error completion (a bad key, the port gone) breaks the flusher for good: the QP is
+//! in ERR and flushes whatever follows. [`Domain::flusher`](super::Domain::flusher) hands
+//! out a fresh one after that.
+
+use std::io;
+use std::sync::Arc;
+
+use super::device::VerbsNic;
+use super::lane::{local_gid, local_port, needs_grh, remote_qp, QpHello};
+use super::sys::{wc, Completion, Mr, Pd, PolledCq, Qp, Read};
+use super::{completion_error, qp_timing};
+use crate::config::VerbsSettings;
+
+/// Bytes one flush READs: NCCL's flush SGE has length 1 (into an `int` it registered).
+pub const FLUSH_BYTES: usize = 1;
+/// READs outstanding at most on one device's flush QP (its send queue). NCCL gives each
+/// receive comm's flush QP `NET_IB_MAX_REQUESTS` (32) slots; this QP serves every comm of
+/// the device.
+pub const FLUSH_DEPTH: u32 = 128;
+/// The flush QP's packet sequence number; it only ever talks to itself.
+const FLUSH_PSN: u32 = 0;
+
+/// A posted flush: tickets grow by one per READ, from 1.
+pub type Ticket = u64;
+
+/// A device's flusher as [`Domain::flusher`](super::Domain::flusher) shares it.
+pub type SharedFlusher = Arc<parking_lot::Mutex<Flusher>>;
+
+/// One device's flush QP and the host buffer its READs land in.
+#[derive(Debug)]
+pub struct Flusher {
+    // Field order is drop order: the QP before its CQ and before the buffer it READs into.
+    qp: Qp,
+    cq: Arc<PolledCq>,
+    landing: Mr,
+    port: u8,
+    tickets: Tickets,
+    wcs: Vec<Completion>,
+}
+
+impl Flusher {
+    /// The flush QP of `pd`'s device on `nic`'s port (a port of that device), connected to
+    /// itself and ready to post, with its QP timing, traffic class and service level from
+    /// `settings`.
+    pub fn new(pd: &Arc<Pd>, nic: &VerbsNic, settings: &VerbsSettings) -> io::Result<Flusher> {
+        let ctx = pd.context();
+        if ctx.name() != nic.device {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "a flush QP of {} cannot use {}'s port",
+                    ctx.name(),
+                    nic.label()
+                ),
+            ));
+        }
+        let cq = PolledCq::new(ctx, (FLUSH_DEPTH + 16) as i32)?;
+        // One receive slot: the QP never receives, some providers refuse none.
+        let qp = Qp::new_rc_polled(pd, &cq, FLUSH_DEPTH, 1)?;
+        let landing = Mr::new(pd, FLUSH_DEPTH as usize * FLUSH_BYTES)?;
+        qp.to_init(nic.port)?;
+        let me = QpHello {
+            qpn: qp.qp_num(),
+            psn: FLUSH_PSN,
+            lid: nic.attr.lid,
+            mtu: nic.attr.active_mtu,
+            gid: local_gid(nic),
+            addr: landing.addr(),
+            rkey: landing.rkey(),
+            len: landing.len() as u64,
+        };
+        let remote = remote_qp(&me, needs_grh(nic), me.mtu);
+        qp.to_rtr(&local_port(nic, settings), &remote)?;
+        qp.to_rts(FLUSH_PSN, qp_timing(settings))?;
+        Ok(Flusher {
+            qp,
+            cq,
+            landing,
+            port: nic.port,
+            tickets: Tickets::new(FLUSH_DEPTH),
+            wcs: Vec::with_capacity(FLUSH_DEPTH as usize),
+        })
+    }
+
+    /// Posts a signaled READ of [`FLUSH_BYTES`] at `addr` under `rkey` (a registration of
+    /// this device that grants remote read, as `UserMr` does) and returns its ticket.
+    /// `WouldBlock` when [`FLUSH_DEPTH`] READs are outstanding (call [`Flusher::done`] to
+    /// reap); the flusher's error once a READ failed.
+    pub fn post(&mut self, addr: u64, rkey: u32) -> io::Result<Ticket> {
+        let t = self.tickets.next()?;
+        self.qp.post_read(&Read {
+            local: &self.landing,
+            offset: self.tickets.slot(t),
+            len: FLUSH_BYTES,
+            remote_addr: addr,
+            rkey,
+            wr_id: t,
+        })?;
+        self.tickets.posted(t);
+        Ok(t)
+    }
+
+    /// Polls the CQ (without blocking) and says whether READ `ticket` and every earlier one
+    /// completed. `Err` when one of them failed (naming the completion status; the error
+    /// stays), or when `ticket` was never issued.
+    pub fn done(&mut self, ticket: Ticket) -> io::Result<bool> {
+        if !self.tickets.is_done(ticket) {
+            self.reap()?;
+        }
+        self.tickets.done(ticket)
+    }
+
+    /// The bytes READ `ticket` fetched: `None` until it is done, or once its slot was taken
+    /// by a later READ (after [`FLUSH_DEPTH`] more).
+    pub fn fetched(&self, ticket: Ticket) -> Option<[u8; FLUSH_BYTES]> {
+        if !self.tickets.slot_holds(ticket) {
+            return None;
+        }
+        let mut b = [0u8; FLUSH_BYTES];
+        self.landing.read(self.tickets.slot(ticket), &mut b).ok()?;
+        Some(b)
+    }
+
+    /// Whether a READ failed: the flusher posts nothing more.
+    pub fn is_broken(&self) -> bool {
+        self.tickets.error.is_some()
+    }
+
+    /// The device's port the QP is on.
+    pub fn port(&self) -> u8 {
+        self.port
+    }
+
+    pub fn qp_num(&self) -> u32 {
+        self.qp.qp_num()
+    }
+
+    fn reap(&mut self) -> io::Result<()> {
+        loop {
+            self.wcs.clear();
+            let n = self.cq.poll(&mut self.wcs, 64)?;
+            for c in &self.wcs {
+                self.tickets.complete(c);
+            }
+            if n < 64 {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// The flush QP's bookkeeping, without I/O: tickets issued, the completion watermark, the
+/// bound on outstanding READs, and the first error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Tickets {
+    depth: u32,
+    /// The last ticket posted.
+    posted: Ticket,
+    /// Every ticket up to this one completed successfully.
+    completed: Ticket,
+    /// The first failed completion: (kind, message).
+    error: Option<(io::ErrorKind, String)>,
+}
+
+impl Tickets {
+    fn new(depth: u32) -> Tickets {
+        Tickets {
+            depth,
+            posted: 0,
+            completed: 0,
+            error: None,
+        }
+    }
+
+    /// The ticket the next READ takes, if it may be posted now.
+    fn next(&self) -> io::Result<Ticket> {
+        self.check()?;
+        if self.posted - self.completed >= u64::from(self.depth) {
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("{} flush READs outstanding", self.depth),
+            ));
+        }
+        Ok(self.posted + 1)
+    }
+
+    /// READ `t` (from [`Tickets::next`]) was posted.
+    fn posted(&mut self, t: Ticket) {
+        debug_assert_eq!(t, self.posted + 1, "tickets are posted in order");
+        self.posted = t;
+    }
+
+    /// A completion of the flush QP: success moves the watermark, the first failure stays.
+    fn complete(&mut self, c: &Completion) {
+        if c.status != wc::SUCCESS {
+            if self.error.is_none() {
+                let e = completion_error(c);
+                self.error = Some((e.kind(), format!("flush READ failed: {e}")));
+            }
+            return;
+        }
+        if self.error.is_none() && c.wr_id > self.completed && c.wr_id <= self.posted {
+            self.completed = c.wr_id;
+        }
+    }
+
+    fn is_done(&self, t: Ticket) -> bool {
+        t <= self.completed
+    }
+
+    fn done(&self, t: Ticket) -> io::Result<bool> {
+        if t == 0 || t > self.posted {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "flush ticket {t} was never issued (the last is {})",
+                    self.posted
+                ),
+            ));
+        }
+        if self.is_done(t) {
+            return Ok(true);
+        }
+        self.check()?;
+        Ok(false)
+    }
+
+    /// Where READ `t` lands in the host buffer (of `depth` x [`FLUSH_BYTES`]).
+    fn slot(&self, t: Ticket) -> usize {
+        (t % u64::from(self.depth)) as usize * FLUSH_BYTES
+    }
+
+    /// Whether READ `t`'s slot still holds what it fetched.
+    fn slot_holds(&self, t: Ticket) -> bool {
+        self.is_done(t) && t > 0 && self.posted < t + u64::from(self.depth)
+    }
+
+    fn check(&self) -> io::Result<()> {
+        match &self.error {
+            Some((k, m)) => Err(io::Error::new(*k, m.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wc(wr_id: u64, status: u32) -> Completion {
+        Completion {
+            wr_id,
+            status,
+            opcode: 0,
+            byte_len: FLUSH_BYTES as u32,
+            imm: None,
+            qp_num: 9,
+            vendor_err: 0,
+        }
+    }
+
+    fn post(t: &mut Tickets) -> Ticket {
+        let n = t.next().unwrap();
+        t.posted(n);
+        n
+    }
+
+    #[test]
+    fn the_read_is_as_large_as_nccls() {
+        // NCCL's flush SGE: `gpuFlush.sge.length = 1` (src/transport/net_ib/connect.cc).
+        assert_eq!(FLUSH_BYTES, 1);
+    }
+
+    #[test]
+    fn a_ticket_is_done_when_it_and_every_earlier_one_completed() {
+        let mut t = Tickets::new(8);
+        let (a, b, c) = (post(&mut t), post(&mut t), post(&mut t));
+        assert_eq!((a, b, c), (1, 2, 3), "tickets grow by one from 1");
+        assert!(!t.done(a).unwrap());
+        t.complete(&wc(b, wc::SUCCESS));
+        assert!(t.done(a).unwrap(), "completions come in order");
+        assert!(t.done(b).unwrap());
+        assert!(!t.done(c).unwrap());
+        // A stale completion cannot move the watermark back.
+        t.complete(&wc(a, wc::SUCCESS));
+        assert!(t.done(b).unwrap());
+        t.complete(&wc(c, wc::SUCCESS));
+        assert!(t.done(c).unwrap());
+    }
+
+    #[test]
+    fn tickets_never_issued_are_refused() {
+        let mut t = Tickets::new(8);
+        assert_eq!(t.done(0).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(t.done(1).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        post(&mut t);
+        assert!(t.done(1).is_ok());
+        let e = t.done(2).unwrap_err();
+        assert!(e.to_string().contains("ticket 2"), "{e}");
+        // A completion for a ticket not posted (not ours) moves nothing.
+        t.complete(&wc(5, wc::SUCCESS));
+        assert!(!t.done(1).unwrap());
+    }
+
+    #[test]
+    fn outstanding_reads_are_bounded_by_the_depth() {
+        let mut t = Tickets::new(3);
+        for _ in 0..3 {
+            post(&mut t);
+        }
+        assert_eq!(t.next().unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        t.complete(&wc(1, wc::SUCCESS));
+        assert_eq!(post(&mut t), 4, "one completed, one slot free");
+        assert_eq!(t.next().unwrap_err().kind(), io::ErrorKind::WouldBlock);
+    }
+
+    #[test]
+    fn an_error_completion_is_sticky_and_names_the_status() {
+        let mut t = Tickets::new(8);
+        let (a, b, c) = (post(&mut t), post(&mut t), post(&mut t));
+        t.complete(&wc(a, wc::SUCCESS));
+        t.complete(&wc(b, wc::REM_ACCESS_ERR));
+        // What follows on an errored QP is flushed; the first error is the one kept.
+        t.complete(&wc(c, wc::WR_FLUSH_ERR));
+        let e = t.done(b).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+        assert!(
+            e.to_string().contains("flush READ failed")
+                && e.to_string()
+                    .contains(&crate::transport::verbs::sys::wc_status_str(
+                        wc::REM_ACCESS_ERR
+                    )),
+            "{e}"
+        );
+        assert!(t.done(c).is_err(), "every later ticket fails");
+        assert!(t.done(b).is_err(), "and keeps failing");
+        assert!(t.done(a).unwrap(), "what completed before stays done");
+        assert!(t.next().is_err(), "nothing more is posted");
+        // A late success cannot hide the failure.
+        t.complete(&wc(c, wc::SUCCESS));
+        assert!(t.done(c).is_err());
+    }
+
+    #[test]
+    fn a_slot_holds_its_bytes_until_a_later_read_takes_it() {
+        let mut t = Tickets::new(2);
+        let a = post(&mut t);
+        assert!(!t.slot_holds(a), "not done yet");
+        t.complete(&wc(a, wc::SUCCESS));
+        assert!(t.slot_holds(a));
+        let b = post(&mut t);
+        assert!(t.slot_holds(a), "b has another slot");
+        t.complete(&wc(b, wc::SUCCESS));
+        let c = post(&mut t);
+        assert_eq!(t.slot(c), t.slot(a));
+        assert_ne!(t.slot(b), t.slot(a));
+        assert!(!t.slot_holds(a), "c landed where a did");
+        assert!(t.slot_holds(b));
+    }
+
+    #[test]
+    fn slots_are_distinct_within_the_depth() {
+        let t = Tickets::new(FLUSH_DEPTH);
+        let slots: std::collections::BTreeSet<_> =
+            (1..=u64::from(FLUSH_DEPTH)).map(|n| t.slot(n)).collect();
+        assert_eq!(slots.len(), FLUSH_DEPTH as usize);
+        assert!(slots
+            .iter()
+            .all(|&s| s + FLUSH_BYTES <= FLUSH_DEPTH as usize * FLUSH_BYTES));
+    }
+
+    #[test]
+    fn a_flusher_can_move_between_threads() {
+        fn send<T: Send>() {}
+        fn sync<T: Sync>() {}
+        send::<Flusher>();
+        sync::<parking_lot::Mutex<Flusher>>();
+    }
+}
