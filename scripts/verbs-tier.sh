@@ -26,7 +26,9 @@
 #   kp    the sender SIGKILLed mid-stream: the receiver fails every comm with
 #         ncclSystemError/ncclRemoteError within completion + probe timeout + 4 s;
 #   abi   tests/abi/driver.c (ncclNetPlugin_v12) against the built .so in guest a, its
-#         two processes' lanes over rxe.
+#         two processes' lanes over rxe;
+#   gd    the same driver with its data buffers registered as GPU memory (NCCL_PTR_CUDA,
+#         RAILOVER_GDR=force): every payload must go in place, none through a ring.
 # On a failed check the tier ends with the failed steps' log lines from both guests.
 # Everything comes from Debian packages, installed with apt-get when run as root; the
 # kernel and the guests' base image are cached under $RAILOVER_VERBS_CACHE
@@ -328,6 +330,20 @@ if [ "$role" = a ] && want abi; then
         head -30 | sed 's/^/VT: abi| /'
     grep -E '^PASS (recv|send)\.data' /tmp/abi | sed 's/^/VT: abi| /'
 fi
+# The same with every data buffer registered as GPU memory (NCCL_PTR_CUDA on host
+# memory, which RAILOVER_GDR=force lets the plugin take without nvidia-peermem): the
+# plugin must move every payload with the NIC, in place, since the CPU may not touch
+# GPU memory; a payload it tried to copy would fail its lane and, with every pair the
+# same, the comm.
+if [ "$role" = a ] && want gd; then
+    t=$(now)
+    RAILOVER_TRANSPORT=verbs RAILOVER_GDR=force RAILOVER_ABI_PTR=cuda RAILOVER_COMPLETION_TIMEOUT_MS=8000 \
+        timeout 330 /bin/abi-driver /lib/librailover.so 12 >/tmp/gd 2>&1
+    echo "VT: gd rc=$? $(awk "BEGIN { print $(now) - $t }")s"
+    grep -E '^(FAIL|driver)|failed test|check failed|GPU memory|WARN|ERROR' /tmp/gd |
+        head -30 | sed 's/^/VT: gd| /'
+    grep -E '^PASS (recv|send)\.data' /tmp/gd | sed 's/^/VT: gd| /'
+fi
 # What the host's checks and, on a failure, its diagnostics read.
 for s in $steps; do
     [ -e /tmp/$s ] || continue
@@ -370,7 +386,7 @@ done
 kernel=$kroot/boot/vmlinuz-$kver
 # RAILOVER_VERBS_STEPS=abi,fo (say) runs only those steps, for working on one; the tier
 # then ends with a SKIP line instead of "passed".
-all_steps="base fp pb pl fo rd bd fl tw q2 za kp abi"
+all_steps="base fp pb pl fo rd bd fl tw q2 za kp abi gd"
 only=${RAILOVER_VERBS_STEPS:-}
 for st in ${only//,/ }; do
     case " $all_steps " in *" $st "*) ;; *) fail "RAILOVER_VERBS_STEPS=$only: no step '$st' (steps: $all_steps)" ;; esac
@@ -500,6 +516,9 @@ regs_grew() { [ "$(field_of "$1" registrations "$b")" -gt "$2" ] 2>/dev/null; }
 abi_clean() { grep -aq 'VT: abi| PASS recv.data' "$a" && grep -aq 'VT: abi| PASS send.data' "$a" && ! grep -aq 'VT: abi| FAIL' "$a"; }
 check abi "ABI conformance (driver.c, ncclNetPlugin_v12) over rxe lanes: driver exit 0" rc_is abi "$a" 0
 check abi "ABI conformance over rxe lanes: both data phases passed, no FAIL line" abi_clean
+gd_clean() { grep -aq 'VT: gd| PASS recv.data' "$a" && grep -aq 'VT: gd| PASS send.data' "$a" && ! grep -aqE 'VT: gd\| (FAIL|.*came through the stream|.*only a NIC can send)' "$a"; }
+check gd "GPU-typed memory (RAILOVER_GDR=force, regMr NCCL_PTR_CUDA) over rxe lanes: driver exit 0" rc_is gd "$a" 0
+check gd "GPU-typed memory: both data phases passed with every payload in place, none copied" gd_clean
 check pl "fault-peer ping/pong, 8 B each way on rxe0: every round trip echoed intact (exit 0 both ends)" sh -c "grep -q 'VT: pl rc=0' '$a' && grep -q 'VT: pl rc=0' '$b'"
 # Exactly once (the TCP tier's meaning): both ends exit 0 (no damage, no request error,
 # every comm ran to its END) and the receiver verified what the sender completed.
@@ -591,7 +610,7 @@ foregs=$(field_of fo registrations "$b")
 ran fo && echo "verbs tier: zero copy through the failover: the sender's NIC wrote ${foplaced:-?} of ${fobytes:-?} bytes in place (replays come through the ring); the sender's registrations grew from 12 to ${foregs:-?} on the backups"
 ran kp && echo "verbs tier: killed sender: the receiver's last error $kp_after ms after its last data (bound $kp_bound ms)"
 costs=""
-for s in fp pb pl fo rd bd fl tw q2 za kp abi; do ran $s && costs="$costs $s $(cost_of $s)s"; done
+for s in fp pb pl fo rd bd fl tw q2 za kp abi gd; do ran $s && costs="$costs $s $(cost_of $s)s"; done
 echo "verbs tier: guest seconds per step:$costs"
 echo "verbs tier: guests ran ${guest_s}s under $accel; whole tier $(($(date +%s) - t0))s"
 if [ $status -eq 0 ] && [ -n "$only" ]; then
