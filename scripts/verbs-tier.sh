@@ -342,7 +342,7 @@ if [ "$role" = a ] && want gd; then
     echo "VT: gd rc=$? $(awk "BEGIN { print $(now) - $t }")s"
     grep -E '^(FAIL|driver)|failed test|check failed|GPU memory|WARN|ERROR' /tmp/gd |
         head -30 | sed 's/^/VT: gd| /'
-    grep -E '^PASS (recv|send)\.data' /tmp/gd | sed 's/^/VT: gd| /'
+    grep -E '^PASS (recv|send)\.data|flushes \(' /tmp/gd | sed 's/^/VT: gd| /'
 fi
 # What the host's checks and, on a failure, its diagnostics read.
 for s in $steps; do
@@ -519,6 +519,10 @@ check abi "ABI conformance over rxe lanes: both data phases passed, no FAIL line
 gd_clean() { grep -aq 'VT: gd| PASS recv.data' "$a" && grep -aq 'VT: gd| PASS send.data' "$a" && ! grep -aqE 'VT: gd\| (FAIL|.*came through the stream|.*only a NIC can send)' "$a"; }
 check gd "GPU-typed memory (RAILOVER_GDR=force, regMr NCCL_PTR_CUDA) over rxe lanes: driver exit 0" rc_is gd "$a" 0
 check gd "GPU-typed memory: both data phases passed with every payload in place, none copied" gd_clean
+# NCCL's flush after a receive into GPU memory: a request (the READ on the device's flush
+# QP), which the driver waits for with test().
+gd_flushed() { grep -aoE 'VT: gd\| .*\(recv\).* [0-9]+ flushes \([1-9][0-9]* awaited\)' "$a" | grep -q .; }
+check gd "GPU-typed memory: iflush after receives returned requests that completed (READs on the flush QP)" gd_flushed
 check pl "fault-peer ping/pong, 8 B each way on rxe0: every round trip echoed intact (exit 0 both ends)" sh -c "grep -q 'VT: pl rc=0' '$a' && grep -q 'VT: pl rc=0' '$b'"
 # Exactly once (the TCP tier's meaning): both ends exit 0 (no damage, no request error,
 # every comm ran to its END) and the receiver verified what the sender completed.

@@ -127,6 +127,7 @@ fn record_all(t: &Telemetry, nic: &str) {
     t.record_protocol_errors(1);
     t.record_lane_failures(2);
     t.record_unmatched_sends(1);
+    t.record_memory_exclusion(nic);
     t.record_comms_given_up(1);
     t.record_link_events(2);
     t.set_memory_registrations(5);
@@ -176,6 +177,7 @@ fn endpoint_serves_recorded_series_over_tcp() {
         (r#"railover_failbacks_total{nic="fetch0"}"#, 1.0),
         (r#"railover_probe_failures_total{nic="fetch0"}"#, 3.0),
         (r#"railover_placed_bytes_total{nic="fetch0b"}"#, 786432.0),
+        (r#"railover_memory_exclusions_total{nic="fetch0"}"#, 1.0),
     ] {
         assert_eq!(value(&body, series), Some(want), "{series} in\n{body}");
     }
@@ -446,6 +448,7 @@ fn dashboard_queries_use_only_exported_metrics() {
         "railover_comms_given_up_total",
         "railover_unmatched_sends_total",
         "railover_link_events_total",
+        "railover_memory_exclusions_total",
     ] {
         assert!(all.contains(needed), "no panel query contains {needed:?}");
     }

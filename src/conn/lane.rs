@@ -16,9 +16,8 @@ use std::time::{Duration, Instant};
 use super::auth::{Accepted, AuthError, CommId, Initiator, Random, Responder, Secret, Session};
 use super::health::{self, Progress, Verdict, MAX_PROBE_DEADLINE};
 use super::wire::{self, Header, Kind, NicAddr, Purpose, Welcome};
-use super::ConnError;
+use super::{ConnError, MemoryUnreachable};
 use crate::routing::FailReason;
-use crate::transport::memory::MemoryUnreachable;
 
 /// How long a lane that is done may keep flushing its last bytes.
 pub const LINGER: Duration = Duration::from_secs(2);

@@ -59,6 +59,21 @@ pub enum ConnError {
     PeerMemory,
 }
 
+/// A fabric's device cannot register memory one of a comm's messages is in (GPU memory
+/// out of its NIC's reach, or a driver without peer memory): the comm must move to a pair
+/// whose NIC can, which a probe of the pair would not show. The `io::Error` a lane fails
+/// with carries it, so that the engine can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryUnreachable(pub String);
+
+impl std::fmt::Display for MemoryUnreachable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for MemoryUnreachable {}
+
 /// Plain counters of one machine; telemetry reads them, the machine knows no metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {

@@ -616,17 +616,51 @@ unsafe extern "C" fn irecv_v8(
 
 unsafe extern "C" fn iflush(
     recv_comm: Ptr,
-    _n: c_int,
-    _data: *mut Ptr,
-    _sizes: *mut c_int,
-    _mhandles: *mut Ptr,
+    n: c_int,
+    data: *mut Ptr,
+    sizes: *mut c_int,
+    mhandles: *mut Ptr,
     request: *mut Ptr,
 ) -> NcclResult {
     guard("iflush", || {
-        // Host memory needs no flush: a NULL request means "nothing to wait for".
+        // NULL means "nothing to wait for": host memory, or nothing received.
         // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
         unsafe { write(request, std::ptr::null_mut(), "request") }?;
-        COMMS.get(recv_comm).map(|_| ())
+        let comm = COMMS.get(recv_comm)?;
+        let count = usize::try_from(n)
+            .ok()
+            .filter(|c| *c <= MAX_RECVS)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("iflush with n={n}: 0 to maxRecvs={MAX_RECVS}"))
+            })?;
+        // As NCCL's IB transport: one READ, at the last buffer that received bytes; it
+        // orders every earlier write of the NIC before it.
+        let mut last = None;
+        for i in 0..count {
+            // SAFETY: `sizes` is NULL or NCCL's array for this call, of `n` elements.
+            let size = unsafe { read_at(sizes.cast_const(), i, "sizes") }?;
+            if size > 0 {
+                last = Some(i);
+            }
+        }
+        let Some(i) = last else {
+            return Ok(());
+        };
+        // SAFETY: `data` and `mhandles` are NULL or NCCL's arrays for this call, of `n`
+        // elements.
+        let (buf, mh) = unsafe {
+            (
+                read_at(data.cast_const(), i, "data")?,
+                read_at(mhandles.cast_const(), i, "mhandles")?,
+            )
+        };
+        let mr = MRS.get(mh)?;
+        mr.check(&comm, buf as usize, 1)?;
+        if let Some(req) = plugin::iflush(&comm, buf as usize, &mr.region)? {
+            // SAFETY: `request` is NCCL's out-pointer for this call: NULL or writable.
+            unsafe { write(request, REQUESTS.insert(req), "request") }?;
+        }
+        Ok(())
     })
 }
 

@@ -4,7 +4,8 @@
 //! * `*request` is always written: a request, or NULL meaning "call again later"; a
 //!   value NCCL pre-stored there (`0x1`, a stale pointer) is overwritten.
 //! * `connect` and `accept` return success with a NULL comm until the comm is ready.
-//! * `deregMr(comm, NULL)` succeeds; `iflush` returns a NULL request for host memory.
+//! * `deregMr(comm, NULL)` succeeds; `iflush` returns a NULL request for host memory, and
+//!   for GPU memory one that `test` completes when the flush READs have.
 //! * NULL or unknown handles return `ncclInvalidArgument`; a panic returns
 //!   `ncclInternalError` ([`boundary`]); no unwind ever crosses into NCCL. After a panic
 //!   of the reactor thread, `listen`, `connect`, `accept`, `regMr`, `isend`, `irecv` and

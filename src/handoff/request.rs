@@ -29,6 +29,20 @@ pub struct Request {
     error: Mutex<Option<Error>>,
     /// The comm, so that `test` can free the request slot it holds.
     pub(crate) comm: Arc<CommShared>,
+    /// Whether it holds one of the comm's request slots (an `isend`/`irecv` does; an
+    /// `iflush` does not).
+    pub(crate) slot: bool,
+    /// A request `test` finishes itself, by asking this until it says done (a flush).
+    poll: Option<Mutex<Poller>>,
+}
+
+/// What a polled request asks: `Ok(true)` once done.
+pub struct Poller(pub Box<dyn FnMut() -> Result<bool, Error> + Send>);
+
+impl std::fmt::Debug for Poller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Poller")
+    }
 }
 
 /// What `test` reports.
@@ -55,6 +69,33 @@ impl Request {
             unsettled: AtomicUsize::new(count),
             error: Mutex::new(None),
             comm,
+            slot: true,
+            poll: None,
+        }
+    }
+
+    /// A request without a slot that `test` finishes by calling `poll` (an `iflush`).
+    pub(crate) fn polled(comm: Arc<CommShared>, poll: Poller) -> Request {
+        Request {
+            slot: false,
+            poll: Some(Mutex::new(poll)),
+            ..Request::group(comm, 1)
+        }
+    }
+
+    /// A polled request's progress, asked by `test`: settled when its poller says done
+    /// or fails.
+    pub(crate) fn progress(&self) {
+        let Some(p) = &self.poll else {
+            return;
+        };
+        if self.is_finished() {
+            return;
+        }
+        match (p.lock().0)() {
+            Ok(true) => self.settle(0, Ok(0)),
+            Ok(false) => {}
+            Err(e) => self.fail(e),
         }
     }
 
@@ -128,6 +169,27 @@ mod tests {
             Waker::new(poll.registry(), Token(0)).unwrap(),
         ));
         Arc::new(CommShared::new(Side::Recv, 0, q, 0))
+    }
+
+    #[test]
+    fn a_polled_request_is_done_when_its_poller_says_and_holds_no_slot() {
+        let mut answers = vec![Ok(true), Ok(false), Ok(false)];
+        let r = Request::polled(comm(), Poller(Box::new(move || answers.pop().unwrap())));
+        assert!(!r.slot, "an iflush takes none of the comm's request slots");
+        for _ in 0..2 {
+            r.progress();
+            assert_eq!(r.status(), Ok(Status::Pending));
+        }
+        r.progress();
+        assert_eq!(r.status(), Ok(Status::Done(0)));
+        r.progress(); // not asked again once done
+        let r = Request::polled(
+            comm(),
+            Poller(Box::new(|| Err(Error::System("READ failed".into())))),
+        );
+        r.progress();
+        assert_eq!(r.status(), Err(Error::System("READ failed".into())));
+        assert!(Request::group(comm(), 1).slot);
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::reactor::{LocalNic, ReactorHandle, ReactorStats, Setup};
 use crate::telemetry::exporter::ExporterConfig;
 use crate::telemetry::metrics::Telemetry;
 use crate::topology::{Fabric, Topology};
-pub use crate::transport::memory::{Memory, UserBuf};
+pub use crate::transport::memory::{Memory, Region, UserBuf};
 use crate::transport::tcp::{self, TcpFabric, TcpNic};
 use crate::transport::verbs::{self, VerbsFabric, VerbsNic};
 pub use net_handle::NetHandle;
@@ -744,6 +744,7 @@ pub fn irecv(
 /// the caller forgets the request. A request still pending when the reactor panicked
 /// never finishes: it fails here.
 pub fn test(req: &Request) -> Result<Status, Error> {
+    req.progress();
     let mut st = req.status();
     if matches!(st, Ok(Status::Pending)) {
         // The queue is poisoned only after the reactor's state is dropped: no buffer of
@@ -753,10 +754,46 @@ pub fn test(req: &Request) -> Result<Status, Error> {
             st = Err(e);
         }
     }
-    if !matches!(st, Ok(Status::Pending)) {
+    if !matches!(st, Ok(Status::Pending)) && req.slot {
         req.comm.release_slot();
     }
     st
+}
+
+/// `iflush` of a receive at `addr` in `region`: a request that is done once every NIC
+/// that wrote into the range has read back through it (GPU memory), or `None` when there
+/// is nothing to wait for (host memory, or no NIC registered it).
+pub fn iflush(
+    comm: &Arc<CommShared>,
+    addr: usize,
+    region: &Arc<Region>,
+) -> Result<Option<Arc<Request>>, Error> {
+    if comm.side != Side::Recv {
+        return Err(Error::InvalidArgument("iflush on a send comm".into()));
+    }
+    comm.queue.check()?;
+    let mut flushes = verbs::flush::flush_region(region, addr as u64)
+        .map_err(|e| Error::System(format!("flush of GPU memory at {addr:#x}: {e}")))?;
+    if flushes.is_empty() {
+        return Ok(None);
+    }
+    let poll = move || {
+        while let Some((f, ticket)) = flushes.last() {
+            if !f
+                .lock()
+                .done(*ticket)
+                .map_err(|e| Error::System(format!("flush of GPU memory at {addr:#x}: {e}")))?
+            {
+                return Ok(false);
+            }
+            flushes.pop();
+        }
+        Ok(true)
+    };
+    Ok(Some(Arc::new(Request::polled(
+        comm.clone(),
+        crate::handoff::request::Poller(Box::new(poll)),
+    ))))
 }
 
 /// `closeSend`/`closeRecv`: never blocks; the reactor flushes what it can and lets go.

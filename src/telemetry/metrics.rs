@@ -315,7 +315,7 @@ pub const METRICS: &[MetricSpec] = &[
         kind: MetricKind::Counter,
         labels: &["nic"],
         unit: "exclusions",
-        help: "A NIC (ours, or the peer's as the peer named it) left out of a comm's candidate pairs because it could not register the comm's GPU memory.",
+        help: "A NIC left out of a comm's candidate pairs because it could not register the comm's GPU memory (too far from the GPU, or no peer memory): ours by name, or the peer's as peer<i>/nic<j>. The comm moves to the next pair.",
     },
     MetricSpec {
         name: COMMS_GIVEN_UP_TOTAL,

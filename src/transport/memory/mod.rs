@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+pub use crate::conn::MemoryUnreachable;
 #[cfg(test)]
 pub(crate) use sys::SimMem;
 pub use sys::{LentBuf, UserBuf};
@@ -45,21 +46,6 @@ pub enum Memory {
     /// memory later; `offset` is where the range starts in the dma-buf.
     DmaBuf { fd: OwnedFd, offset: u64 },
 }
-
-/// A fabric's device cannot register memory one of a comm's messages is in (GPU memory
-/// out of its NIC's reach, or a driver without peer memory): the comm must move to a pair
-/// whose NIC can, which a probe of the pair would not show. The `io::Error` a lane fails
-/// with carries it, so that the engine can tell.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MemoryUnreachable(pub String);
-
-impl std::fmt::Display for MemoryUnreachable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for MemoryUnreachable {}
 
 impl std::fmt::Display for Memory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -22,10 +22,11 @@ use std::io;
 use std::sync::Arc;
 
 use super::device::VerbsNic;
-use super::lane::{local_gid, local_port, needs_grh, remote_qp, QpHello};
+use super::lane::{local_gid, local_port, needs_grh, remote_qp, QpHello, Registration};
 use super::sys::{wc, Completion, Mr, Pd, PolledCq, Qp, Read};
 use super::{completion_error, qp_timing};
 use crate::config::VerbsSettings;
+use crate::transport::memory::Region;
 
 /// Bytes one flush READs: NCCL's flush SGE has length 1 (into an `int` it registered).
 pub const FLUSH_BYTES: usize = 1;
@@ -41,6 +42,23 @@ pub type Ticket = u64;
 
 /// A device's flusher as [`Domain::flusher`](super::Domain::flusher) shares it.
 pub type SharedFlusher = Arc<parking_lot::Mutex<Flusher>>;
+
+/// Flushes what every device wrote into `region` (NCCL's `iflush` of a receive into GPU
+/// memory at `addr`): one READ at `addr` on the flush QP of each device that registered
+/// the range, since a comm's lanes may have written it from several NICs. The flushes to
+/// wait for; none for host memory or a range no device registered.
+pub fn flush_region(region: &Region, addr: u64) -> io::Result<Vec<(SharedFlusher, Ticket)>> {
+    if region.cpu_reachable() {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for (_, key) in region.keys() {
+        if let Ok(r) = key.downcast::<Registration>() {
+            out.extend(r.flush(addr)?);
+        }
+    }
+    Ok(out)
+}
 
 /// One device's flush QP and the host buffer its READs land in.
 #[derive(Debug)]

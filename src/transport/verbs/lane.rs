@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use super::device::VerbsNic;
 use super::domain::Domain;
+use super::flush::{SharedFlusher, Ticket};
 use super::sys::{
     wc, CompChannel, Completion, Cq, LocalPort, Mr, Qp, RawWrite, RemoteQp, UserMr,
     Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
@@ -483,7 +484,10 @@ pub struct VerbsLane {
     qps: Vec<Qp>,
     /// Per QP, the registrations of payloads written in place, held until their
     /// completions (which come in posting order).
-    held: Vec<VecDeque<Arc<Option<UserMr>>>>,
+    held: Vec<VecDeque<Arc<Registration>>>,
+    /// Its NIC and settings, for a registration of GPU memory to reach the flush QP.
+    nic: VerbsNic,
+    settings: VerbsSettings,
     send: Mr,
     recv: Mr,
     cq: Arc<Cq>,
@@ -551,6 +555,8 @@ impl VerbsLane {
                 got: Vec::with_capacity(hellos_len(n) + 1),
             },
             held: vec![VecDeque::new(); n],
+            nic: nic.clone(),
+            settings: *settings,
             qp_nums: qps.iter().map(Qp::qp_num).collect(),
             qps,
             send,
@@ -869,7 +875,7 @@ impl VerbsLane {
     /// memory failed (said once per range and device; the payload then goes through the
     /// ring); an error when GPU memory cannot be registered here, which the ring cannot
     /// carry either.
-    fn registration(&self, buf: &LentBuf) -> io::Result<Option<Arc<Option<UserMr>>>> {
+    fn registration(&self, buf: &LentBuf) -> io::Result<Option<Arc<Registration>>> {
         let Some(region) = buf.region() else {
             return Ok(None);
         };
@@ -882,6 +888,11 @@ impl VerbsLane {
                     }
                     None => UserMr::register(&dom.pd, region.base, region.len),
                 };
+                let flush = (!region.cpu_reachable()).then(|| FlushVia {
+                    dom: dom.clone(),
+                    nic: self.nic.clone(),
+                    settings: self.settings,
+                });
                 Ok::<_, Infallible>(match made {
                     Ok(mr) => {
                         USER_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
@@ -892,7 +903,10 @@ impl VerbsLane {
                             region.memory,
                             dom.name()
                         );
-                        Some(mr)
+                        Registration {
+                            mr: Some(mr),
+                            flush,
+                        }
                     }
                     Err(e) => {
                         tracing::warn!(
@@ -907,12 +921,12 @@ impl VerbsLane {
                                 "; comms whose messages are in it leave this device"
                             }
                         );
-                        None
+                        Registration { mr: None, flush }
                     }
                 })
             })
             .unwrap_or_else(|e| match e {});
-        if mr.is_some() {
+        if mr.mr.is_some() {
             return Ok(Some(mr));
         }
         if region.cpu_reachable() {
@@ -925,6 +939,37 @@ impl VerbsLane {
             region.len,
             dom.name()
         ))))
+    }
+}
+
+/// A device's registration of a range NCCL registered, as the range keeps it (one per
+/// device: see [`Region::key`](crate::transport::memory::Region::key)).
+#[derive(Debug)]
+pub struct Registration {
+    /// `None` when registering failed (said once; host memory then goes through rings).
+    pub mr: Option<UserMr>,
+    /// GPU memory: the device whose writes into it a flush must make visible.
+    flush: Option<FlushVia>,
+}
+
+#[derive(Debug)]
+struct FlushVia {
+    dom: Arc<Domain>,
+    nic: VerbsNic,
+    settings: VerbsSettings,
+}
+
+impl Registration {
+    /// Posts a flush READ at `addr` (inside the range) on the device's flush QP: what the
+    /// device wrote into the range is visible once the ticket is done. `None` for host
+    /// memory, which needs none, and where nothing was registered (the device wrote none).
+    pub fn flush(&self, addr: u64) -> io::Result<Option<(SharedFlusher, Ticket)>> {
+        let (Some(via), Some(mr)) = (&self.flush, &self.mr) else {
+            return Ok(None);
+        };
+        let f = via.dom.flusher(&via.nic, &via.settings)?;
+        let ticket = f.lock().post(addr, mr.rkey())?;
+        Ok(Some((f, ticket)))
     }
 }
 
@@ -950,7 +995,7 @@ impl Placer for VerbsLane {
         let Some(mr) = self.registration(buf)? else {
             return Ok(None);
         };
-        let Some(rkey) = mr.as_ref().as_ref().map(UserMr::rkey) else {
+        let Some(rkey) = mr.mr.as_ref().map(UserMr::rkey) else {
             return Ok(None);
         };
         let offer = Offer {
@@ -1017,9 +1062,9 @@ impl Placer for VerbsLane {
         };
         self.offers.remove(&seq);
         let mr = held
+            .mr
             .as_ref()
-            .as_ref()
-            .expect("registration() keeps only made ones");
+            .expect("registration() hands out only made ones");
         let qp = self.ring.send_qp();
         let mut off = 0;
         while off < len {
