@@ -26,6 +26,8 @@ struct Mem {
     rx: HashMap<usize, Vec<u8>>,
     tx: HashMap<usize, Vec<u8>>,
     broken: HashSet<usize>,
+    /// Lanes whose NIC cannot register the memory of the comm's next message.
+    unreachable: HashSet<usize>,
     refuse_connect: bool,
     /// Lanes the fabric is still setting up (not [`Io::ready`]).
     setting_up: BTreeSet<usize>,
@@ -65,6 +67,10 @@ impl Io for Mem {
         );
         if self.broken.contains(&k) {
             return Err(ReadError::Io(io::ErrorKind::TimedOut.into()));
+        }
+        if self.unreachable.contains(&k) {
+            let e = crate::conn::MemoryUnreachable(format!("lane {k}'s NIC cannot register it"));
+            return Err(ReadError::Io(io::Error::other(e)));
         }
         reader.next(&mut Src(self.rx.entry(k).or_default()))
     }
@@ -438,6 +444,53 @@ fn a_lane_buried_by_a_cut_counts_what_it_wrote_in_place() {
     p.a.inject_link(0, false, now, &mut p.ma);
     assert_eq!(p.ma.ops.last(), Some(&Op::Bury(0)));
     assert_eq!(p.a.metrics.placed_pending(), [7000]);
+}
+
+#[test]
+fn a_nic_that_cannot_register_the_memory_is_excluded_for_the_comm_and_counted() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    p.ma.unreachable.insert(0);
+    p.a.service_lane(0, now, &mut p.ma);
+    p.a.drive(now, &mut p.ma);
+    assert_eq!(p.a.stats.memory_exclusions.load(Ordering::Relaxed), 1);
+    // Its one NIC left out, the comm has no pair left and gives up at once, naming why.
+    let failure = p.a.comms[0].shared.failure().map(|e| e.to_string());
+    assert!(
+        failure.is_some(),
+        "the comm failed: no pair can reach its memory"
+    );
+}
+
+#[test]
+fn a_receiver_whose_nic_cannot_register_its_buffer_tells_the_sender_which_excludes_it() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    let kb = *p.mb.open.iter().next().unwrap();
+    p.mb.unreachable.insert(kb);
+    p.b.service_lane(kb, now, &mut p.mb);
+    p.b.drive(now, &mut p.mb);
+    assert_eq!(
+        p.b.stats.memory_exclusions.load(Ordering::Relaxed),
+        0,
+        "the receiver does not choose pairs"
+    );
+    // The receiver's Stalled, flagged for memory, reaches the sender.
+    let told = std::mem::take(p.mb.tx.entry(kb).or_default());
+    let stalled = Header::new(Kind::Stalled, 0, crate::conn::wire::STALLED_MEMORY).encode();
+    assert!(
+        told.windows(stalled.len()).any(|w| w == stalled),
+        "no Stalled(memory) among {} bytes",
+        told.len()
+    );
+    p.ma.rx.entry(0).or_default().extend(told);
+    p.a.service_lane(0, now, &mut p.ma);
+    p.a.drive(now, &mut p.ma);
+    assert_eq!(p.a.stats.memory_exclusions.load(Ordering::Relaxed), 1);
+    assert!(
+        p.a.comms[0].shared.failure().is_some(),
+        "no other remote NIC"
+    );
 }
 
 fn assert_send_sync<T: Send + Sync>() {}

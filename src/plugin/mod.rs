@@ -778,12 +778,10 @@ pub fn iflush(
         return Ok(None);
     }
     let poll = move || {
-        while let Some((f, ticket)) = flushes.last() {
-            if !f
-                .lock()
-                .done(*ticket)
-                .map_err(|e| Error::System(format!("flush of GPU memory at {addr:#x}: {e}")))?
-            {
+        while let Some(f) = flushes.last() {
+            let done = (f.done())
+                .map_err(|e| Error::System(format!("flush of GPU memory at {addr:#x}: {e}")))?;
+            if !done {
                 return Ok(false);
             }
             flushes.pop();

@@ -364,7 +364,8 @@ pub trait Placer: Write {
     /// A `Place` frame offering receive `seq` (`capacity` bytes of `buf`) to the peer,
     /// written just before its `Cts`, stamped with the receiver's generation `gen` (the
     /// lanes it had fenced when it decided the offer); `None` when the peer must send it
-    /// in the stream.
+    /// in the stream; an error when the buffer must be written in place (GPU memory) and
+    /// the lane cannot offer it.
     fn advertise(
         &mut self,
         seq: u64,

@@ -47,7 +47,7 @@ pub type SharedFlusher = Arc<parking_lot::Mutex<Flusher>>;
 /// memory at `addr`): one READ at `addr` on the flush QP of each device that registered
 /// the range, since a comm's lanes may have written it from several NICs. The flushes to
 /// wait for; none for host memory or a range no device registered.
-pub fn flush_region(region: &Region, addr: u64) -> io::Result<Vec<(SharedFlusher, Ticket)>> {
+pub fn flush_region(region: &Region, addr: u64) -> io::Result<Vec<PendingFlush>> {
     if region.cpu_reachable() {
         return Ok(Vec::new());
     }
@@ -58,6 +58,27 @@ pub fn flush_region(region: &Region, addr: u64) -> io::Result<Vec<(SharedFlusher
         }
     }
     Ok(out)
+}
+
+/// A flush posted on a device's flush QP, to wait for.
+#[derive(Debug)]
+pub struct PendingFlush {
+    pub(super) flusher: SharedFlusher,
+    pub(super) ticket: Ticket,
+    pub(super) dom: Arc<super::Domain>,
+}
+
+impl PendingFlush {
+    /// Whether the READ completed, without blocking. A fault the device's async events
+    /// reported for the flush QP's port or QP fails it at once, instead of after the
+    /// NIC's retries.
+    pub fn done(&self) -> io::Result<bool> {
+        let mut f = self.flusher.lock();
+        if let Some(why) = self.dom.fault(f.port(), &[f.qp_num()]) {
+            return Err(io::Error::other(why));
+        }
+        f.done(self.ticket)
+    }
 }
 
 /// One device's flush QP and the host buffer its READs land in.

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 
 use super::device::VerbsNic;
 use super::domain::Domain;
-use super::flush::{SharedFlusher, Ticket};
+use super::flush::PendingFlush;
 use super::sys::{
     wc, CompChannel, Completion, Cq, LocalPort, Mr, Qp, RawWrite, RemoteQp, UserMr,
     Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
@@ -963,13 +963,17 @@ impl Registration {
     /// Posts a flush READ at `addr` (inside the range) on the device's flush QP: what the
     /// device wrote into the range is visible once the ticket is done. `None` for host
     /// memory, which needs none, and where nothing was registered (the device wrote none).
-    pub fn flush(&self, addr: u64) -> io::Result<Option<(SharedFlusher, Ticket)>> {
+    pub fn flush(&self, addr: u64) -> io::Result<Option<PendingFlush>> {
         let (Some(via), Some(mr)) = (&self.flush, &self.mr) else {
             return Ok(None);
         };
-        let f = via.dom.flusher(&via.nic, &via.settings)?;
-        let ticket = f.lock().post(addr, mr.rkey())?;
-        Ok(Some((f, ticket)))
+        let flusher = via.dom.flusher(&via.nic, &via.settings)?;
+        let ticket = flusher.lock().post(addr, mr.rkey())?;
+        Ok(Some(PendingFlush {
+            flusher,
+            ticket,
+            dom: via.dom.clone(),
+        }))
     }
 }
 
