@@ -495,6 +495,7 @@ for r in 0 1 2; do
 done
 check doctor "doctor shows rxe2:1 ACTIVE Ethernet with a rail" grep -qE 'VT: doctor\| +rxe2:1 +ACTIVE +Ethernet .* rail [0-9]' "$a"
 check doctor "doctor marks the IPv4 RoCE v2 GID of rxe0" grep -q 'VT: doctor| .*\*gid\[[0-9]*\] RoCEv2 ::ffff:192.0.2.1' "$a"
+check doctor "doctor says rxe takes host memory only: no peer memory, no dma-buf MRs (EOPNOTSUPP)" grep -qE 'VT: doctor\| +host memory only: no GPU peer-memory client.*no dma-buf registration \(Operation not supported' "$a"
 check hca "RAILOVER_HCA=^=rxe1 leaves rxe0 and rxe2" sh -c "grep -q 'VT: hca| verbs-check: nic rxe0:1' '$a' && grep -q 'VT: hca| verbs-check: nic rxe2:1' '$a' && grep -q 'VT: hca| verbs-check: skipped rxe1:1: not selected by RAILOVER_HCA' '$a' && ! grep -q 'VT: hca| verbs-check: nic rxe1' '$a'"
 check check "verbs-check exited 0 on guest a" grep -q 'VT: check rc=0' "$a"
 check check "verbs-check exited 0 on guest b" grep -q 'VT: check rc=0' "$b"

@@ -21,10 +21,12 @@
 
 use std::path::PathBuf;
 
-use railover::config::Config;
+use railover::config::{Config, Gdr};
 use railover::topology::report::{DoctorReport, DoctorSettings};
 use railover::topology::{RailSource, Topology};
 use railover::transport::verbs::device::{self, Discovery};
+use railover::transport::verbs::sys::UserMr;
+use railover::transport::verbs::{gpu, Domain};
 
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(
@@ -148,9 +150,18 @@ struct VerbsNicReport {
     lid: u16,
     netdev: Option<String>,
     rail: Option<u32>,
+    /// Whether NCCL may hand it GPU memory (`ptrSupport`), and why; `None` when not probed.
+    gpu: Option<GpuReport>,
     /// The GID index a path uses; `None` on a RoCE port without a usable GID.
     gid_index: Option<u32>,
     gids: Vec<GidReport>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+struct GpuReport {
+    cuda: bool,
+    dmabuf: bool,
+    why: String,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -174,7 +185,24 @@ fn verbs_section(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> VerbsSect
     let config = Config::from_lookup(env).unwrap_or_default();
     let found = device::inventory(&config.verbs.gid, &root);
     let topo = Topology::discover(&root).ok();
-    summarize(&found, &config, topo.as_ref())
+    let mut v = summarize(&found, &config, topo.as_ref());
+    // As the plugin decides `ptrSupport`: peer memory in sysfs, a dma-buf probe per device.
+    let peer = gpu::peermem(&root);
+    for (report, nic) in v.nics.iter_mut().zip(&found.nics) {
+        let probe = match config.verbs.gdr {
+            Gdr::Off => Err("not probed".to_string()),
+            _ => Domain::open(&nic.device)
+                .and_then(|d| UserMr::dmabuf_supported(&d.pd))
+                .map_err(|e| e.to_string()),
+        };
+        let g = gpu::decide(config.verbs.gdr, peer, probe);
+        report.gpu = Some(GpuReport {
+            cuda: g.cuda,
+            dmabuf: g.dmabuf,
+            why: g.why,
+        });
+    }
+    v
 }
 
 fn summarize(found: &Discovery, config: &Config, topo: Option<&Topology>) -> VerbsSection {
@@ -211,6 +239,7 @@ fn summarize(found: &Discovery, config: &Config, topo: Option<&Topology>) -> Ver
                 lid: n.attr.lid,
                 netdev: n.netdev.clone(),
                 rail,
+                gpu: None,
                 gid_index: n.gid_index,
                 gids: n
                     .gids
@@ -250,6 +279,14 @@ fn render_verbs(v: &VerbsSection) -> String {
             n.netdev.as_deref().unwrap_or("-"),
             n.rail.map_or("-".into(), |r| r.to_string()),
         );
+        if let Some(g) = &n.gpu {
+            let what = match (g.cuda, g.dmabuf) {
+                (true, true) => "GPU memory (NCCL_PTR_CUDA | NCCL_PTR_DMABUF)",
+                (true, false) => "GPU memory (NCCL_PTR_CUDA)",
+                _ => "host memory only",
+            };
+            let _ = writeln!(o, "    {what}: {}", g.why);
+        }
         for g in &n.gids {
             let mark = if Some(g.index) == n.gid_index {
                 "*"
