@@ -366,18 +366,16 @@ impl Config {
                 accepted: "an integer number of bytes from 0 to 67108864",
             })? as usize;
         }
-        if let Some(v) = get("RAILOVER_FAIR_SHARE") {
-            cfg.fair_share = match v.trim().to_ascii_lowercase().as_str() {
-                "on" | "1" | "true" => true,
-                "off" | "0" | "false" => false,
-                _ => {
-                    return Err(ConfigError {
-                        var: "RAILOVER_FAIR_SHARE",
-                        value: v,
-                        accepted: "on or off",
-                    })
-                }
-            };
+        let on_off = [
+            ("on", true),
+            ("1", true),
+            ("true", true),
+            ("off", false),
+            ("0", false),
+            ("false", false),
+        ];
+        if let Some(on) = parse_keyword(&get, "RAILOVER_FAIR_SHARE", &on_off, "on or off")? {
+            cfg.fair_share = on;
         }
         if let Some(v) = get("RAILOVER_LOOPBACK_NICS") {
             cfg.loopback_nics = parse_u64(&v, 0, 16).ok_or(ConfigError {
@@ -511,6 +509,28 @@ impl EnvReader {
                 accepted: UTF8_ACCEPTED,
             }),
         }
+    }
+}
+
+/// `var`'s value among `words` (each keyword with what it means), case and surrounding
+/// blanks ignored; `None` when unset, an error naming `accepted` when no keyword matches.
+fn parse_keyword<T: Copy>(
+    get: &impl Fn(&'static str) -> Option<String>,
+    var: &'static str,
+    words: &[(&str, T)],
+    accepted: &'static str,
+) -> Result<Option<T>, ConfigError> {
+    let Some(v) = get(var) else {
+        return Ok(None);
+    };
+    let key = v.trim().to_ascii_lowercase();
+    match words.iter().find(|(w, _)| *w == key) {
+        Some(&(_, t)) => Ok(Some(t)),
+        None => Err(ConfigError {
+            var,
+            value: v,
+            accepted,
+        }),
     }
 }
 

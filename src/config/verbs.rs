@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use super::{parse_u64, ConfigError};
+use super::{parse_keyword, parse_u64, ConfigError};
 
 /// Which address family a RoCE GID must carry (`NCCL_IB_ADDR_FAMILY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -204,33 +204,25 @@ impl VerbsSettings {
         if let Some(n) = int("RAILOVER_QPS_PER_LANE", 1, 16, "an integer from 1 to 16")? {
             s.qps_per_lane = n as u8;
         }
-        if let Some(v) = get("RAILOVER_ZERO_COPY") {
-            s.zero_copy = match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => ZeroCopy::Auto,
-                "always" => ZeroCopy::Always,
-                "off" => ZeroCopy::Off,
-                _ => {
-                    return Err(ConfigError {
-                        var: "RAILOVER_ZERO_COPY",
-                        value: v,
-                        accepted: "auto (in place from 4 KiB), always (every payload in place) or off (through the rings)",
-                    })
-                }
-            };
+        if let Some(z) = parse_keyword(
+            get,
+            "RAILOVER_ZERO_COPY",
+            &[
+                ("auto", ZeroCopy::Auto),
+                ("always", ZeroCopy::Always),
+                ("off", ZeroCopy::Off),
+            ],
+            "auto (in place from 4 KiB), always (every payload in place) or off (through the rings)",
+        )? {
+            s.zero_copy = z;
         }
-        if let Some(v) = get("RAILOVER_GDR") {
-            s.gdr = match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => Gdr::Auto,
-                "force" => Gdr::Force,
-                "off" => Gdr::Off,
-                _ => {
-                    return Err(ConfigError {
-                        var: "RAILOVER_GDR",
-                        value: v,
-                        accepted: "auto (GPU memory when nvidia-peermem or dma-buf registration is there), force or off (host memory only)",
-                    })
-                }
-            };
+        if let Some(g) = parse_keyword(
+            get,
+            "RAILOVER_GDR",
+            &[("auto", Gdr::Auto), ("force", Gdr::Force), ("off", Gdr::Off)],
+            "auto (GPU memory when nvidia-peermem or dma-buf registration is there), force or off (host memory only)",
+        )? {
+            s.gdr = g;
         }
         if s.gdr == Gdr::Force && s.zero_copy == ZeroCopy::Off {
             return Err(ConfigError {
