@@ -279,6 +279,16 @@ pub enum End {
     Remote,
 }
 
+impl End {
+    /// This end's NIC of `pair`.
+    pub fn of(self, pair: Pair) -> NicId {
+        match self {
+            End::Local => pair.local,
+            End::Remote => pair.remote,
+        }
+    }
+}
+
 /// Something the reactor should log or act on, from [`Router::poll_event`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]

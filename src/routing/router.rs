@@ -92,15 +92,9 @@ struct Comm {
 }
 
 impl Comm {
-    /// The end of `pair` that cannot register the comm's memory, if one cannot.
-    fn unreachable_at(&self, pair: Pair) -> Option<End> {
-        self.unreachable.iter().find_map(|&(end, nic)| {
-            let at = match end {
-                End::Local => pair.local,
-                End::Remote => pair.remote,
-            };
-            (at == nic).then_some(end)
-        })
+    /// Whether an end of `pair` cannot register the comm's memory.
+    fn unreachable(&self, pair: Pair) -> bool {
+        (self.unreachable.iter()).any(|&(end, nic)| end.of(pair) == nic)
     }
 }
 
@@ -363,20 +357,12 @@ impl Router {
         now: Instant,
     ) -> Result<(), RouterError> {
         self.tick(now);
-        let c = self
-            .comms
-            .get(&comm)
-            .ok_or(RouterError::UnknownComm(comm))?;
-        let l = c
-            .lanes
-            .get(lane.0)
-            .ok_or(RouterError::UnknownLane { comm, lane })?;
-        if l.state != LaneState::Active
-            || self.moves.iter().any(|m| m.comm == comm && m.lane == lane)
+        let l = &self.comm_with_lane(comm, lane)?.lanes[lane.0];
+        let (state, pair) = (l.state, l.current);
+        if state != LaneState::Active || self.moves.iter().any(|m| m.comm == comm && m.lane == lane)
         {
             return Ok(());
         }
-        let pair = l.current;
         self.fail_pair(pair, reason, now);
         self.settle(now);
         Ok(())
@@ -395,18 +381,9 @@ impl Router {
         now: Instant,
     ) -> Result<(), RouterError> {
         self.tick(now);
-        let c = self
-            .comms
-            .get_mut(&comm)
-            .ok_or(RouterError::UnknownComm(comm))?;
-        let l = c
-            .lanes
-            .get_mut(lane.0)
-            .ok_or(RouterError::UnknownLane { comm, lane })?;
-        let nic = match end {
-            End::Local => l.current.local,
-            End::Remote => l.current.remote,
-        };
+        let c = self.comm_with_lane(comm, lane)?;
+        let l = &mut c.lanes[lane.0];
+        let nic = end.of(l.current);
         if l.state == LaneState::Active {
             l.state = LaneState::Pending {
                 reason,
@@ -419,6 +396,15 @@ impl Router {
         }
         self.settle(now);
         Ok(())
+    }
+
+    /// Comm `comm`, checked to have lane `lane`.
+    fn comm_with_lane(&mut self, comm: CommId, lane: LaneId) -> Result<&mut Comm, RouterError> {
+        let c = (self.comms.get_mut(&comm)).ok_or(RouterError::UnknownComm(comm))?;
+        if lane.0 >= c.lanes.len() {
+            return Err(RouterError::UnknownLane { comm, lane });
+        }
+        Ok(c)
     }
 
     /// The answer to a [`ProbeRequest`]: `ok` when the pair answered within the reactor's
@@ -733,7 +719,7 @@ impl Router {
         }
         let mut moved = 0;
         for (&comm, c) in &mut self.comms {
-            let home = c.unreachable_at(pair).is_none();
+            let home = !c.unreachable(pair);
             for (i, l) in c.lanes.iter_mut().enumerate() {
                 if home && l.original == pair && l.displaced() {
                     self.moves.push_back(Move {
@@ -915,9 +901,7 @@ impl Router {
                 let topology_unknown = allowed.is_ok_and(|a| a.distance_unknown);
                 let verdict = match allowed {
                     Err(e) => Verdict::Excluded(Exclusion::Rule(e)),
-                    Ok(_) if comm.unreachable_at(pair).is_some() => {
-                        Verdict::Excluded(Exclusion::Memory)
-                    }
+                    Ok(_) if comm.unreachable(pair) => Verdict::Excluded(Exclusion::Memory),
                     Ok(_) if self.down.contains(&x.id) => Verdict::Excluded(Exclusion::Down),
                     Ok(allowed) => match self.health(pair, loads, now) {
                         Health::Bad(_) => Verdict::Excluded(Exclusion::Unhealthy {
