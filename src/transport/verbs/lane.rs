@@ -485,7 +485,8 @@ pub struct VerbsLane {
     /// Per QP, the registrations of payloads written in place, held until their
     /// completions (which come in posting order).
     held: Vec<VecDeque<Arc<Registration>>>,
-    /// Its NIC and settings, for a registration of GPU memory to reach the flush QP.
+    /// Its NIC, for a registration of GPU memory to reach the flush QP; its settings,
+    /// for that and for when to write payloads in place (`RAILOVER_ZERO_COPY`).
     nic: VerbsNic,
     settings: VerbsSettings,
     send: Mr,
@@ -504,9 +505,6 @@ pub struct VerbsLane {
     ring: Ring,
     /// Receives the peer offered to have written in place, by sequence number.
     offers: BTreeMap<u64, Offer>,
-    zero_copy: ZeroCopy,
-    /// Offer every receive, whatever its size (a sender's GPU memory needs an offer).
-    offer_all: bool,
     peer_closed: bool,
     fenced: bool,
     /// The first error: its kind, its message, and whether it was [`MemoryUnreachable`].
@@ -571,8 +569,6 @@ impl VerbsLane {
             peer: None,
             ring: Ring::with_qps(RING, n),
             offers: BTreeMap::new(),
-            zero_copy: settings.zero_copy,
-            offer_all: settings.gdr != Gdr::Off && settings.zero_copy != ZeroCopy::Off,
             peer_closed: false,
             fenced: false,
             error: None,
@@ -985,10 +981,13 @@ impl Placer for VerbsLane {
         capacity: u64,
         gen: u64,
     ) -> io::Result<Option<Vec<u8>>> {
-        let gpu = !buf.cpu_reachable();
-        let least = match self.zero_copy {
-            _ if gpu || self.offer_all => 1,
+        // Unless RAILOVER_GDR=off (or no payload goes in place) every receive is offered:
+        // a sender's GPU memory needs one.
+        let offer_all = self.settings.gdr != Gdr::Off;
+        let least = match self.settings.zero_copy {
+            _ if !buf.cpu_reachable() => 1,
             ZeroCopy::Off => return Ok(None),
+            _ if offer_all => 1,
             ZeroCopy::Auto => PLACE_MIN,
             ZeroCopy::Always => 1,
         };
@@ -999,9 +998,9 @@ impl Placer for VerbsLane {
         let Some(mr) = self.registration(buf)? else {
             return Ok(None);
         };
-        let Some(rkey) = mr.mr.as_ref().map(UserMr::rkey) else {
-            return Ok(None);
-        };
+        let rkey = (mr.mr.as_ref())
+            .expect("registration() hands out only made ones")
+            .rkey();
         let offer = Offer {
             addr: buf.addr() as u64,
             rkey,
@@ -1014,7 +1013,7 @@ impl Placer for VerbsLane {
     fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, place: Placing) -> io::Result<bool> {
         self.check()?;
         let must = place.must || !buf.cpu_reachable();
-        let (least, wait) = match self.zero_copy {
+        let (least, wait) = match self.settings.zero_copy {
             _ if must => (1, true),
             ZeroCopy::Off => return Ok(false),
             ZeroCopy::Auto => (PLACE_MIN, false),
@@ -1037,7 +1036,7 @@ impl Placer for VerbsLane {
                 Ok(false)
             };
         };
-        if len > offer.capacity || (len < least && !must) {
+        if len < least || len > offer.capacity {
             self.offers.remove(&seq);
             return Ok(false);
         }
