@@ -21,12 +21,11 @@
 
 use std::path::PathBuf;
 
-use railover::config::{Config, Gdr};
+use railover::config::Config;
 use railover::topology::report::{DoctorReport, DoctorSettings};
 use railover::topology::{RailSource, Topology};
 use railover::transport::verbs::device::{self, Discovery};
-use railover::transport::verbs::sys::UserMr;
-use railover::transport::verbs::{gpu, Domain};
+use railover::transport::verbs::{gpu, Domain, GpuMemory};
 
 #[derive(Debug, Clone, Default, clap::Args)]
 #[command(
@@ -151,17 +150,10 @@ struct VerbsNicReport {
     netdev: Option<String>,
     rail: Option<u32>,
     /// Whether NCCL may hand it GPU memory (`ptrSupport`), and why; `None` when not probed.
-    gpu: Option<GpuReport>,
+    gpu: Option<GpuMemory>,
     /// The GID index a path uses; `None` on a RoCE port without a usable GID.
     gid_index: Option<u32>,
     gids: Vec<GidReport>,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-struct GpuReport {
-    cuda: bool,
-    dmabuf: bool,
-    why: String,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -189,18 +181,8 @@ fn verbs_section(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> VerbsSect
     // As the plugin decides `ptrSupport`: peer memory in sysfs, a dma-buf probe per device.
     let peer = gpu::peermem(&root);
     for (report, nic) in v.nics.iter_mut().zip(&found.nics) {
-        let probe = match config.verbs.gdr {
-            Gdr::Off => Err("not probed".to_string()),
-            _ => Domain::open(&nic.device)
-                .and_then(|d| UserMr::dmabuf_supported(&d.pd))
-                .map_err(|e| e.to_string()),
-        };
-        let g = gpu::decide(config.verbs.gdr, peer, probe);
-        report.gpu = Some(GpuReport {
-            cuda: g.cuda,
-            dmabuf: g.dmabuf,
-            why: g.why,
-        });
+        let g = gpu::of_device(config.verbs.gdr, peer, || Domain::open(&nic.device));
+        report.gpu = Some(g);
     }
     v
 }
@@ -280,12 +262,7 @@ fn render_verbs(v: &VerbsSection) -> String {
             n.rail.map_or("-".into(), |r| r.to_string()),
         );
         if let Some(g) = &n.gpu {
-            let what = match (g.cuda, g.dmabuf) {
-                (true, true) => "GPU memory (NCCL_PTR_CUDA | NCCL_PTR_DMABUF)",
-                (true, false) => "GPU memory (NCCL_PTR_CUDA)",
-                _ => "host memory only",
-            };
-            let _ = writeln!(o, "    {what}: {}", g.why);
+            let _ = writeln!(o, "    {}: {}", g.summary(), g.why);
         }
         for g in &n.gids {
             let mark = if Some(g.index) == n.gid_index {

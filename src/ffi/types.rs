@@ -17,8 +17,7 @@ pub const NCCL_INVALID_USAGE: NcclResult = 5;
 pub const NCCL_REMOTE_ERROR: NcclResult = 6;
 
 /// `regMr` pointer types.
-pub use crate::handoff::comm::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
-pub const NCCL_PTR_DMABUF: c_int = 0x4;
+pub use crate::handoff::comm::{NCCL_PTR_CUDA, NCCL_PTR_DMABUF, NCCL_PTR_HOST};
 
 pub const NCCL_NET_HANDLE_MAXSIZE: usize = 128;
 pub use crate::handoff::comm::NCCL_NET_MAX_REQUESTS;

@@ -18,7 +18,7 @@ use crate::transport::memory::{Memory, Region};
 pub const NCCL_NET_MAX_REQUESTS: usize = 32;
 /// Buffers one `irecv` may post (`maxRecvs`, which `ffi` reports): a grouped receive.
 pub const MAX_RECVS: usize = crate::conn::wire::MAX_GROUP as usize;
-/// `regMr` pointer types (`NCCL_PTR_HOST`, `NCCL_PTR_CUDA`, which `ffi` reports).
+/// `regMr` pointer types and `ptrSupport` bits (`NCCL_PTR_HOST`, `_CUDA`, `_DMABUF`).
 pub const NCCL_PTR_HOST: i32 = 0x1;
 pub const NCCL_PTR_CUDA: i32 = 0x2;
 pub const NCCL_PTR_DMABUF: i32 = 0x4;

@@ -25,7 +25,8 @@ use crate::reactor::{LocalNic, ReactorHandle, ReactorStats, Setup};
 use crate::telemetry::exporter::ExporterConfig;
 use crate::telemetry::metrics::Telemetry;
 use crate::topology::{Fabric, Topology};
-pub use crate::transport::memory::{Memory, Region, UserBuf};
+pub use crate::transport::memory::UserBuf;
+use crate::transport::memory::{Memory, Region};
 use crate::transport::tcp::{self, TcpFabric, TcpNic};
 use crate::transport::verbs::{self, VerbsFabric, VerbsNic};
 pub use net_handle::NetHandle;
@@ -117,16 +118,7 @@ impl Runtime {
             })
             .collect();
         for (n, g) in nics.iter().zip(&gpu) {
-            tracing::info!(
-                "railover: {}: {} ({})",
-                n.tcp.name,
-                if g.cuda {
-                    "GPU memory registered in place (NCCL_PTR_CUDA)"
-                } else {
-                    "host memory only"
-                },
-                g.why
-            );
+            tracing::info!("railover: {}: {} ({})", n.tcp.name, g.summary(), g.why);
         }
         let setup = Setup {
             nics: nics

@@ -7,8 +7,12 @@
 //! `ibv_reg_dmabuf_mr` take GPU memory exported as one. `RAILOVER_GDR` can force the first
 //! (a peer-memory client of another name) or turn both off.
 
+use std::io;
 use std::path::Path;
+use std::sync::Arc;
 
+use super::sys::UserMr;
+use super::Domain;
 use crate::config::Gdr;
 
 /// Files (under the sysfs root) whose presence says a GPU peer-memory client is loaded.
@@ -19,7 +23,7 @@ pub const PEERMEM: [&str; 3] = [
 ];
 
 /// What one NIC can do with GPU memory.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
 pub struct GpuMemory {
     /// `NCCL_PTR_CUDA`: `regMr` takes GPU memory.
     pub cuda: bool,
@@ -30,6 +34,15 @@ pub struct GpuMemory {
 }
 
 impl GpuMemory {
+    /// The verdict in a few words, as the log and `railover doctor` say it.
+    pub fn summary(&self) -> &'static str {
+        match (self.cuda, self.dmabuf) {
+            (true, true) => "GPU memory (NCCL_PTR_CUDA | NCCL_PTR_DMABUF)",
+            (true, false) => "GPU memory (NCCL_PTR_CUDA)",
+            (false, _) => "host memory only",
+        }
+    }
+
     /// Host memory only, because of `why`.
     pub fn none(why: impl Into<String>) -> GpuMemory {
         GpuMemory {
@@ -43,6 +56,22 @@ impl GpuMemory {
 /// The first peer-memory file present under `sysfs_root`.
 pub fn peermem(sysfs_root: &Path) -> Option<&'static str> {
     PEERMEM.into_iter().find(|f| sysfs_root.join(f).exists())
+}
+
+/// What `gdr` and the checks make of one device: `open` gives its domain, for the dma-buf
+/// probe, and is not called under `RAILOVER_GDR=off`.
+pub fn of_device(
+    gdr: Gdr,
+    peermem: Option<&str>,
+    open: impl FnOnce() -> io::Result<Arc<Domain>>,
+) -> GpuMemory {
+    let probe = match gdr {
+        Gdr::Off => Err("not probed".to_string()),
+        _ => open()
+            .and_then(|d| UserMr::dmabuf_supported(&d.pd))
+            .map_err(|e| e.to_string()),
+    };
+    decide(gdr, peermem, probe)
 }
 
 /// What `gdr` makes of the checks: the peer-memory file found, and the device's dma-buf

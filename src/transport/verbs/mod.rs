@@ -108,17 +108,9 @@ impl VerbsFabric {
     /// (and kept open, as the fabric's).
     pub fn gpu_memory(&mut self, sysfs_root: &std::path::Path) -> Vec<GpuMemory> {
         let peer = gpu::peermem(sysfs_root);
+        let gdr = self.settings.gdr;
         (0..self.verbs.len())
-            .map(|nic| {
-                if self.settings.gdr == crate::config::Gdr::Off {
-                    return GpuMemory::none("RAILOVER_GDR=off");
-                }
-                let probe = self
-                    .domain(nic)
-                    .and_then(|d| sys::UserMr::dmabuf_supported(&d.pd))
-                    .map_err(|e| e.to_string());
-                gpu::decide(self.settings.gdr, peer, probe)
-            })
+            .map(|nic| gpu::of_device(gdr, peer, || self.domain(nic)))
             .collect()
     }
 
