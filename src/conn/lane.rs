@@ -70,7 +70,8 @@ impl Cause {
     /// A socket or protocol error, for the reason it implies.
     pub fn error(error: ConnError) -> Cause {
         let reason = match error {
-            ConnError::Io(_) => FailReason::NicError,
+            // A NIC that cannot register the memory is a NIC's error, not a slow path.
+            ConnError::Io(_) | ConnError::Memory(_) | ConnError::PeerMemory => FailReason::NicError,
             _ => FailReason::Timeout,
         };
         Cause::new(error, reason)
@@ -715,6 +716,14 @@ mod tests {
         assert_eq!(
             Cause::error(ConnError::PeerClosed).reason,
             FailReason::Timeout
+        );
+        let gpu = io::Error::other(MemoryUnreachable("GPU memory: rxe1 refuses".into()));
+        let c = Cause::error(io_error(&gpu));
+        assert!(matches!(c.error, ConnError::Memory(_)), "{:?}", c.error);
+        assert_eq!(c.reason, FailReason::NicError, "a NIC's refusal");
+        assert_eq!(
+            Cause::error(ConnError::PeerMemory).reason,
+            FailReason::NicError
         );
     }
 }

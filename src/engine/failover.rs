@@ -721,10 +721,6 @@ impl Engine {
         self.fail_lane(k, cause, now, io);
     }
 
-    /// A receiver lets lane `k` of comm `c` go for a path failure: it tells the sender
-    /// first. In a one-way failure the sender still hears us and would otherwise never
-    /// notice; after a short carrier flap it would read only our close and take the comm
-    /// for ended. Best effort, one small write, before the close.
     /// Comm `c`'s lane on `pair` failed because the NIC at `end` cannot register the
     /// comm's memory: said and counted; the router leaves that NIC out for the comm.
     fn memory_excluded(&mut self, c: usize, pair: Option<Pair>, end: End) {
@@ -742,6 +738,11 @@ impl Engine {
         self.setup.telemetry.record_memory_exclusion(&nic);
     }
 
+    /// A receiver lets lane `k` of comm `c` go for a path failure: it tells the sender
+    /// first (`memory`: because our NIC cannot register the comm's memory). In a one-way
+    /// failure the sender still hears us and would otherwise never notice; after a short
+    /// carrier flap it would read only our close and take the comm for ended. Best
+    /// effort, one small write, before the close.
     fn tell_sender(&mut self, c: usize, k: usize, memory: bool, io: &mut dyn Io) {
         if self
             .comms
@@ -750,6 +751,16 @@ impl Engine {
         {
             let lane = &mut self.lanes[k];
             let why = if memory { STALLED_MEMORY } else { 0 };
+            if memory {
+                let nic = (lane.nic.and_then(|n| self.setup.nics.get(n)))
+                    .map_or("this lane's NIC", |n| n.name.as_str());
+                tracing::warn!(
+                    "railover: comm {c}: {nic} cannot register the comm's receive buffers (GPU memory out of its reach?); the sender is told to leave it out"
+                );
+            }
+            // Offers still queued would go first, and one this NIC cannot register
+            // would fail the write again before the Stalled is out.
+            lane.writer.drop_offers();
             lane.writer
                 .push_ctrl(&Header::new(Kind::Stalled, 0, why).encode());
             let _ = io.write(k, &mut lane.writer);

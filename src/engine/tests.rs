@@ -28,6 +28,9 @@ struct Mem {
     broken: HashSet<usize>,
     /// Lanes whose NIC cannot register the memory of the comm's next message.
     unreachable: HashSet<usize>,
+    /// Lanes whose NIC cannot register receive buffers: each offer fails the write, as
+    /// a verbs lane's does for GPU memory out of its reach.
+    refuses_offers: HashSet<usize>,
     refuse_connect: bool,
     /// Lanes the fabric is still setting up (not [`Io::ready`]).
     setting_up: BTreeSet<usize>,
@@ -79,7 +82,11 @@ impl Io for Mem {
             self.open.contains(&k),
             "write to lane {k}, which is not open"
         );
-        writer.flush(self.tx.entry(k).or_default())
+        let out = self.tx.entry(k).or_default();
+        if self.refuses_offers.contains(&k) {
+            return writer.flush_placing(&mut Refusing(out));
+        }
+        writer.flush(out)
     }
     fn progress(&self, k: usize) -> LaneProgress {
         // A closed lane's counts are gone with it, as in the reactor.
@@ -110,6 +117,32 @@ impl Io for Mem {
     }
     fn unbury(&mut self) {
         self.ops.push(Op::Unbury);
+    }
+}
+
+/// A lane whose NIC refuses to register any receive buffer it is asked to offer.
+struct Refusing<'a>(&'a mut Vec<u8>);
+
+impl std::io::Write for Refusing<'_> {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        self.0.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl crate::transport::frames::Placer for Refusing<'_> {
+    fn advertise(
+        &mut self,
+        seq: u64,
+        _: &crate::transport::memory::LentBuf,
+        _: u64,
+        _: u64,
+    ) -> io::Result<Option<Vec<u8>>> {
+        let e = crate::conn::MemoryUnreachable(format!("receive {seq}: not registrable here"));
+        Err(io::Error::other(e))
     }
 }
 
@@ -491,6 +524,36 @@ fn a_receiver_whose_nic_cannot_register_its_buffer_tells_the_sender_which_exclud
         p.a.comms[0].shared.failure().is_some(),
         "no other remote NIC"
     );
+}
+
+#[test]
+fn a_receiver_whose_nic_refuses_its_queued_offers_still_gets_its_stalled_out() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    let kb = *p.mb.open.iter().next().unwrap();
+    p.mb.refuses_offers.insert(kb);
+    let shared = p.b.comms[0].shared.clone();
+    // Two receives: an offer and a Cts each, queued before the first offer fails.
+    for tag in 0..2 {
+        let req = Arc::new(Request::new(shared.clone()));
+        let buf = UserBuf::of_slice(Vec::leak(vec![0u8; 8192]));
+        p.b.post(&shared, Side::Recv, &req, vec![(buf, tag)], &mut p.mb);
+    }
+    p.b.drive(now, &mut p.mb);
+    assert!(p.mb.ops.contains(&Op::Close(kb)), "{:?}", p.mb.ops);
+    let told = std::mem::take(p.mb.tx.entry(kb).or_default());
+    let stalled = Header::new(Kind::Stalled, 0, crate::conn::wire::STALLED_MEMORY).encode();
+    assert!(
+        told.windows(stalled.len()).any(|w| w == stalled),
+        "the Stalled(memory) stayed behind the second offer ({} bytes out)",
+        told.len()
+    );
+    // The sender hears why and leaves the receiver's NIC out, rather than take the
+    // lane's close for the comm's.
+    p.ma.rx.entry(0).or_default().extend(told);
+    p.a.service_lane(0, now, &mut p.ma);
+    p.a.drive(now, &mut p.ma);
+    assert_eq!(p.a.stats.memory_exclusions.load(Ordering::Relaxed), 1);
 }
 
 fn assert_send_sync<T: Send + Sync>() {}

@@ -462,6 +462,13 @@ impl FrameWriter {
         });
     }
 
+    /// Forgets the queued offers: for a lane about to go, whose last words must not wait
+    /// behind offers it can no longer make (no byte of an offer is out before it is
+    /// settled, so the stream stays whole).
+    pub fn drop_offers(&mut self) {
+        self.q.retain(|c| !matches!(c, Chunk::Advertise { .. }));
+    }
+
     /// Queues the first `len` bytes of `buf`.
     pub fn push_payload(&mut self, buf: LentBuf, len: usize) {
         if len > 0 {
