@@ -178,10 +178,14 @@ fn verbs_section(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> VerbsSect
     let found = device::inventory(&config.verbs.gid, &root);
     let topo = Topology::discover(&root).ok();
     let mut v = summarize(&found, &config, topo.as_ref());
-    // As the plugin decides `ptrSupport`: peer memory in sysfs, a dma-buf probe per device.
+    // As the plugin decides `ptrSupport`: RAILOVER_GDR_HCA, peer memory in sysfs, a
+    // dma-buf probe per device.
     let peer = gpu::peermem(&root);
     for (report, nic) in v.nics.iter_mut().zip(&found.nics) {
-        let g = gpu::of_device(config.verbs.gdr, peer, || Domain::open(&nic.device));
+        let selected = config.gdr_hca.selects(&nic.device, nic.port);
+        let g = gpu::of_device(config.verbs.gdr, selected, peer, || {
+            Domain::open(&nic.device)
+        });
         report.gpu = Some(g);
     }
     v

@@ -228,6 +228,9 @@ pub struct Config {
     pub transport: TransportChoice,
     /// `RAILOVER_HCA`: which verbs devices and ports are NICs.
     pub hca: HcaFilter,
+    /// `RAILOVER_GDR_HCA`: which verbs NICs may move GPU memory (the others report host
+    /// memory only, and no comm's GPU memory moves onto them).
+    pub gdr_hca: HcaFilter,
     /// `RAILOVER_IB_*` and `RAILOVER_QPS_PER_LANE`: GID choice and QP settings of verbs lanes.
     pub verbs: VerbsSettings,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
@@ -249,6 +252,7 @@ impl Default for Config {
             stripes: None,
             transport: TransportChoice::Auto,
             hca: HcaFilter::default(),
+            gdr_hca: HcaFilter::default(),
             verbs: VerbsSettings::default(),
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
@@ -408,12 +412,17 @@ impl Config {
                     }),
                 };
         }
-        if let Some(v) = get("RAILOVER_HCA") {
-            cfg.hca = HcaFilter::parse(&v).map_err(|_| ConfigError {
-                var: "RAILOVER_HCA",
-                value: v.clone(),
-                accepted: "a comma-separated list of RDMA device names or prefixes, each optionally :PORT (e.g. mlx5_0:1), optionally starting with ^ (exclude) and/or = (exact)",
-            })?;
+        for (var, filter) in [
+            ("RAILOVER_HCA", &mut cfg.hca),
+            ("RAILOVER_GDR_HCA", &mut cfg.gdr_hca),
+        ] {
+            if let Some(v) = get(var) {
+                *filter = HcaFilter::parse(&v).map_err(|_| ConfigError {
+                    var,
+                    value: v.clone(),
+                    accepted: "a comma-separated list of RDMA device names or prefixes, each optionally :PORT (e.g. mlx5_0:1), optionally starting with ^ (exclude) and/or = (exact)",
+                })?;
+            }
         }
         cfg.verbs = VerbsSettings::from_lookup(&get)?;
         if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
@@ -606,6 +615,8 @@ mod tests {
             ("RAILOVER_HCA", "mlx5_0:256"),
             ("RAILOVER_HCA", ":1"),
             ("RAILOVER_HCA", "mlx5 0"),
+            ("RAILOVER_GDR_HCA", "^"),
+            ("RAILOVER_GDR_HCA", "mlx5_0:x"),
             ("RAILOVER_IB_GID_INDEX", "256"),
             ("RAILOVER_IB_GID_INDEX", "first"),
             ("RAILOVER_IB_ROCE_VERSION", "3"),
@@ -659,8 +670,13 @@ mod tests {
         ] {
             assert_eq!(cfg(&[("RAILOVER_TRANSPORT", v)]).unwrap().transport, want);
         }
-        let c = cfg(&[("RAILOVER_HCA", "rxe0:1")]).unwrap();
+        let c = cfg(&[("RAILOVER_HCA", "rxe0:1"), ("RAILOVER_GDR_HCA", "^=rxe1")]).unwrap();
         assert_eq!(c.hca.entries, vec![("rxe0".to_string(), Some(1))]);
+        assert!(c.gdr_hca.selects("rxe0", 1) && !c.gdr_hca.selects("rxe1", 1));
+        assert!(
+            cfg(&[]).unwrap().gdr_hca.selects("mlx5_3", 1),
+            "every NIC by default"
+        );
     }
 
     #[test]

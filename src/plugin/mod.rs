@@ -91,7 +91,7 @@ impl Runtime {
             .map(|v| VerbsFabric::with_settings(v, config.verbs))
             .transpose()?;
         let gpu = match verbs_fabric.as_mut() {
-            Some(f) => f.gpu_memory(&config.sysfs_root),
+            Some(f) => f.gpu_memory(&config.sysfs_root, &config.gdr_hca),
             None => Vec::new(),
         };
         let topo = match Topology::discover_fabric(&config.sysfs_root, kind) {

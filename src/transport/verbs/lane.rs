@@ -43,6 +43,7 @@ use std::time::{Duration, Instant};
 use super::device::VerbsNic;
 use super::domain::Domain;
 use super::flush::PendingFlush;
+use super::gpu::{self, GpuMemory};
 use super::sys::{
     wc, CompChannel, Completion, Cq, LocalPort, Mr, Qp, RawWrite, RemoteQp, UserMr,
     Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
@@ -510,6 +511,9 @@ pub struct VerbsLane {
     /// The first error: its kind, its message, and whether it was [`MemoryUnreachable`].
     error: Option<(io::ErrorKind, String, bool)>,
     wcs: Vec<Completion>,
+    /// What the NIC can do with GPU memory, where the fabric judged it: GPU memory it
+    /// cannot take is refused without a registration attempt.
+    gpu: Option<GpuMemory>,
 }
 
 impl VerbsLane {
@@ -573,7 +577,15 @@ impl VerbsLane {
             fenced: false,
             error: None,
             wcs: Vec::with_capacity(64),
+            gpu: None,
         })
+    }
+
+    /// The lane's NIC can do `gpu` with GPU memory (`None`: not judged, so registering
+    /// is tried whatever the memory).
+    pub fn taking(mut self, gpu: Option<GpuMemory>) -> VerbsLane {
+        self.gpu = gpu;
+        self
     }
 
     /// Bytes in the ring, or the peer's close, not yet read. A completion reaped by a
@@ -876,6 +888,13 @@ impl VerbsLane {
             return Ok(None);
         };
         let dom = &self.dom;
+        let nic = self.nic.label();
+        if let Some(why) = (self.gpu.as_ref()).and_then(|g| gpu::refusal(g, &nic, &region.memory)) {
+            return Err(io::Error::other(MemoryUnreachable(format!(
+                "{} at {:#x}+{} is refused: {why}",
+                region.memory, region.base, region.len
+            ))));
+        }
         let mr = region
             .key(dom.id, || {
                 let made = match region.dmabuf() {

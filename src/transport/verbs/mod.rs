@@ -66,6 +66,9 @@ pub struct VerbsFabric {
     /// Each device opened once, for all its lanes and for its async events.
     domains: Vec<Arc<Domain>>,
     settings: VerbsSettings,
+    /// What each NIC can do with GPU memory, once [`VerbsFabric::gpu_memory`] judged it:
+    /// its lanes refuse GPU memory it cannot take.
+    gpu: Vec<GpuMemory>,
     /// Where closed lanes go to be torn down (see [`Fabric::close`]).
     reaper: Option<std::sync::mpsc::Sender<VerbsLane>>,
 }
@@ -98,20 +101,31 @@ impl VerbsFabric {
             nics: fabric,
             verbs: nics,
             domains: Vec::new(),
+            gpu: Vec::new(),
             reaper: reaper(),
             settings,
         })
     }
 
-    /// What each NIC can do with GPU memory (`ptrSupport`), as `RAILOVER_GDR` and the
-    /// checks under `sysfs_root` decide: a dma-buf probe on each device, opened for it
-    /// (and kept open, as the fabric's).
-    pub fn gpu_memory(&mut self, sysfs_root: &std::path::Path) -> Vec<GpuMemory> {
+    /// What each NIC can do with GPU memory (`ptrSupport`), as `RAILOVER_GDR`,
+    /// `gdr_hca` (`RAILOVER_GDR_HCA`) and the checks under `sysfs_root` decide: a dma-buf
+    /// probe on each device, opened for it (and kept open, as the fabric's). Lanes made
+    /// afterwards refuse the GPU memory their NIC cannot take.
+    pub fn gpu_memory(
+        &mut self,
+        sysfs_root: &std::path::Path,
+        gdr_hca: &crate::config::HcaFilter,
+    ) -> Vec<GpuMemory> {
         let peer = gpu::peermem(sysfs_root);
         let gdr = self.settings.gdr;
-        (0..self.verbs.len())
-            .map(|nic| gpu::of_device(gdr, peer, || self.domain(nic)))
-            .collect()
+        self.gpu = (0..self.verbs.len())
+            .map(|nic| {
+                let n = &self.verbs[nic];
+                let selected = gdr_hca.selects(&n.device, n.port);
+                gpu::of_device(gdr, selected, peer, || self.domain(nic))
+            })
+            .collect();
+        self.gpu.clone()
     }
 
     /// The device of NIC `nic`, opened the first time.
@@ -214,7 +228,8 @@ impl Fabric for VerbsFabric {
                         continue;
                     };
                     let dom = self.domain(nic)?;
-                    let lane = VerbsLane::new(&dom, &self.verbs[nic], stream, &self.settings)?;
+                    let lane = VerbsLane::new(&dom, &self.verbs[nic], stream, &self.settings)?
+                        .taking(self.gpu.get(nic).cloned());
                     Ok(Some((lane, Some(nic))))
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
@@ -244,12 +259,13 @@ impl Fabric for VerbsFabric {
             Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
             Err(e) => return Err(e),
         }
-        VerbsLane::new(
+        Ok(VerbsLane::new(
             &self.domain(nic)?,
             &self.verbs[nic],
             mio::net::TcpStream::from_std(sock.into()),
             &self.settings,
-        )
+        )?
+        .taking(self.gpu.get(nic).cloned()))
     }
 
     fn read(
