@@ -23,6 +23,9 @@
 #   q2    two QPs per lane (RAILOVER_QPS_PER_LANE=2) through the sender's rail 0 down;
 #   za    every payload in place (RAILOVER_ZERO_COPY=always), resent ones included, through
 #         the sender's rail 0 down;
+#   gs/gr GPU-typed memory (NCCL_PTR_CUDA) through the sender's rail 0 down, with rxe1
+#         left out of GPU memory (RAILOVER_GDR_HCA) on the sender (gs) or the receiver
+#         (gr): the moved comm must leave rxe1 for rxe2, nothing lost or copied;
 #   kp    the sender SIGKILLed mid-stream: the receiver fails every comm with
 #         ncclSystemError/ncclRemoteError within completion + probe timeout + 4 s;
 #   abi   tests/abi/driver.c (ncclNetPlugin_v12) against the built .so in guest a, its
@@ -313,6 +316,19 @@ unset RAILOVER_QPS_PER_LANE
 export RAILOVER_ZERO_COPY=always
 want za && scn za 18709 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --seconds 18
 unset RAILOVER_ZERO_COPY
+# GPU memory (fault-peer --gpu: NCCL_PTR_CUDA on host memory, RAILOVER_GDR=force) on the
+# comms of NICs that take it; rxe1 left out of GPU memory by RAILOVER_GDR_HCA on one
+# guest, so its comm there runs on host memory, and when the sender's rail 0 goes down
+# the moved comm's GPU memory must not land on rxe1: refused there, that NIC left out
+# for the comm, everything on rxe2. gs: the sender's rxe1; gr: the receiver's (which
+# tells the sender).
+export RAILOVER_GDR=force
+[ "$role" = b ] && export RAILOVER_GDR_HCA='^=rxe1'
+want gs && scn gs 18713 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --gpu --seconds 18
+unset RAILOVER_GDR_HCA
+[ "$role" = a ] && export RAILOVER_GDR_HCA='^=rxe1'
+want gr && scn gr 18714 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --gpu --seconds 18
+unset RAILOVER_GDR_HCA RAILOVER_GDR
 # The sender SIGKILLed mid-stream: the receiver must fail its comms, not hang.
 want kp && scn kp 18707 b 'sleep 3; kill -9 $p; echo "VT: kp sender killed $(now)s"' \
     --per-dev 1 --size 256K --depth 4 --grace 4 --tick-ms 250 --seconds 15
@@ -351,6 +367,9 @@ for s in $steps; do
       grep '"event":"error"' /tmp/$s | head -12; grep '"event":"error"' /tmp/$s | tail -1; } | sed "s/^/VT: $s| /"
     grep -E 'fabric verbs|failover comm=|failback comm=|NIC rxe|gave up|turned away|WARN|ERROR' /tmp/$s.err |
         head -40 | sed "s/^/VT: $s.err| /"
+    # Which memory each comm registered, and what refused it.
+    grep -E 'buffers registered as|cannot register|came through the stream|only a NIC can send' /tmp/$s.err |
+        head -12 | sed "s/^/VT: $s.mem| /"
 done
 # Placement while rxe0 and rxe1 were down (sender), and the killed sender's last data.
 grep -s '"event":"lanes"' /tmp/tw | grep '"counts":\[0,0,[1-9]' | head -1 | sed 's/^/VT: tw| /'
@@ -386,7 +405,7 @@ done
 kernel=$kroot/boot/vmlinuz-$kver
 # RAILOVER_VERBS_STEPS=abi,fo (say) runs only those steps, for working on one; the tier
 # then ends with a SKIP line instead of "passed".
-all_steps="base fp pb pl fo rd bd fl tw q2 za kp abi gd"
+all_steps="base fp pb pl fo rd bd fl tw q2 za gs gr kp abi gd"
 only=${RAILOVER_VERBS_STEPS:-}
 for st in ${only//,/ }; do
     case " $all_steps " in *" $st "*) ;; *) fail "RAILOVER_VERBS_STEPS=$only: no step '$st' (steps: $all_steps)" ;; esac
@@ -578,6 +597,25 @@ check za "every payload in place: a comm failed over off rail 0" has 'VT: za.err
 check za "every payload in place: the sender's NIC wrote every byte it completed" placed_all za
 no_copies() { [ "$(field_of "$1" streamed_in "$a")" = 0 ] && [ "$(field_of "$1" streamed_out "$b")" = 0 ]; }
 check za "every payload in place: no payload byte went through a ring, resent ones included (0 streamed either end)" no_copies za
+# gs/gr: GPU memory kept off the NIC that cannot take it.
+gpu_on() { # STEP GUEST-LOG: comms 0 and 2 in GPU memory, comm 1 (on rxe1) in host memory
+    has "VT: $1.mem\| fault-peer: comm 0 .*NCCL_PTR_CUDA" "$2" && has "VT: $1.mem\| fault-peer: comm 2 .*NCCL_PTR_CUDA" "$2" &&
+        has "VT: $1.mem\| fault-peer: comm 1 on device 1 .*NCCL_PTR_HOST" "$2"
+}
+never_copied() { ! has "VT: $1.mem\| .*(came through the stream|only a NIC can send)" "$a" && ! has "VT: $1.mem\| .*(came through the stream|only a NIC can send)" "$b"; }
+exactly_once gs "GPU memory, the sender's rxe1 without it, sender's rail 0 down"
+check gs "GPU memory, the sender's rxe1 without it: comm 1 on host memory there (ptrSupport), comms 0 and 2 on GPU memory" gpu_on gs "$b"
+check gs "GPU memory, the sender's rxe1 without it: a comm failed over off rxe0" has 'VT: gs.err\| .*failover comm=[0-9]+ rxe0->' "$b"
+check gs "GPU memory, the sender's rxe1 without it: rxe1 refused the moved comm's GPU memory, which left it (counted exclusion)" has 'VT: gs.mem\| .*rxe1 cannot register the comm.s memory' "$b"
+check gs "GPU memory, the sender's rxe1 without it: no GPU payload was copied by the CPU" never_copied gs
+check gs "GPU memory, the sender's rxe1 without it: traffic failed back onto rxe0" has 'VT: gs.err\| .*failback comm=[0-9]+ .* => rxe0->' "$b" "$a"
+exactly_once gr "GPU memory, the receiver's rxe1 without it, sender's rail 0 down"
+check gr "GPU memory, the receiver's rxe1 without it: comm 1 on host memory there (ptrSupport), comms 0 and 2 on GPU memory" gpu_on gr "$a"
+check gr "GPU memory, the receiver's rxe1 without it: a comm failed over off rxe0" has 'VT: gr.err\| .*failover comm=[0-9]+ rxe0->' "$b"
+check gr "GPU memory, the receiver's rxe1 without it: the receiver's rxe1 refused the moved comm's receive buffers (WARN)" has 'VT: gr.mem\| .*rxe1 cannot register the comm.s receive buffers' "$a"
+check gr "GPU memory, the receiver's rxe1 without it: the receiver told the sender, which left the peer's NIC 1 out for the comm" has 'VT: gr.mem\| .*peer[0-9]+/nic1 cannot register the comm.s memory' "$b"
+check gr "GPU memory, the receiver's rxe1 without it: no GPU payload was copied by the CPU" never_copied gr
+check gr "GPU memory, the receiver's rxe1 without it: traffic failed back onto rxe0" has 'VT: gr.err\| .*failback comm=[0-9]+ .* => rxe0->' "$b" "$a"
 # kp: the sender SIGKILLed mid-stream.
 timeout_ms=$(grep -ao 'VT: completion timeout [0-9]*' "$a" | grep -o '[0-9]*$' | tail -1)
 probe_ms=$(grep -ao 'probe timeout [0-9]*' "$a" | grep -o '[0-9]*$' | tail -1)
@@ -615,7 +653,7 @@ foregs=$(field_of fo registrations "$b")
 ran fo && echo "verbs tier: zero copy through the failover: the sender's NIC wrote ${foplaced:-?} of ${fobytes:-?} bytes in place (replays come through the ring); the sender's registrations grew from 12 to ${foregs:-?} on the backups"
 ran kp && echo "verbs tier: killed sender: the receiver's last error $kp_after ms after its last data (bound $kp_bound ms)"
 costs=""
-for s in fp pb pl fo rd bd fl tw q2 za kp abi gd; do ran $s && costs="$costs $s $(cost_of $s)s"; done
+for s in fp pb pl fo rd bd fl tw q2 za gs gr kp abi gd; do ran $s && costs="$costs $s $(cost_of $s)s"; done
 echo "verbs tier: guest seconds per step:$costs"
 echo "verbs tier: guests ran ${guest_s}s under $accel; whole tier $(($(date +%s) - t0))s"
 if [ $status -eq 0 ] && [ -n "$only" ]; then

@@ -10,10 +10,12 @@
 //! protocol is in `docs/fault-tier.md`.
 
 use std::collections::BTreeMap;
+use std::ffi::c_int;
 use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use railover::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
 use railover::transport::frames;
 use railover::transport::verbs::lane;
 use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
@@ -43,6 +45,8 @@ struct Opts {
     addr: Option<SocketAddr>,
     rounds: u64,
     ping_size: usize,
+    /// Register data buffers as GPU memory where the device takes it.
+    gpu: bool,
 }
 
 /// Test machinery for `tests/fault.rs` and the demo, hence hidden from `railover --help`.
@@ -96,6 +100,11 @@ pub struct Args {
     /// ping/pong: bytes each way per round trip (no header: any size from 1)
     #[arg(long, value_name = "BYTES", default_value = "8", value_parser = ping_size)]
     pub ping_size: usize,
+    /// recv/send: register data buffers as NCCL_PTR_CUDA on every device whose
+    /// ptrSupport has it, as NCCL does with GPU buffers (host memory underneath, so that
+    /// the payloads can still be checked; the plugin must not touch it with the CPU)
+    #[arg(long)]
+    pub gpu: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -167,6 +176,7 @@ impl From<&Args> for Opts {
             addr: a.bind.or(a.to),
             rounds: a.rounds as u64,
             ping_size: a.ping_size,
+            gpu: a.gpu,
         }
     }
 }
@@ -550,6 +560,29 @@ fn settled(state: State, slots: &[Slot]) -> bool {
     state == State::Ended || (state == State::Failed && slots.iter().all(|s| s.req.is_none()))
 }
 
+/// A comm and the device it is on.
+type OnDev<C> = (C, i32);
+/// What an endpoint's setup made: the plugin, its comms, the device names.
+type Setup<C> = (Ctx, Vec<OnDev<C>>, Vec<String>);
+
+/// The memory type comm `i`'s buffers on `dev` are registered as (`--gpu`: GPU memory
+/// where the device's `ptrSupport` has it, as NCCL chooses), said on stderr.
+fn memory_of(ctx: &Ctx, o: &Opts, i: usize, dev: i32) -> c_int {
+    if !o.gpu {
+        return NCCL_PTR_HOST;
+    }
+    let support = ctx.properties(dev).map_or(0, |p| p.ptr_support);
+    let (ptr, name) = if support & NCCL_PTR_CUDA != 0 {
+        (NCCL_PTR_CUDA, "NCCL_PTR_CUDA")
+    } else {
+        (NCCL_PTR_HOST, "NCCL_PTR_HOST")
+    };
+    eprintln!(
+        "fault-peer: comm {i} on device {dev} (ptrSupport {support}): buffers registered as {name}"
+    );
+    ptr
+}
+
 /// Prints the devices; returns their names.
 fn describe_devices(ctx: &Ctx) -> Result<Vec<String>, Code> {
     let n = ctx.devices()?;
@@ -578,7 +611,7 @@ struct RecvLane {
 }
 
 fn receiver(o: &Opts) -> i32 {
-    let setup = || -> Result<(Ctx, Vec<RecvComm>, Vec<String>), String> {
+    let setup = || -> Result<Setup<RecvComm>, String> {
         let ctx = Ctx::init().map_err(|e| format!("init: {e}"))?;
         let names = describe_devices(&ctx).map_err(|e| format!("devices: {e}"))?;
         let ndev = names.len() as i32;
@@ -600,18 +633,18 @@ fn receiver(o: &Opts) -> i32 {
                 .listen(dev)
                 .map_err(|e| format!("listen dev {dev}: {e}"))?;
             say(&Event::Handle(Handle::new(i, dev, &h)));
-            listeners.push(l);
+            listeners.push((l, dev));
         }
         say(&Event::Listening { comms: m });
         let end = Instant::now() + Duration::from_secs(30);
-        let mut comms: Vec<Option<RecvComm>> = (0..m).map(|_| None).collect();
+        let mut comms: Vec<Option<OnDev<RecvComm>>> = (0..m).map(|_| None).collect();
         while comms.iter().any(Option::is_none) {
             if Instant::now() > end {
                 return Err("accept timed out".into());
             }
-            for (c, l) in comms.iter_mut().zip(&listeners) {
+            for (c, (l, dev)) in comms.iter_mut().zip(&listeners) {
                 if c.is_none() {
-                    *c = l.accept().map_err(|e| format!("accept: {e}"))?;
+                    *c = (l.accept().map_err(|e| format!("accept: {e}"))?).map(|c| (c, *dev));
                 }
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -626,9 +659,13 @@ fn receiver(o: &Opts) -> i32 {
         }
     };
     let mut lanes = Vec::new();
-    for comm in comms {
+    for (i, (comm, dev)) in comms.into_iter().enumerate() {
+        let ptr = memory_of(&ctx, o, i, dev);
         let slots = (0..o.depth)
-            .map(|_| comm.register(o.size).map(|buf| Slot { buf, req: None }))
+            .map(|_| {
+                comm.register_as(o.size, ptr)
+                    .map(|buf| Slot { buf, req: None })
+            })
             .collect::<Result<Vec<_>, _>>();
         match slots {
             Ok(slots) => lanes.push(RecvLane {
@@ -813,7 +850,7 @@ fn read_handles() -> Result<Vec<(usize, i32, [u8; HANDLE_LEN])>, String> {
 }
 
 fn sender(o: &Opts) -> i32 {
-    let setup = || -> Result<(Ctx, Vec<SendComm>, Vec<String>), String> {
+    let setup = || -> Result<Setup<SendComm>, String> {
         let ctx = Ctx::init().map_err(|e| format!("init: {e}"))?;
         let names = describe_devices(&ctx).map_err(|e| format!("devices: {e}"))?;
         let ndev = names.len() as i32;
@@ -822,7 +859,7 @@ fn sender(o: &Opts) -> i32 {
             return Err(format!("comm {} wants device {} of {ndev}", h.0, h.1));
         }
         let end = Instant::now() + Duration::from_secs(30);
-        let mut comms: Vec<Option<SendComm>> = handles.iter().map(|_| None).collect();
+        let mut comms: Vec<Option<OnDev<SendComm>>> = handles.iter().map(|_| None).collect();
         while comms.iter().any(Option::is_none) {
             if Instant::now() > end {
                 return Err("connect timed out".into());
@@ -831,7 +868,8 @@ fn sender(o: &Opts) -> i32 {
                 if c.is_none() {
                     *c = ctx
                         .connect(*dev, h)
-                        .map_err(|e| format!("connect dev {dev}: {e}"))?;
+                        .map_err(|e| format!("connect dev {dev}: {e}"))?
+                        .map(|c| (c, *dev));
                 }
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -846,10 +884,11 @@ fn sender(o: &Opts) -> i32 {
         }
     };
     let mut lanes = Vec::new();
-    for (i, comm) in comms.into_iter().enumerate() {
+    for (i, (comm, dev)) in comms.into_iter().enumerate() {
+        let ptr = memory_of(&ctx, o, i, dev);
         let mut slots = Vec::new();
         for _ in 0..o.depth {
-            match comm.register(o.size) {
+            match comm.register_as(o.size, ptr) {
                 Ok(buf) => slots.push(Slot { buf, req: None }),
                 Err(e) => {
                     setup_failed(format!("regMr comm {i}: {e}"));

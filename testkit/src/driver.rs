@@ -79,6 +79,8 @@ pub struct Props {
     pub speed_mbps: i32,
     pub max_recvs: i32,
     pub max_p2p_bytes: usize,
+    /// `ptrSupport`: `NCCL_PTR_*` bits.
+    pub ptr_support: i32,
 }
 
 impl Ctx {
@@ -116,6 +118,7 @@ impl Ctx {
             speed_mbps: p.speed,
             max_recvs: p.max_recvs,
             max_p2p_bytes: p.max_p2p_bytes,
+            ptr_support: p.ptr_support,
         })
     }
 
@@ -302,18 +305,12 @@ impl Drop for Buffer {
 }
 
 impl Comm {
-    fn register(&self, len: usize) -> Result<Buffer, Code> {
+    fn register(&self, len: usize, ptr_type: c_int) -> Result<Buffer, Code> {
         let mut data = vec![0u8; len].into_boxed_slice();
         let mut mr = std::ptr::null_mut();
         // SAFETY: `data` is a live allocation of `len` bytes owned by the returned Buffer.
         check(unsafe {
-            (table().reg_mr)(
-                self.raw,
-                data.as_mut_ptr().cast(),
-                len,
-                NCCL_PTR_HOST,
-                &mut mr,
-            )
+            (table().reg_mr)(self.raw, data.as_mut_ptr().cast(), len, ptr_type, &mut mr)
         })?;
         Ok(Buffer {
             data,
@@ -401,7 +398,13 @@ fn posted(r: c_int, req: *mut c_void, buf: &Buffer) -> Result<Option<Request>, C
 
 impl SendComm {
     pub fn register(&self, len: usize) -> Result<Buffer, Code> {
-        self.0.register(len)
+        self.0.register(len, NCCL_PTR_HOST)
+    }
+
+    /// A buffer registered as `ptr_type` (`NCCL_PTR_CUDA`: host memory the plugin must
+    /// treat as GPU memory, never touching it with the CPU).
+    pub fn register_as(&self, len: usize, ptr_type: c_int) -> Result<Buffer, Code> {
+        self.0.register(len, ptr_type)
     }
 
     /// Sends the first `len` bytes of `buf`; `Ok(None)` means "no slot now, call again".
@@ -454,7 +457,13 @@ impl Drop for SendComm {
 
 impl RecvComm {
     pub fn register(&self, len: usize) -> Result<Buffer, Code> {
-        self.0.register(len)
+        self.0.register(len, NCCL_PTR_HOST)
+    }
+
+    /// A buffer registered as `ptr_type` (`NCCL_PTR_CUDA`: host memory the plugin must
+    /// treat as GPU memory, never touching it with the CPU).
+    pub fn register_as(&self, len: usize, ptr_type: c_int) -> Result<Buffer, Code> {
+        self.0.register(len, ptr_type)
     }
 
     /// Receives up to `capacity` bytes into `buf`; `Ok(None)` means "call again".
