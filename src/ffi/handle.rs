@@ -106,7 +106,7 @@ pub(super) unsafe fn write<T>(p: *mut T, v: T, what: &str) -> Result<(), Error> 
 /// Writes through an out-pointer NCCL may legally pass as NULL.
 ///
 /// # Safety
-/// As for [`write`].
+/// As for [`write()`].
 pub(super) unsafe fn write_opt<T>(p: *mut T, v: T) {
     if !p.is_null() {
         // SAFETY: as in `write`.
