@@ -144,6 +144,15 @@ impl Engine {
                     let memory = matches!(error, ConnError::Memory(_));
                     self.tell_sender(c, k, memory, io);
                 }
+                if self
+                    .comms
+                    .get(c)
+                    .is_some_and(|m| m.shared.side == Side::Recv)
+                {
+                    // A write in place the sender still has on the way would land after
+                    // the replay completed its receive: sealed, the lane takes none.
+                    io.seal(k);
+                }
                 self.release_lane(k, cut, io);
                 let comm = &mut self.comms[c];
                 let pair = comm.path.carrier(k).and_then(|l| l.pair);

@@ -130,6 +130,8 @@ pub trait Io {
     fn set_pacing(&mut self, k: usize, rate: Option<u64>) -> io::Result<()>;
     /// Nothing lane `k` still holds may reach the peer (see `Fabric::fence`).
     fn fence(&mut self, k: usize);
+    /// Nothing more lane `k`'s peer sends lands in place (see `Fabric::seal`).
+    fn seal(&mut self, k: usize);
     /// Stops watching lane `k` and closes it.
     fn close(&mut self, k: usize);
     /// Stops watching lane `k` but keeps it open and unserved, as a cut cable leaves it,

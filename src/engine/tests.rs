@@ -14,6 +14,7 @@ use crate::telemetry::exporter::ExporterConfig;
 enum Op {
     Connect(usize),
     Fence(usize),
+    Seal(usize),
     Close(usize),
     Bury(usize),
     Unbury,
@@ -106,6 +107,9 @@ impl Io for Mem {
     }
     fn fence(&mut self, k: usize) {
         self.ops.push(Op::Fence(k));
+    }
+    fn seal(&mut self, k: usize) {
+        self.ops.push(Op::Seal(k));
     }
     fn close(&mut self, k: usize) {
         assert!(self.open.remove(&k), "closed lane {k} twice");
@@ -257,6 +261,32 @@ fn a_connect_through_the_io_seam_becomes_a_comm_on_both_sides() {
 }
 
 #[test]
+fn a_receive_lane_that_fails_tells_the_sender_then_is_sealed_not_fenced() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    let kb = *p.mb.open.iter().next().unwrap();
+    p.mb.broken.insert(kb);
+    p.b.service_lane(kb, now, &mut p.mb);
+    p.b.drive(now, &mut p.mb);
+    let told = p.mb.tx.get(&kb).cloned().unwrap_or_default();
+    let stalled = Header::new(Kind::Stalled, 0, 0).encode();
+    assert!(
+        told.windows(stalled.len()).any(|w| w == stalled),
+        "the sender is told first"
+    );
+    // Sealed, so that no write in place still on its way lands after a replay, but not
+    // fenced, which could drop the Stalled before it is out.
+    let seal = p.mb.ops.iter().position(|&o| o == Op::Seal(kb));
+    let close = p.mb.ops.iter().position(|&o| o == Op::Close(kb));
+    assert!(
+        matches!((seal, close), (Some(s), Some(c)) if s < c),
+        "seal then close, got {:?}",
+        p.mb.ops
+    );
+    assert!(!p.mb.ops.contains(&Op::Fence(kb)), "{:?}", p.mb.ops);
+}
+
+#[test]
 fn a_send_lane_that_fails_is_fenced_before_it_is_closed() {
     let now = Instant::now();
     let mut p = connected(now);
@@ -317,7 +347,7 @@ fn a_fence_from_the_sender_fences_and_drops_the_lane_it_names_and_no_other() {
     p.mb.rx.entry(kb).or_default().extend_from_slice(&f);
     p.b.service_lane(kb, now, &mut p.mb);
     p.b.drive(now, &mut p.mb);
-    assert_eq!(p.mb.ops, [Op::Fence(kb2), Op::Close(kb2)]);
+    assert_eq!(p.mb.ops, [Op::Fence(kb2), Op::Seal(kb2), Op::Close(kb2)]);
     let left: Vec<usize> = p.b.comms[0].path.lanes().map(|(k, _)| k).collect();
     assert_eq!(
         left,

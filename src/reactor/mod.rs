@@ -222,6 +222,12 @@ impl<F: Fabric> engine::Io for Sockets<F> {
         }
     }
 
+    fn seal(&mut self, k: usize) {
+        if let Some(sock) = self.lanes.get_mut(k).and_then(Option::as_mut) {
+            self.fabric.seal(sock);
+        }
+    }
+
     fn close(&mut self, k: usize) {
         if let Some(sock) = self.take(k) {
             self.fabric.close(sock);

@@ -1,4 +1,13 @@
 //! The [`Fabric`] over the simulated network: one per node, lanes are connection ends.
+//!
+//! A verbs-like fabric (`reaping`) also writes payloads in place as verbs lanes do with
+//! the default settings: receivers offer every receive (`Place` frames), senders write
+//! a first transmission of 4 KiB or more into an offered buffer, and a message sent again
+//! only with an offer made after the receiver fenced the lanes it could have been lost
+//! with ([`Offers`]). The network lands the writes ([`Net::place`](super::net::Net)).
+//! A closed verbs-like lane's end still takes writes in place for a while, as a verbs
+//! lane's QP stays up while its teardown waits for the peer's last acknowledgements,
+//! unless it was fenced or sealed.
 
 use std::io;
 use std::net::SocketAddr;
@@ -9,7 +18,11 @@ use mio::{Interest, Registry, Token};
 use parking_lot::Mutex;
 
 use super::net::{ip_of, Net};
-use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
+use crate::conn::wire::{Kind, WireError};
+use crate::transport::frames::{FrameReader, FrameWriter, Inbound, Placer, Placing, ReadError};
+use crate::transport::memory::LentBuf;
+use crate::transport::offers::{Offer, Offers};
+use crate::transport::verbs::lane::PLACE_MIN;
 use crate::transport::{Fabric, FabricNic, LaneProgress};
 
 pub(crate) type SharedNet = Arc<Mutex<Net>>;
@@ -25,6 +38,10 @@ pub(crate) struct SimFabric {
     /// that announced it, so only [`Fabric::unread`] tells the reactor it is there.
     reaping: bool,
 }
+
+/// How long a closed, unfenced verbs-like lane still takes writes in place (a verbs
+/// lane lingers up to 200 ms for acknowledgements, on the reaper thread, QP up).
+const LINGER: std::time::Duration = std::time::Duration::from_millis(200);
 
 impl SimFabric {
     pub(crate) fn new(net: SharedNet, node: usize, nics: usize, reaping: bool) -> SimFabric {
@@ -48,6 +65,7 @@ impl SimFabric {
             end,
             fenced: false,
             reaped: Reaped::default(),
+            offers: Offers::default(),
         }
     }
 }
@@ -60,6 +78,8 @@ pub(crate) struct SimLane {
     end: usize,
     fenced: bool,
     reaped: Reaped,
+    /// What the peer offered to have written in place (a verbs-like fabric's lanes).
+    offers: Offers,
 }
 
 impl SimLane {
@@ -185,6 +205,73 @@ impl io::Write for Io<'_> {
     }
 }
 
+/// One end as a verbs lane writes: the stream, and payloads in place.
+struct PlacingEnd<'a> {
+    io: Io<'a>,
+    offers: &'a mut Offers,
+}
+
+impl io::Write for PlacingEnd<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.io.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.io.write_vectored(bufs)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Placer for PlacingEnd<'_> {
+    /// Every receive is offered, as verbs lanes do unless `RAILOVER_GDR=off`.
+    fn advertise(
+        &mut self,
+        seq: u64,
+        buf: &LentBuf,
+        capacity: u64,
+        gen: u64,
+    ) -> io::Result<Option<Vec<u8>>> {
+        let capacity = capacity.min(buf.len() as u64);
+        if capacity == 0 {
+            return Ok(None);
+        }
+        let offer = Offer {
+            addr: buf.addr() as u64,
+            rkey: 0,
+            capacity,
+            gen,
+        };
+        Ok(Some(offer.frame(seq)))
+    }
+
+    /// As a verbs lane with `RAILOVER_ZERO_COPY=auto`: in place from [`PLACE_MIN`] when a
+    /// fresh enough offer is there, else in the stream.
+    fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, place: Placing) -> io::Result<bool> {
+        let (least, wait) = if place.must {
+            (1, true)
+        } else {
+            (PLACE_MIN, false)
+        };
+        let Some(offer) = self.offers.fresh(seq, place.min_gen) else {
+            return if wait {
+                Err(io::ErrorKind::WouldBlock.into())
+            } else {
+                Ok(false)
+            };
+        };
+        self.offers.remove(seq);
+        if len < least || len > offer.capacity {
+            return Ok(false);
+        }
+        let bytes = buf.slice(0, len as usize).to_vec();
+        (self.io.net).place(self.io.conn, self.io.end, offer.addr as usize, bytes)?;
+        Ok(true)
+    }
+}
+
 impl Fabric for SimFabric {
     type Listener = SimListener;
     type Lane = SimLane;
@@ -220,26 +307,42 @@ impl Fabric for SimFabric {
         reader: &mut FrameReader,
     ) -> Result<Option<Inbound>, ReadError> {
         let mut net = self.net.lock();
-        if self.reaping {
-            lane.reaped.reap(&mut net, lane.conn, lane.end);
-            return reader.next(&mut lane.reaped);
+        if !self.reaping {
+            return reader.next(&mut Io {
+                net: &mut net,
+                conn: lane.conn,
+                end: lane.end,
+            });
         }
-        reader.next(&mut Io {
-            net: &mut net,
-            conn: lane.conn,
-            end: lane.end,
-        })
+        lane.reaped.reap(&mut net, lane.conn, lane.end);
+        loop {
+            match reader.next(&mut lane.reaped) {
+                // An offer is the lane's business, as on verbs.
+                Ok(Some(Inbound::Frame(h, body))) if h.kind == Kind::Place => {
+                    let offer =
+                        Offer::of_frame(&h, &body).ok_or(WireError::Malformed("Place body"))?;
+                    lane.offers.insert(h.seq, offer);
+                }
+                got => return got,
+            }
+        }
     }
 
     fn write(&mut self, lane: &mut SimLane, writer: &mut FrameWriter) -> io::Result<()> {
         let mut net = self.net.lock();
-        if self.reaping {
-            lane.reaped.reap(&mut net, lane.conn, lane.end);
-        }
-        writer.flush(&mut Io {
+        let io = Io {
             net: &mut net,
             conn: lane.conn,
             end: lane.end,
+        };
+        if !self.reaping {
+            let mut io = io;
+            return writer.flush(&mut io);
+        }
+        lane.reaped.reap(io.net, lane.conn, lane.end);
+        writer.flush_placing(&mut PlacingEnd {
+            io,
+            offers: &mut lane.offers,
         })
     }
 
@@ -248,15 +351,28 @@ impl Fabric for SimFabric {
     }
 
     fn progress(&self, lane: &SimLane) -> LaneProgress {
-        let (sent, acked) = self.net.lock().progress(lane.conn, lane.end);
+        let net = self.net.lock();
+        let (sent, acked) = net.progress(lane.conn, lane.end);
         LaneProgress {
             sent,
             acked,
-            placed: 0,
+            placed: net.placed(lane.conn, lane.end),
         }
     }
 
     fn fence(&mut self, lane: &mut SimLane) {
         lane.fenced = true;
+        self.net.lock().fence(lane.conn, lane.end);
+    }
+
+    fn seal(&mut self, lane: &mut SimLane) {
+        self.net.lock().fence(lane.conn, lane.end);
+    }
+
+    fn close(&mut self, lane: SimLane) {
+        if self.reaping && !lane.fenced {
+            self.net.lock().linger(lane.conn, lane.end, LINGER);
+        }
+        drop(lane);
     }
 }

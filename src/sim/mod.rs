@@ -150,6 +150,10 @@ pub(crate) struct Report {
     pub violations: Vec<String>,
     /// The most pairs any comm's stripes ran over at once.
     pub max_spread: usize,
+    /// Payloads written in place that landed, and that a fenced or closed receiver end
+    /// stopped.
+    pub landed: u64,
+    pub dropped: u64,
 }
 
 impl Sim {
@@ -164,6 +168,18 @@ impl Sim {
         if self.violations.len() < 20 {
             self.violations
                 .push(format!("at {} ms: {what}", self.now.as_millis()));
+        }
+    }
+
+    /// The wire up to now, and what its writes in place did wrong.
+    fn advance(&mut self) {
+        let faults = {
+            let mut net = self.net.lock();
+            net.advance(self.now);
+            std::mem::take(&mut net.faults)
+        };
+        for f in faults {
+            self.violate(f);
         }
     }
 
@@ -192,7 +208,7 @@ impl Sim {
             Some(p) => p,
             None => self.poll(),
         };
-        self.net.lock().advance(now);
+        self.advance();
         let at = self.base + now;
         for (n, ready) in polled.iter().enumerate() {
             let Some(d) = self.nodes[n].as_mut() else {
@@ -206,7 +222,7 @@ impl Sim {
                 ));
             }
         }
-        self.net.lock().advance(now);
+        self.advance();
         self.polled = Some(self.poll());
     }
 
@@ -394,6 +410,12 @@ impl Sim {
             fl.next += 1;
             let sreq = Arc::new(Request::new(fl.send.clone()));
             let rreq = Arc::new(Request::new(fl.recv.clone()));
+            self.net.lock().expect_writes(
+                recv_mem.clone(),
+                rreq.clone(),
+                format!("comm {f} receive {seq}"),
+            );
+            let fl = &mut self.flows[f];
             let (Some(tx), Some(rx)) = (&self.nodes[from], &self.nodes[to]) else {
                 continue;
             };
@@ -606,7 +628,7 @@ impl Sim {
         let mut same = 0u32;
         loop {
             // The wire first, so that what the faults and the reactors do is stamped now.
-            self.net.lock().advance(self.now);
+            self.advance();
             self.apply_faults();
             self.turn();
             let post = self.drive_requests();
@@ -704,6 +726,13 @@ impl Sim {
 /// Runs seed `seed`; `trace` prints what happens as it happens.
 pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
     let s = Scenario::generate(seed);
+    let r = run_scenario(&s, trace);
+    (s, r)
+}
+
+/// Runs scenario `s` (a seed's, or one made by hand); `trace` prints what happens.
+pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
+    let s = s.clone();
     let net = Arc::new(Mutex::new(Net::new(Wire::default(), &[s.nics, s.nics])));
     net.lock().trace = trace;
     let nodes: Vec<Option<Driven<SimFabric>>> = (0..2)
@@ -742,13 +771,19 @@ pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
         }
     }
     sim.mems.clear();
+    let (landed, dropped) = {
+        let net = sim.net.lock();
+        (net.landed, net.dropped)
+    };
     let report = Report {
+        landed,
+        dropped,
         virtual_time: sim.now,
         failed_comms: sim.flows.iter().filter(|f| f.failed.is_some()).count(),
         max_spread: sim.flows.iter().map(|f| f.max_spread).max().unwrap_or(1),
         violations: std::mem::take(&mut sim.violations),
     };
-    (s, report)
+    report
 }
 
 /// A seed that broke something: its schedule and what broke.

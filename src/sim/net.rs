@@ -7,6 +7,19 @@
 //! back a latency after that. A path that goes down loses what was in flight, and the
 //! sender sends it again when the path returns, as TCP retransmits. Everything is
 //! ordered by index and time: no hash maps, no clock, no threads.
+//!
+//! Verbs-like lanes also write payloads in place: a placed write takes its place (and
+//! its wire time) in its direction's stream just before the frame that announces it, as
+//! an RC QP orders an RDMA WRITE before the next, and lands in the receive buffer once
+//! all of it has arrived; its bytes never reach the receiver's stream. It is lost with
+//! the path and sent again when it returns, as a NIC retransmits, so a write from a lane
+//! its sender gave up can still land later unless the receiver fenced or closed its end. A write that lands in a receive already finished (or failed) is
+//! what a reused buffer would be corrupted by: the run reports it.
+
+use std::sync::Arc;
+
+use crate::handoff::{Request, Status};
+use crate::transport::memory::SimMem;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::io;
@@ -75,6 +88,52 @@ struct End {
     /// Something the owner may act on happened since it last asked (an edge-triggered
     /// poll's event): bytes, the end of the stream, an error, room to write.
     news: bool,
+    /// The owner fenced or sealed it (a verbs QP moved to ERR, or refusing writes):
+    /// nothing lands through it any more.
+    fenced: bool,
+    /// Closed, it still takes writes in place until then (a verbs QP during teardown).
+    linger_until: Option<Time>,
+    /// Payload bytes this end wrote in place.
+    placed: u64,
+}
+
+impl End {
+    /// Whether the owner may write: an error once the connection failed, `WouldBlock`
+    /// until it is established.
+    fn writable(&self) -> io::Result<()> {
+        if let Some(kind) = self.err {
+            return Err(kind.into());
+        }
+        if !self.established {
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(())
+    }
+}
+
+/// A payload written in place: stream offsets `at..at + bytes.len()` of its direction
+/// carry it, and it lands at `addr` once they have all arrived (unless `cut`: its sender
+/// reset the lane with part of it still unsent, so it never completes).
+#[derive(Debug)]
+struct Landing {
+    at: u64,
+    addr: usize,
+    bytes: Vec<u8>,
+    cut: bool,
+}
+
+impl Landing {
+    fn end(&self) -> u64 {
+        self.at + self.bytes.len() as u64
+    }
+}
+
+/// A receive buffer writes may land in, and the request it belongs to.
+#[derive(Debug)]
+struct Target {
+    mem: Arc<SimMem>,
+    req: Arc<Request>,
+    what: String,
 }
 
 /// Bytes from end `d` to end `1 - d`.
@@ -96,6 +155,8 @@ struct Dir {
     acks: VecDeque<(Time, u64)>,
     /// A reset on its way to the other end.
     rst: Option<Time>,
+    /// Writes in place, in stream order.
+    landings: VecDeque<Landing>,
 }
 
 #[derive(Debug)]
@@ -147,6 +208,13 @@ pub(crate) struct Net {
     live: Vec<usize>,
     listeners: BTreeMap<SocketAddr, Listening>,
     next_port: u16,
+    /// Receive buffers by address, for writes in place.
+    targets: BTreeMap<usize, Target>,
+    /// Writes in place that landed, and that were dropped (their lane fenced or closed).
+    pub landed: u64,
+    pub dropped: u64,
+    /// What writes in place did wrong, for the run to report.
+    pub faults: Vec<String>,
     /// Print what happens (a replay).
     pub trace: bool,
 }
@@ -184,6 +252,10 @@ impl Net {
             live: Vec::new(),
             listeners: BTreeMap::new(),
             next_port: 1000,
+            targets: BTreeMap::new(),
+            landed: 0,
+            dropped: 0,
+            faults: Vec::new(),
             trace: false,
         }
     }
@@ -317,11 +389,21 @@ impl Net {
             return;
         }
         end.open = false;
+        let mut gone = 0;
         let reset = rst || !end.rcv.is_empty() || end.err.is_some();
         end.rcv.clear();
         let dir = &mut k.dirs[e];
         if reset {
             dir.buf.truncate(dir.inflight);
+            // Writes still unsent go; one partly on the wire arrives but never lands.
+            let keep = dir.delivered + dir.inflight as u64;
+            let before = dir.landings.len();
+            dir.landings.retain(|l| l.at < keep);
+            gone = before - dir.landings.len();
+            for l in dir.landings.iter_mut().filter(|l| l.end() > keep && !l.cut) {
+                l.cut = true;
+                gone += 1;
+            }
             if k.ends[e].err.is_none() && up && !matches!(k.setup, Setup::SynSent(_)) {
                 dir.rst = Some(now + lat);
             }
@@ -340,6 +422,85 @@ impl Net {
                 if reset { " (reset)" } else { "" }
             )
         });
+        self.dropped += gone as u64;
+    }
+
+    /// End `e` of `c`, about to close, still takes writes in place for `d`.
+    pub(crate) fn linger(&mut self, c: usize, e: usize, d: Duration) {
+        self.conns[c].ends[e].linger_until = Some(self.now + d);
+    }
+
+    /// The owner of end `e` of `c` fenced it: what its peer still writes in place does
+    /// not land through it.
+    pub(crate) fn fence(&mut self, c: usize, e: usize) {
+        self.conns[c].ends[e].fenced = true;
+        self.note(|| format!("conn {c}: end {e} fenced"));
+    }
+
+    /// Receive buffer `mem` of request `req` (`what`, for reports) may be written in place.
+    pub(crate) fn expect_writes(&mut self, mem: Arc<SimMem>, req: Arc<Request>, what: String) {
+        self.targets.insert(mem.addr(), Target { mem, req, what });
+    }
+
+    /// End `e` of `c` writes `bytes` in place at `addr`, ordered before whatever it
+    /// writes to the stream next.
+    pub(crate) fn place(
+        &mut self,
+        c: usize,
+        e: usize,
+        addr: usize,
+        bytes: Vec<u8>,
+    ) -> io::Result<()> {
+        let now = self.now;
+        let k = &mut self.conns[c];
+        let end = &mut k.ends[e];
+        end.writable()?;
+        let n = bytes.len();
+        end.placed += n as u64;
+        let at = end.sent;
+        end.sent += n as u64;
+        let dir = &mut k.dirs[e];
+        dir.kick = now;
+        // Its wire time: stand-in bytes the receiver's stream skips.
+        dir.buf.extend(std::iter::repeat(0u8).take(n));
+        dir.landings.push_back(Landing {
+            at,
+            addr,
+            bytes,
+            cut: false,
+        });
+        self.note(|| format!("conn {c}: end {e} places {n} B at {addr:#x} (stream offset {at})"));
+        Ok(())
+    }
+
+    /// Payload bytes end `e` of `c` wrote in place.
+    pub(crate) fn placed(&self, c: usize, e: usize) -> u64 {
+        self.conns[c].ends[e].placed
+    }
+
+    /// A write in place arrives at a receiver end that takes it.
+    fn land(&mut self, l: Landing) {
+        let hit = self.targets.range(..=l.addr).next_back().map(|(_, t)| t);
+        let Some(t) = hit.filter(|t| t.mem.land(l.addr, &l.bytes)) else {
+            self.faults.push(format!(
+                "{} B written in place at {:#x}, where no receive buffer lies",
+                l.bytes.len(),
+                l.addr
+            ));
+            return;
+        };
+        self.landed += 1;
+        match t.req.status() {
+            Ok(Status::Pending) => {}
+            Ok(Status::Done(_)) | Err(_) => {
+                let what = t.what.clone();
+                self.note(|| format!("LATE write in place into {what}"));
+                self.faults.push(format!(
+                    "{} B written in place into {what} after it finished: a reused buffer would be corrupted",
+                    l.bytes.len()
+                ));
+            }
+        }
     }
 
     /// Reads from end `e` of `c`.
@@ -375,12 +536,7 @@ impl Net {
         let cap = self.wire.sndbuf;
         let k = &mut self.conns[c];
         let end = &mut k.ends[e];
-        if let Some(kind) = end.err {
-            return Err(kind.into());
-        }
-        if !end.established {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
+        end.writable()?;
         let dir = &mut k.dirs[e];
         let room = cap.saturating_sub(dir.buf.len());
         if room == 0 {
@@ -573,12 +729,27 @@ impl Net {
                 to.news = true;
                 let dir = &mut k.dirs[d];
                 if !to.open {
-                    // Nobody holds the other end: its kernel answers with a reset.
+                    // Nobody holds the other end: its kernel answers with a reset. A
+                    // write in place that arrived whole still lands while the end's QP
+                    // lingers, unless it was fenced or sealed.
+                    let upto = dir.delivered + n.min(dir.buf.len()) as u64;
+                    let takes = !to.fenced && to.linger_until.is_some_and(|t| now <= t);
                     dir.buf.drain(..n.min(dir.buf.len()));
                     dir.inflight = 0;
                     dir.chunks.clear();
+                    let mut late = Vec::new();
+                    for l in dir.landings.drain(..) {
+                        if takes && !l.cut && l.end() <= upto {
+                            late.push(l);
+                        } else {
+                            self.dropped += 1;
+                        }
+                    }
                     if ups[1 - d] && k.ends[d].err.is_none() && k.ends[d].open {
                         k.dirs[1 - d].rst = Some(now + lat);
+                    }
+                    for l in late {
+                        self.land(l);
                     }
                     return;
                 }
@@ -586,11 +757,41 @@ impl Net {
                     to.eof = true;
                     return;
                 }
-                to.rcv.extend(dir.buf.drain(..n));
+                // Stream bytes go to the reader; a write in place's bytes do not.
+                let from_off = dir.delivered;
+                let mut pos = from_off;
+                let arrived: Vec<u8> = dir.buf.drain(..n).collect();
+                let upto = from_off + n as u64;
+                for l in dir.landings.iter().take_while(|l| l.at < upto) {
+                    if l.end() <= pos {
+                        continue;
+                    }
+                    let skip_from = l.at.max(pos);
+                    to.rcv.extend(
+                        &arrived[(pos - from_off) as usize..(skip_from - from_off) as usize],
+                    );
+                    pos = l.end().min(upto);
+                }
+                to.rcv.extend(&arrived[(pos - from_off) as usize..]);
                 dir.inflight -= n;
-                dir.delivered += n as u64;
-                let total = dir.delivered;
-                dir.acks.push_back((now + lat, total));
+                dir.delivered = upto;
+                dir.acks.push_back((now + lat, upto));
+                // Writes wholly arrived land before the reader sees what follows them.
+                let fenced = to.fenced;
+                let mut due = Vec::new();
+                while dir.landings.front().is_some_and(|l| l.end() <= upto) {
+                    due.extend(dir.landings.pop_front());
+                }
+                for l in due {
+                    if l.cut {
+                        continue;
+                    }
+                    if fenced {
+                        self.dropped += 1;
+                    } else {
+                        self.land(l);
+                    }
+                }
             }
             Ev::Ack(d) => {
                 let k = &mut self.conns[c];
@@ -615,6 +816,9 @@ impl Net {
                 dir.inflight = 0;
                 dir.chunks.clear();
                 dir.fin_queued = false;
+                let gone = dir.landings.len() as u64;
+                dir.landings.clear();
+                self.dropped += gone;
                 self.note(|| format!("conn {c}: end {} reset", 1 - d));
             }
         }

@@ -2,7 +2,10 @@
 //! parallel; `RAILOVER_SIM_SEED=<n>` replays one seed with a trace instead, and
 //! `RAILOVER_SIM_SEEDS=<n>` changes how many seeds a run covers.
 
-use super::{run_seed, run_seeds, Failure};
+use std::time::Duration;
+
+use super::schedule::{Action, CommPlan, Fault, Scenario};
+use super::{run_scenario, run_seed, run_seeds, Failure};
 
 /// Seeds per `cargo test` run, over all the shards below.
 const SEEDS: u64 = 10_000;
@@ -169,6 +172,172 @@ fn failed_comms_are_striped_over_several_pairs() {
     eprintln!("{striped} of 200 seeds striped a comm; widest spread {widest} pairs");
     assert!(striped >= 20, "only {striped} of 200 seeds striped a comm");
     assert!(widest >= 3, "no comm was spread over three pairs");
+}
+
+/// Writes in place happen on the verbs-like seeds and only there (the shards check that
+/// none lands in a receive that had finished; the hand-made runs below put some on the
+/// wire of a rail that goes). Without placing lanes no seed would write in place.
+#[test]
+fn payloads_are_written_in_place_on_verbs_like_seeds() {
+    if env_u64("RAILOVER_SIM_SEED").is_some() {
+        return;
+    }
+    let quiet = tracing::subscriber::NoSubscriber::default();
+    let runs: Vec<(bool, u64)> = tracing::subscriber::with_default(quiet, || {
+        (0..200)
+            .map(|seed| {
+                let (s, r) = run_seed(seed, false);
+                (s.reaping, r.landed)
+            })
+            .collect()
+    });
+    let placing = runs.iter().filter(|r| r.1 > 0).count();
+    let landed: u64 = runs.iter().map(|r| r.1).sum();
+    eprintln!("{placing} of 200 seeds wrote in place ({landed} writes)");
+    assert!(placing >= 50, "only {placing} of 200 seeds wrote in place");
+    assert!(
+        runs.iter()
+            .all(|&(verbs_like, landed)| verbs_like || landed == 0),
+        "a TCP-like seed wrote in place"
+    );
+}
+
+/// One comm from node 0 on rail 0 of two, 60 messages of 256 KiB a millisecond apart
+/// (four in flight), over a verbs-like fabric, under `faults` (times in microseconds
+/// from the start of traffic).
+fn dense(faults: Vec<(u64, Action)>) -> Scenario {
+    Scenario {
+        seed: 0,
+        kind: "hand-made",
+        nics: 2,
+        rail_any: false,
+        comms: vec![CommPlan {
+            from: 0,
+            nic: 0,
+            sizes: vec![256 << 10; 60],
+            slack: vec![0; 60],
+            gap: Duration::from_millis(1),
+            window: 4,
+        }],
+        faults: faults
+            .into_iter()
+            .map(|(us, action)| Fault {
+                at: Duration::from_micros(us),
+                action,
+            })
+            .collect(),
+        reaping: true,
+    }
+}
+
+fn carrier(node: usize, up: bool) -> Action {
+    Action::Carrier { node, nic: 0, up }
+}
+
+fn slow(node: usize, factor: Option<u32>) -> Action {
+    Action::Slow {
+        node,
+        nic: 0,
+        factor,
+    }
+}
+
+fn hole(node: usize, tx: bool, rx: bool, on: bool) -> Action {
+    Action::Hole {
+        node,
+        nic: 0,
+        tx,
+        rx,
+        on,
+    }
+}
+
+/// Rail 0 lost with writes in place on its wire, and back before (or after) the NIC
+/// would stop retrying them: every message arrives once, and no write from the lane
+/// given up lands in a receive that had finished (a reused buffer's corruption).
+#[test]
+fn writes_in_place_on_a_lost_rail_never_land_late() {
+    if env_u64("RAILOVER_SIM_SEED").is_some() {
+        return;
+    }
+    // 20.15 ms: message 20's write in place is on the wire (it starts about 60 us after
+    // the message is posted, once the receiver's offer is in, and takes 210 us).
+    const CUT: u64 = 20_150;
+    let cases: Vec<(&str, Vec<(u64, Action)>)> = vec![
+        (
+            "sender's carrier, 150 ms",
+            vec![(CUT, carrier(0, false)), (CUT + 150_000, carrier(0, true))],
+        ),
+        (
+            "receiver's carrier, 150 ms",
+            vec![(CUT, carrier(1, false)), (CUT + 150_000, carrier(1, true))],
+        ),
+        (
+            "both carriers, 150 ms",
+            vec![
+                (CUT, carrier(0, false)),
+                (CUT, carrier(1, false)),
+                (CUT + 150_000, carrier(0, true)),
+                (CUT + 150_000, carrier(1, true)),
+            ],
+        ),
+        (
+            "both carriers, 1500 ms",
+            vec![
+                (CUT, carrier(0, false)),
+                (CUT, carrier(1, false)),
+                (CUT + 1_500_000, carrier(0, true)),
+                (CUT + 1_500_000, carrier(1, true)),
+            ],
+        ),
+        (
+            "sender's outbound black hole, 1500 ms",
+            vec![
+                (CUT, hole(0, true, false, true)),
+                (CUT + 1_500_000, hole(0, true, false, false)),
+            ],
+        ),
+        // The last 64 KiB of message 20's write crawl for 1.15 s: the receiver gives the
+        // lane up (nothing arrived for a second) while they are on the wire, the replay
+        // completes the receive, and they arrive while the closed lane's QP is still up:
+        // unless the receiver sealed the lane, the write lands in the finished receive.
+        (
+            "rail 0 slowed 22000 times, 3 s",
+            vec![(20_190, slow(0, Some(22_000))), (3_020_190, slow(0, None))],
+        ),
+        (
+            "the receiver's rail 0 slowed 22000 times, 3 s",
+            vec![(20_190, slow(1, Some(22_000))), (3_020_190, slow(1, None))],
+        ),
+        (
+            "receiver's inbound black hole, 1500 ms",
+            vec![
+                (CUT, hole(1, false, true, true)),
+                (CUT + 1_500_000, hole(1, false, true, false)),
+            ],
+        ),
+    ];
+    let quiet = tracing::subscriber::NoSubscriber::default();
+    let mut broke = Vec::new();
+    let mut stopped = 0;
+    for (name, faults) in cases {
+        let s = dense(faults);
+        let r = tracing::subscriber::with_default(quiet, || run_scenario(&s, false));
+        eprintln!(
+            "{name}: {} writes landed, {} stopped, {} comm(s) failed",
+            r.landed, r.dropped, r.failed_comms
+        );
+        stopped += r.dropped;
+        assert!(r.landed > 0, "{name}: nothing was written in place");
+        if !r.violations.is_empty() {
+            broke.push(format!("{name}:\n    {}", r.violations.join("\n    ")));
+        }
+    }
+    assert!(broke.is_empty(), "{}", broke.join("\n"));
+    assert!(
+        stopped > 0,
+        "no stray write was on the wire when a rail went"
+    );
 }
 
 /// `RAILOVER_SIM_SEED=<n>`: that seed alone, traced.

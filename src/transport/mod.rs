@@ -14,6 +14,7 @@ pub mod fair;
 pub mod frames;
 pub mod memory;
 pub mod netlink;
+pub mod offers;
 pub mod tcp;
 pub mod verbs;
 
@@ -172,6 +173,14 @@ pub trait Fabric: Debug + Send + 'static {
     /// reach the peer later (it is replayed on another lane), and the close is a reset
     /// rather than a drain. TCP: `SO_LINGER` 0. Verbs: the QP goes to the error state.
     fn fence(&mut self, lane: &mut Self::Lane);
+
+    /// Seals a receive lane given up: nothing its peer still has on the way may be written
+    /// in place into the receive buffers any more (it may land after a replay completed
+    /// the receive, into a buffer NCCL reuses), while what the lane sends still goes out.
+    /// Verbs: the QPs refuse RDMA WRITEs. Fabrics that write nothing in place: nothing.
+    fn seal(&mut self, lane: &mut Self::Lane) {
+        let _ = lane;
+    }
 
     /// Closes a lane the reactor has deregistered. Gracefully unless it was fenced.
     fn close(&mut self, lane: Self::Lane) {

@@ -189,6 +189,30 @@ impl SimMem {
         }
     }
 
+    /// Where the memory starts.
+    pub(crate) fn addr(&self) -> usize {
+        self.ptr as usize
+    }
+
+    /// A NIC's write of `bytes` at `addr`, between reactor steps; `false` (nothing
+    /// written) when they do not lie inside the memory.
+    pub(crate) fn land(&self, addr: usize, bytes: &[u8]) -> bool {
+        let Some(off) = addr.checked_sub(self.ptr as usize) else {
+            return false;
+        };
+        if off
+            .checked_add(bytes.len())
+            .map_or(true, |end| end > self.len)
+        {
+            return false;
+        }
+        // SAFETY: `off..off + bytes.len()` lies inside the `len` bytes `self` owns; the
+        // simulation lands writes between reactor steps, when no view of the memory is
+        // being read or written.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.ptr.add(off), bytes.len()) };
+        true
+    }
+
     /// A copy of the bytes, read between reactor steps (once the request is finished).
     pub(crate) fn bytes(&self) -> Vec<u8> {
         if self.len == 0 {

@@ -33,7 +33,7 @@
 //! that cannot register such memory fails the lane with [`MemoryUnreachable`], and the
 //! comm moves to another pair.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::io::{self, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,10 +50,11 @@ use super::sys::{
 };
 use super::{completion_error, qp_timing};
 use crate::config::{Gdr, VerbsSettings, ZeroCopy};
-use crate::conn::wire::{Header, Kind, PLACE_BODY};
 use crate::transport::frames::{Placer, Placing};
 use crate::transport::memory::LentBuf;
 use crate::transport::memory::MemoryUnreachable;
+pub use crate::transport::offers::Offer;
+use crate::transport::offers::Offers;
 
 /// Bytes of each end's ring (and of the sender's staging region).
 pub const RING: usize = 4 << 20;
@@ -71,48 +72,11 @@ const WR_PLACED: u64 = 1 << 61;
 pub const PLACE_MIN: u64 = 4096;
 /// Largest write in place one work request carries; a larger payload takes several.
 const PLACE_MAX: u64 = 1 << 30;
-/// Offers from the peer a lane keeps at most (the receiver has at most a few hundred
-/// receives open; the oldest go first).
-const MAX_OFFERS: usize = 4096;
 
 /// Payload bytes written in place, and registrations of NCCL's memory made, process-wide.
 pub static PLACED_BYTES: AtomicU64 = AtomicU64::new(0);
 pub static USER_REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
 
-/// A receive buffer the peer offered to have written in place.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Offer {
-    pub addr: u64,
-    pub rkey: u32,
-    pub capacity: u64,
-    /// The lanes the receiver had fenced when it made the offer.
-    pub gen: u64,
-}
-
-impl Offer {
-    /// The `Place` frame offering receive `seq`.
-    pub fn frame(self, seq: u64) -> Vec<u8> {
-        let mut h = Header::new(Kind::Place, seq, self.capacity);
-        h.aux = self.rkey;
-        let mut f = h.encode().to_vec();
-        f.extend_from_slice(&self.addr.to_le_bytes());
-        f.extend_from_slice(&self.gen.to_le_bytes());
-        f
-    }
-
-    /// The offer a `Place` frame makes, `None` if its body is not an address and a
-    /// generation.
-    pub fn of_frame(h: &Header, body: &[u8]) -> Option<Offer> {
-        let body: &[u8; PLACE_BODY as usize] = body.try_into().ok()?;
-        let (addr, gen) = body.split_at(8);
-        Some(Offer {
-            addr: u64::from_le_bytes(addr.try_into().ok()?),
-            rkey: h.aux,
-            capacity: h.len,
-            gen: u64::from_le_bytes(gen.try_into().ok()?),
-        })
-    }
-}
 /// How long a graceful close waits for the peer to acknowledge what was posted.
 const LINGER: Duration = Duration::from_millis(200);
 
@@ -505,7 +469,7 @@ pub struct VerbsLane {
     phase: Phase,
     ring: Ring,
     /// Receives the peer offered to have written in place, by sequence number.
-    offers: BTreeMap<u64, Offer>,
+    offers: Offers,
     peer_closed: bool,
     fenced: bool,
     /// The first error: its kind, its message, and whether it was [`MemoryUnreachable`].
@@ -572,7 +536,7 @@ impl VerbsLane {
             mine,
             peer: None,
             ring: Ring::with_qps(RING, n),
-            offers: BTreeMap::new(),
+            offers: Offers::default(),
             peer_closed: false,
             fenced: false,
             error: None,
@@ -836,6 +800,19 @@ impl VerbsLane {
         let _ = socket2::SockRef::from(&self.sock).set_linger(Some(Duration::ZERO));
     }
 
+    /// Given up as a receive lane: the peer's writes are refused from now on (its RDMA
+    /// WRITEs fail with a remote access error), while ours still go out.
+    pub fn seal(&mut self) {
+        if self.fenced || !self.is_ready() {
+            return;
+        }
+        for qp in &self.qps {
+            if let Err(e) = qp.refuse_remote_writes() {
+                tracing::debug!("railover: sealing a lane on {}: {e}", self.dom.name());
+            }
+        }
+    }
+
     /// Before a graceful close: wait (briefly) until the peer acknowledged what we
     /// posted, so that it has it all before it sees the socket close.
     pub fn linger(&mut self) {
@@ -867,9 +844,6 @@ impl VerbsLane {
 
     /// The peer offered receive `seq` to be written in place (a `Place` frame).
     pub fn offer(&mut self, seq: u64, offer: Offer) {
-        if self.offers.len() >= MAX_OFFERS {
-            self.offers.pop_first();
-        }
         self.offers.insert(seq, offer);
     }
 
@@ -1038,16 +1012,9 @@ impl Placer for VerbsLane {
             ZeroCopy::Auto => (PLACE_MIN, false),
             ZeroCopy::Always => (1, true),
         };
-        // First transmissions go out in order: older offers went to other lanes. (A
-        // message sent again follows a Fence, and the receiver offers it afresh after.)
-        while self.offers.first_key_value().is_some_and(|(&s, _)| s < seq) {
-            self.offers.pop_first();
-        }
         // No offer yet, or one the receiver made before it fenced the lane this message
         // was lost with: in the stream, or (every payload in place) wait for the next.
-        let fresh = (self.offers.get(&seq))
-            .filter(|o| o.gen >= place.min_gen)
-            .copied();
+        let fresh = self.offers.fresh(seq, place.min_gen);
         let Some(offer) = fresh.filter(|_| self.is_ready()) else {
             return if wait {
                 Err(io::ErrorKind::WouldBlock.into())
@@ -1056,7 +1023,7 @@ impl Placer for VerbsLane {
             };
         };
         if len < least || len > offer.capacity {
-            self.offers.remove(&seq);
+            self.offers.remove(seq);
             return Ok(false);
         }
         // One work request per PLACE_MAX bytes, all on the QP that carries the header.
@@ -1078,11 +1045,11 @@ impl Placer for VerbsLane {
                 ));
             }
             Ok(None) => {
-                self.offers.remove(&seq);
+                self.offers.remove(seq);
                 return Ok(false);
             }
         };
-        self.offers.remove(&seq);
+        self.offers.remove(seq);
         let mr = held
             .mr
             .as_ref()
@@ -1118,10 +1085,12 @@ fn would_block(e: &io::Error) -> bool {
 }
 
 impl Read for VerbsLane {
+    /// Bytes the peer wrote are read even once the lane failed (their completions came
+    /// before the error); then the error.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.check()?;
         let (off, avail) = self.ring.readable();
         if avail == 0 {
+            self.check()?;
             // Bytes the peer posted before closing are reaped before its EOF is seen.
             return if self.peer_closed {
                 Ok(0)

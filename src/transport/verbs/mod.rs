@@ -273,7 +273,13 @@ impl Fabric for VerbsFabric {
         lane: &mut VerbsLane,
         reader: &mut FrameReader,
     ) -> Result<Option<Inbound>, ReadError> {
-        lane.pump()?;
+        // What the peer wrote before the lane failed is read first (its last words, such
+        // as a `Stalled` before it sealed its end, say why); then the error.
+        if let Err(e) = lane.pump() {
+            if !lane.has_unread() {
+                return Err(e.into());
+            }
+        }
         if !lane.is_ready() {
             return Ok(None);
         }
@@ -288,9 +294,11 @@ impl Fabric for VerbsFabric {
                 got => break got,
             }
         };
-        // Credit for what this read consumed.
-        lane.pump()?;
-        got
+        // Credit for what this read consumed (a failed lane's error waits for its bytes).
+        match lane.pump() {
+            Err(e) if !matches!(got, Ok(Some(_))) => Err(e.into()),
+            _ => got,
+        }
     }
 
     fn write(&mut self, lane: &mut VerbsLane, writer: &mut FrameWriter) -> io::Result<()> {
@@ -320,6 +328,10 @@ impl Fabric for VerbsFabric {
 
     fn fence(&mut self, lane: &mut VerbsLane) {
         lane.fence();
+    }
+
+    fn seal(&mut self, lane: &mut VerbsLane) {
+        lane.seal();
     }
 
     /// The lane's last acknowledgements and its teardown happen on the reaper thread:

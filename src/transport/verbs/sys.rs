@@ -1073,6 +1073,18 @@ impl Qp {
         )
     }
 
+    /// The QP stays up (RTS to RTS) but takes no more RDMA WRITEs from its peer: they
+    /// are refused with a remote access error. What it sends still goes out.
+    pub fn refuse_remote_writes(&self) -> io::Result<()> {
+        let mut a = Self::zeroed_attr();
+        a.qp_access_flags = 0;
+        self.modify(
+            &mut a,
+            ffi::ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS,
+            "modify_qp(access flags)",
+        )
+    }
+
     /// The fence: the QP goes to ERR; what it still holds is flushed, not sent.
     pub fn to_err(&self) -> io::Result<()> {
         let mut a = Self::zeroed_attr();
