@@ -10,7 +10,9 @@
 #         RDMA WRITE_WITH_IMM both ways, then a fenced peer must fail the next write), and
 #         on both guests every device's flush QP (iflush's loopback RDMA READ of a
 #         registered buffer brings back its bytes through two patterns; a READ under a
-#         deregistered key fails and stays failed; a fresh flush QP then works);
+#         deregistered key fails and stays failed; a fresh flush QP then works); on rxe0
+#         the seal of a receive lane given up (verbs-check --seal: the sealed QP still
+#         writes, the peer's writes to it are refused);
 #         `railover doctor`, RAILOVER_HCA;
 #   fp    the plugin's comms over verbs lanes (fault-peer, one comm per rail);
 #   pb/pl throughput (one comm, 1 MiB messages) and 8-byte ping-pong latency on rxe0,
@@ -280,10 +282,15 @@ elif [ "$role" = a ]; then
     timeout 120 ib_write_bw $PT -s 1048576 -D 4 --report_gbits > /tmp/bw 2>&1; echo "VT: bw rc=$?"
     timeout 120 ib_write_lat $PT -s 8 -D 4 > /tmp/lat 2>&1; echo "VT: lat rc=$?"
     timeout 300 /bin/railover verbs-check serve --timeout-s 120; echo "VT: check rc=$?"
+    RAILOVER_HCA='=rxe0' timeout 120 /bin/railover verbs-check serve --seal --port 18650 --messages 4 --timeout-s 60 2>&1 |
+        grep 'rail ' | sed 's/^/VT: seal| /'
 else
     retry timeout 120 ib_write_bw $PT -s 1048576 -D 4 --report_gbits 192.0.2.1 > /tmp/bw 2>&1; echo "VT: bw rc=$?"
     retry timeout 120 ib_write_lat $PT -s 8 -D 4 192.0.2.1 > /tmp/lat 2>&1; echo "VT: lat rc=$?"
     timeout 300 /bin/railover verbs-check connect --peer $peers --timeout-s 120; echo "VT: check rc=$?"
+    retry sh -c "RAILOVER_HCA='=rxe0' timeout 120 /bin/railover verbs-check connect --seal --port 18650 \
+        --messages 4 --timeout-s 60 --peer 192.0.2.1 >/tmp/seal 2>&1"
+    grep 'rail ' /tmp/seal | sed 's/^/VT: seal| /'
 fi
 # The plugin's comms over verbs lanes, one per rail: every byte checked by the receiver.
 want fp && scn fp 18700 - : --per-dev 1 --size 256K --depth 4 --seconds 4 --grace 5 --tick-ms 1000
@@ -481,7 +488,7 @@ failed_steps=()
 check() { # STEP NAME COMMAND...: STEP names what the diagnostics show on a failure
     local step=$1 name=$2 group=$1
     shift 2
-    case $step in bw | lat | check | flush | doctor | hca) group=base ;; esac
+    case $step in bw | lat | check | flush | doctor | hca | seal) group=base ;; esac
     [ -z "$only" ] || case ",$only," in *",$group,"*) ;; *) return 0 ;; esac
     if "$@"; then
         echo "verbs tier: ok   $name"
@@ -516,6 +523,7 @@ check doctor "doctor shows rxe2:1 ACTIVE Ethernet with a rail" grep -qE 'VT: doc
 check doctor "doctor marks the IPv4 RoCE v2 GID of rxe0" grep -q 'VT: doctor| .*\*gid\[[0-9]*\] RoCEv2 ::ffff:192.0.2.1' "$a"
 check doctor "doctor says rxe takes host memory only: no peer memory, no dma-buf MRs (EOPNOTSUPP)" grep -qE 'VT: doctor\| +host memory only: no GPU peer-memory client.*no dma-buf registration \(Operation not supported' "$a"
 check hca "RAILOVER_HCA=^=rxe1 leaves rxe0 and rxe2" sh -c "grep -q 'VT: hca| verbs-check: nic rxe0:1' '$a' && grep -q 'VT: hca| verbs-check: nic rxe2:1' '$a' && grep -q 'VT: hca| verbs-check: skipped rxe1:1: not selected by RAILOVER_HCA' '$a' && ! grep -q 'VT: hca| verbs-check: nic rxe1' '$a'"
+check seal "verbs-check --seal on rxe0: the sealed QP's own write completed, the peer's write to it was refused" sh -c "grep -qE 'VT: seal\| verbs-check: rail rxe0:1 PASS.*own writes on 1 QP\(s\) completed; ours to it were refused.*remote (access|invalid request) error' '$a' && grep -q 'VT: seal| verbs-check: rail rxe0:1 PASS' '$b'"
 check check "verbs-check exited 0 on guest a" grep -q 'VT: check rc=0' "$a"
 check check "verbs-check exited 0 on guest b" grep -q 'VT: check rc=0' "$b"
 check fp "fault-peer over verbs lanes: receiver saw every byte (exit 0)" rc_is fp "$a" 0

@@ -10,7 +10,10 @@
 //! client RDMA-WRITEs `--messages` checksummed messages with immediates into the server's
 //! region, the server checks every byte and that each arrived on its QP, and writes it all
 //! back, the client checks it, and finally the server fences its QPs (ERR) and the
-//! client's next write on each QP must fail with an error completion.
+//! client's next write on each QP must fail with an error completion. With `--seal` the
+//! server seals its QPs instead, as the plugin does with a receive lane it gives up: its
+//! own write on each QP must still complete, and the client's next write on each must
+//! be refused (a remote access or invalid request error).
 //!
 //! Then, on both ends (and alone with `flush`), every rail's device flush QP (the READ
 //! that NCCL's `iflush` posts, `Flusher`): READs of a registered host buffer through its
@@ -76,6 +79,9 @@ pub struct Pair {
     /// Give up on a rail after this many seconds
     #[arg(long, default_value_t = 120)]
     pub timeout_s: u64,
+    /// Check the seal instead of the fence (both ends must say so)
+    #[arg(long)]
+    pub seal: bool,
 }
 
 pub fn run(args: &Args) -> i32 {
@@ -438,6 +444,33 @@ fn check_receives(got: &[Completion], qp_nums: &[u32], messages: usize) -> io::R
     Ok(())
 }
 
+/// The verdict on the writes to a sealed peer, one per QP: each must have been refused by
+/// the peer (a remote access or invalid request error: Soft-RoCE answers a WRITE to a QP
+/// without remote write access with the latter), not timed out.
+fn seal_verdict(got: &[Completion], took: Duration) -> io::Result<String> {
+    let refused =
+        |c: &Completion| c.status == wc::REM_ACCESS_ERR || c.status == wc::REM_INV_REQ_ERR;
+    if let Some(c) = got.iter().find(|c| !refused(c)) {
+        return Err(io::Error::other(format!(
+            "a write to a sealed QP ended otherwise than refused: {}",
+            if c.status == wc::SUCCESS {
+                format!("it completed (on QP {})", c.qp_num)
+            } else {
+                verbs::completion_error(c).to_string()
+            }
+        )));
+    }
+    let e = got.first().map_or_else(
+        || io::Error::other("no completion"),
+        verbs::completion_error,
+    );
+    Ok(format!(
+        "the sealed peer's own writes on {} QP(s) completed; ours to it were refused after {:.0} ms: {e}",
+        got.len(),
+        took.as_secs_f64() * 1e3
+    ))
+}
+
 /// The verdict on the writes to a fenced peer, one per QP: each must have failed.
 fn fence_verdict(got: &[Completion], took: Duration, s: &VerbsSettings) -> io::Result<String> {
     if let Some(ok) = got.iter().find(|c| c.status == wc::SUCCESS) {
@@ -640,9 +673,35 @@ fn rail(
         // Echo: the checked bytes go back to the client's region, once it cleared it.
         sock.read_exact(&mut [0u8; 1])?;
         let echo = write_all(&mut r, &peer_region)?;
-        // The fence: our QPs go to ERR, then the client's next write on each must fail.
-        for qp in &r.qps {
-            qp.to_err()?;
+        if p.seal {
+            // The seal: our QPs refuse RDMA WRITEs, and still write (one more each).
+            for qp in &r.qps {
+                qp.refuse_remote_writes()?;
+            }
+            for (j, qp) in r.qps.iter().enumerate() {
+                qp.post_write(&RdmaWrite {
+                    local: &r.mr,
+                    offset: 0,
+                    len: p.size,
+                    remote_addr: peer_region.addr,
+                    rkey: peer_region.rkey,
+                    imm: Some(u32::MAX - 1),
+                    signaled: true,
+                    wr_id: u64::MAX - j as u64,
+                })?;
+            }
+            let got = r.completions(qps, deadline)?;
+            if let Some(bad) = got.iter().find(|c| c.status != wc::SUCCESS) {
+                return Err(io::Error::other(format!(
+                    "a sealed QP's own write failed: {}",
+                    verbs::completion_error(bad)
+                )));
+            }
+        } else {
+            // The fence: our QPs go to ERR, then the client's next write on each must fail.
+            for qp in &r.qps {
+                qp.to_err()?;
+            }
         }
         sock.write_all(b"F")?;
         let mut verdict = String::new();
@@ -667,7 +726,14 @@ fn rail(
         sock.write_all(b"E")?; // ready for the echo
         receive_all(&mut r)?;
         check(&r, idx)?;
-        sock.read_exact(&mut [0u8; 1])?; // the server has fenced
+        sock.read_exact(&mut [0u8; 1])?; // the server has fenced (or sealed)
+        if p.seal {
+            // The sealed server's own write on each QP arrives.
+            let got = r.completions(qps, deadline)?;
+            if let Some(bad) = got.iter().find(|c| c.status != wc::SUCCESS) {
+                return Err(verbs::completion_error(bad));
+            }
+        }
         let t = Instant::now();
         for (j, qp) in r.qps.iter().enumerate() {
             let at = j * p.messages * p.size;
@@ -682,9 +748,13 @@ fn rail(
                 wr_id: u64::MAX - j as u64,
             })?;
         }
-        let verdict = r
-            .completions(qps, deadline)
-            .and_then(|got| fence_verdict(&got, t.elapsed(), settings));
+        let verdict = r.completions(qps, deadline).and_then(|got| {
+            if p.seal {
+                seal_verdict(&got, t.elapsed())
+            } else {
+                fence_verdict(&got, t.elapsed(), settings)
+            }
+        });
         let text = match &verdict {
             Ok(s) => s.clone(),
             Err(e) => format!("FAIL {e}"),
@@ -729,6 +799,7 @@ mod tests {
             messages,
             size,
             timeout_s: 120,
+            seal: false,
         }
     }
 
@@ -974,5 +1045,29 @@ mod tests {
         got[1].status = wc::SUCCESS;
         let e = fence_verdict(&got, Duration::ZERO, &s).unwrap_err();
         assert!(e.to_string().contains("on QP 11"), "{e}");
+    }
+
+    #[test]
+    fn every_write_to_the_sealed_peer_must_be_refused() {
+        let mut got = [recv(0, 10), recv(1, 11)];
+        for c in &mut got {
+            c.status = wc::REM_ACCESS_ERR;
+        }
+        let v = seal_verdict(&got, Duration::from_millis(3)).unwrap();
+        assert!(
+            v.contains("own writes on 2 QP(s) completed") && v.contains("refused after 3 ms"),
+            "{v}"
+        );
+        // A retry timeout is not a refusal: the QP may just be gone.
+        got[0].status = wc::REM_INV_REQ_ERR;
+        assert!(
+            seal_verdict(&got, Duration::ZERO).is_ok(),
+            "Soft-RoCE's answer"
+        );
+        got[1].status = wc::RETRY_EXC_ERR;
+        assert!(seal_verdict(&got, Duration::ZERO).is_err());
+        got[1].status = wc::SUCCESS;
+        let e = seal_verdict(&got, Duration::ZERO).unwrap_err();
+        assert!(e.to_string().contains("completed (on QP 11)"), "{e}");
     }
 }
