@@ -135,20 +135,17 @@ impl Engine {
                 }
             }
             Role::Comm(c) => {
-                if !cut
-                    && matches!(
-                        error,
-                        ConnError::Io(_) | ConnError::Stalled(_) | ConnError::Memory(_)
-                    )
-                {
-                    let memory = matches!(error, ConnError::Memory(_));
-                    self.tell_sender(c, k, memory, io);
-                }
-                if self
-                    .comms
-                    .get(c)
-                    .is_some_and(|m| m.shared.side == Side::Recv)
-                {
+                let receiver = (self.comms.get(c)).is_some_and(|m| m.shared.side == Side::Recv);
+                if receiver {
+                    if !cut
+                        && matches!(
+                            error,
+                            ConnError::Io(_) | ConnError::Stalled(_) | ConnError::Memory(_)
+                        )
+                    {
+                        let memory = matches!(error, ConnError::Memory(_));
+                        self.tell_sender(c, k, memory, io);
+                    }
                     // A write in place the sender still has on the way would land after
                     // the replay completed its receive: sealed, the lane takes none.
                     io.seal(k);
@@ -753,27 +750,21 @@ impl Engine {
     /// carrier flap it would read only our close and take the comm for ended. Best
     /// effort, one small write, before the close.
     fn tell_sender(&mut self, c: usize, k: usize, memory: bool, io: &mut dyn Io) {
-        if self
-            .comms
-            .get(c)
-            .is_some_and(|m| m.shared.side == Side::Recv)
-        {
-            let lane = &mut self.lanes[k];
-            let why = if memory { STALLED_MEMORY } else { 0 };
-            if memory {
-                let nic = (lane.nic.and_then(|n| self.setup.nics.get(n)))
-                    .map_or("this lane's NIC", |n| n.name.as_str());
-                tracing::warn!(
-                    "railover: comm {c}: {nic} cannot register the comm's receive buffers (GPU memory out of its reach?); the sender is told to leave it out"
-                );
-            }
-            // Offers still queued would go first, and one this NIC cannot register
-            // would fail the write again before the Stalled is out.
-            lane.writer.drop_offers();
-            lane.writer
-                .push_ctrl(&Header::new(Kind::Stalled, 0, why).encode());
-            let _ = io.write(k, &mut lane.writer);
+        let lane = &mut self.lanes[k];
+        let why = if memory { STALLED_MEMORY } else { 0 };
+        if memory {
+            let nic = (lane.nic.and_then(|n| self.setup.nics.get(n)))
+                .map_or("this lane's NIC", |n| n.name.as_str());
+            tracing::warn!(
+                "railover: comm {c}: {nic} cannot register the comm's receive buffers (GPU memory out of its reach?); the sender is told to leave it out"
+            );
         }
+        // Offers still queued would go first, and one this NIC cannot register would fail
+        // the write again before the Stalled is out.
+        lane.writer.drop_offers();
+        lane.writer
+            .push_ctrl(&Header::new(Kind::Stalled, 0, why).encode());
+        let _ = io.write(k, &mut lane.writer);
     }
 
     /// Periodic work: lane timers (silence, keepalives), delivery samples (brown-outs,

@@ -18,11 +18,11 @@ use mio::{Interest, Registry, Token};
 use parking_lot::Mutex;
 
 use super::net::{ip_of, Net};
+use crate::config::ZeroCopy;
 use crate::conn::wire::{Kind, WireError};
 use crate::transport::frames::{FrameReader, FrameWriter, Inbound, Placer, Placing, ReadError};
 use crate::transport::memory::LentBuf;
-use crate::transport::offers::{Offer, Offers};
-use crate::transport::verbs::lane::PLACE_MIN;
+use crate::transport::offers::{self, Offer, Offers, Pick};
 use crate::transport::{Fabric, FabricNic, LaneProgress};
 
 pub(crate) type SharedNet = Arc<Mutex<Net>>;
@@ -247,25 +247,16 @@ impl Placer for PlacingEnd<'_> {
         Ok(Some(offer.frame(seq)))
     }
 
-    /// As a verbs lane with `RAILOVER_ZERO_COPY=auto`: in place from [`PLACE_MIN`] when a
-    /// fresh enough offer is there, else in the stream.
+    /// As a verbs lane with `RAILOVER_ZERO_COPY=auto` ([`offers::policy`], [`Offers::pick`]).
     fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, place: Placing) -> io::Result<bool> {
-        let (least, wait) = if place.must {
-            (1, true)
-        } else {
-            (PLACE_MIN, false)
-        };
-        let Some(offer) = self.offers.fresh(seq, place.min_gen) else {
-            return if wait {
-                Err(io::ErrorKind::WouldBlock.into())
-            } else {
-                Ok(false)
-            };
+        let must = place.must || !buf.cpu_reachable();
+        let policy = offers::policy(ZeroCopy::Auto, must).expect("auto writes in place");
+        let offer = match self.offers.pick(seq, len, place.min_gen, policy) {
+            Pick::Place(offer) => offer,
+            Pick::Stream => return Ok(false),
+            Pick::Wait => return Err(io::ErrorKind::WouldBlock.into()),
         };
         self.offers.remove(seq);
-        if len < least || len > offer.capacity {
-            return Ok(false);
-        }
         let bytes = buf.slice(0, len as usize).to_vec();
         (self.io.net).place(self.io.conn, self.io.end, offer.addr as usize, bytes)?;
         Ok(true)

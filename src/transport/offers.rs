@@ -1,13 +1,19 @@
 //! Receive buffers the peer offered to have written in place, as a placing lane keeps
 //! them: the offer a `Place` frame carries, and which one a message may use.
 //!
-//! Fabric-neutral so that the simulation's lanes keep them exactly as verbs lanes do:
-//! what decides whether a message sent again may go in place lives here, not in one
-//! fabric.
+//! Fabric-neutral so that the simulation's lanes choose exactly as verbs lanes do: what
+//! decides whether a message (sent again or not) goes in place, in the stream, or waits,
+//! lives here, not in one fabric.
 
 use std::collections::BTreeMap;
 
+use crate::config::ZeroCopy;
 use crate::conn::wire::{Header, Kind, PLACE_BODY};
+
+/// Payloads at least this large are written in place when the receiver offers its buffer
+/// (`RAILOVER_ZERO_COPY=auto`): below it the ring's copy costs less than a second work
+/// request and a registration.
+pub const PLACE_MIN: u64 = 4096;
 
 /// Offers a lane keeps at most (the receiver has at most a few hundred receives open;
 /// the oldest go first).
@@ -48,6 +54,29 @@ impl Offer {
     }
 }
 
+/// The least payload written in place under `zero_copy`, and whether a message waits for
+/// an offer rather than go in the stream, for a message that `must` go in place (GPU
+/// memory); `None`: nothing goes in place.
+pub fn policy(zero_copy: ZeroCopy, must: bool) -> Option<(u64, bool)> {
+    match zero_copy {
+        _ if must => Some((1, true)),
+        ZeroCopy::Off => None,
+        ZeroCopy::Auto => Some((PLACE_MIN, false)),
+        ZeroCopy::Always => Some((1, true)),
+    }
+}
+
+/// What a message does with a lane's offers ([`Offers::pick`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// Written in place into this offer (still held: remove it once posted).
+    Place(Offer),
+    /// Sent in the stream.
+    Stream,
+    /// Waits for an offer (it must go in place).
+    Wait,
+}
+
 /// The offers one lane holds, by receive sequence number.
 #[derive(Debug, Default)]
 pub struct Offers(BTreeMap<u64, Offer>);
@@ -71,6 +100,21 @@ impl Offers {
             self.0.pop_first();
         }
         self.0.get(&seq).filter(|o| o.gen >= min_gen).copied()
+    }
+
+    /// What message `seq` of `len` bytes does, under the [`policy`] `(least, wait)` and
+    /// sent as `min_gen` allows ([`Offers::fresh`]): no fresh offer yet means the stream,
+    /// or waiting; an offer it does not fit (below `least`, above the buffer) is dropped
+    /// and the message goes in the stream.
+    pub fn pick(&mut self, seq: u64, len: u64, min_gen: u64, (least, wait): (u64, bool)) -> Pick {
+        let Some(offer) = self.fresh(seq, min_gen) else {
+            return if wait { Pick::Wait } else { Pick::Stream };
+        };
+        if len < least || len > offer.capacity {
+            self.remove(seq);
+            return Pick::Stream;
+        }
+        Pick::Place(offer)
     }
 
     /// The offer for `seq` is used up (or of no use).
@@ -144,5 +188,32 @@ mod tests {
         }
         assert_eq!(many.len(), MAX_OFFERS);
         assert_eq!(many.fresh(0, 0), None, "the oldest went first");
+    }
+
+    #[test]
+    fn a_message_is_placed_streamed_or_kept_waiting_as_the_policy_says() {
+        let auto = policy(ZeroCopy::Auto, false).unwrap();
+        assert_eq!(policy(ZeroCopy::Off, false), None);
+        assert_eq!(policy(ZeroCopy::Off, true), Some((1, true)), "GPU memory");
+        let mut offers = Offers::default();
+        assert_eq!(offers.pick(1, 8192, 0, auto), Pick::Stream, "no offer yet");
+        assert_eq!(offers.pick(1, 8192, 0, (1, true)), Pick::Wait);
+        offers.insert(1, offer(0));
+        assert_eq!(offers.pick(1, 4096, 0, auto), Pick::Place(offer(0)));
+        assert_eq!(offers.pick(1, 4096, 1, auto), Pick::Stream, "a stale offer");
+        assert_eq!(offers.len(), 1, "kept for a first transmission");
+        assert_eq!(
+            offers.pick(1, 100, 0, auto),
+            Pick::Stream,
+            "below PLACE_MIN"
+        );
+        assert_eq!(offers.len(), 0, "an offer it does not fit goes");
+        offers.insert(2, offer(0));
+        assert_eq!(
+            offers.pick(2, 4097, 0, (1, true)),
+            Pick::Stream,
+            "too large"
+        );
+        assert!(offers.is_empty());
     }
 }

@@ -53,8 +53,8 @@ use crate::config::{Gdr, VerbsSettings, ZeroCopy};
 use crate::transport::frames::{Placer, Placing};
 use crate::transport::memory::LentBuf;
 use crate::transport::memory::MemoryUnreachable;
-pub use crate::transport::offers::Offer;
-use crate::transport::offers::Offers;
+use crate::transport::offers::{self, Offers, Pick};
+pub use crate::transport::offers::{Offer, PLACE_MIN};
 
 /// Bytes of each end's ring (and of the sender's staging region).
 pub const RING: usize = 4 << 20;
@@ -67,9 +67,6 @@ const WR_CREDIT: u64 = 1 << 63;
 const WR_RECV: u64 = 1 << 62;
 /// A payload written in place; the low bits are its length.
 const WR_PLACED: u64 = 1 << 61;
-/// Payloads at least this large are written in place when the receiver offers its buffer:
-/// below it the ring's copy costs less than a second work request and a registration.
-pub const PLACE_MIN: u64 = 4096;
 /// Largest write in place one work request carries; a larger payload takes several.
 const PLACE_MAX: u64 = 1 << 30;
 
@@ -1006,26 +1003,21 @@ impl Placer for VerbsLane {
     fn direct(&mut self, seq: u64, buf: &LentBuf, len: u64, place: Placing) -> io::Result<bool> {
         self.check()?;
         let must = place.must || !buf.cpu_reachable();
-        let (least, wait) = match self.settings.zero_copy {
-            _ if must => (1, true),
-            ZeroCopy::Off => return Ok(false),
-            ZeroCopy::Auto => (PLACE_MIN, false),
-            ZeroCopy::Always => (1, true),
+        let Some((least, wait)) = offers::policy(self.settings.zero_copy, must) else {
+            return Ok(false);
         };
         // No offer yet, or one the receiver made before it fenced the lane this message
         // was lost with: in the stream, or (every payload in place) wait for the next.
-        let fresh = self.offers.fresh(seq, place.min_gen);
-        let Some(offer) = fresh.filter(|_| self.is_ready()) else {
-            return if wait {
-                Err(io::ErrorKind::WouldBlock.into())
-            } else {
-                Ok(false)
-            };
+        let pick = match self.is_ready() {
+            true => self.offers.pick(seq, len, place.min_gen, (least, wait)),
+            false if wait => Pick::Wait,
+            false => Pick::Stream,
         };
-        if len < least || len > offer.capacity {
-            self.offers.remove(seq);
-            return Ok(false);
-        }
+        let offer = match pick {
+            Pick::Place(offer) => offer,
+            Pick::Stream => return Ok(false),
+            Pick::Wait => return Err(io::ErrorKind::WouldBlock.into()),
+        };
         // One work request per PLACE_MAX bytes, all on the QP that carries the header.
         let writes = len.div_ceil(PLACE_MAX) as u32;
         if !self.ring.can_place(DATA_SLOTS, writes) {
