@@ -405,13 +405,16 @@ pub fn carrier_of(nics: &[VerbsNic], device: &str, ev: &sys::AsyncEvent) -> Vec<
 }
 
 /// The `io::Error` a failed completion means, in the kinds [`super::Fabric`] documents:
-/// the peer refusing our access (its QP or memory is gone) is `ConnectionReset`, "the
-/// peer went away"; retries exhausted is `TimedOut`; a flushed request (the QP was
+/// the peer refusing a write or read (it sealed the lane it gave up, or the key is stale)
+/// is `PermissionDenied`, a path failure the comm fails over from, not "the peer went
+/// away" (a gone peer's QP answers nothing: retries run out); a remote operation error
+/// is `ConnectionReset`; retries exhausted is `TimedOut`; a flushed request (the QP was
 /// already in error, e.g. fenced) is `ConnectionAborted`; anything else is a path failure
 /// with the status text.
 pub fn completion_error(c: &Completion) -> io::Error {
     let kind = match c.status {
-        wc::REM_ACCESS_ERR | wc::REM_INV_REQ_ERR | wc::REM_OP_ERR => io::ErrorKind::ConnectionReset,
+        wc::REM_ACCESS_ERR | wc::REM_INV_REQ_ERR => io::ErrorKind::PermissionDenied,
+        wc::REM_OP_ERR => io::ErrorKind::ConnectionReset,
         wc::RETRY_EXC_ERR | wc::RNR_RETRY_EXC_ERR => io::ErrorKind::TimedOut,
         wc::WR_FLUSH_ERR => io::ErrorKind::ConnectionAborted,
         _ => io::ErrorKind::Other,
@@ -540,7 +543,9 @@ pub(crate) mod tests {
             vendor_err: 0,
         };
         for (status, kind) in [
-            (wc::REM_ACCESS_ERR, io::ErrorKind::ConnectionReset),
+            (wc::REM_ACCESS_ERR, io::ErrorKind::PermissionDenied),
+            (wc::REM_INV_REQ_ERR, io::ErrorKind::PermissionDenied),
+            (wc::REM_OP_ERR, io::ErrorKind::ConnectionReset),
             (wc::RETRY_EXC_ERR, io::ErrorKind::TimedOut),
             (wc::WR_FLUSH_ERR, io::ErrorKind::ConnectionAborted),
             (wc::LOC_QP_OP_ERR, io::ErrorKind::Other),
