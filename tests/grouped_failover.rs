@@ -49,9 +49,9 @@ fn grouped_receives_survive_a_cut_nic() {
             b.bytes_mut().unwrap()[..len(g, k)]
                 .copy_from_slice(&pattern(g * 8 + k as u64, len(g, k)));
             let q = s
-                .isend_tagged(&b, len(g, k), 7 * k as i32)
+                .isend_patiently(&b, len(g, k), 7 * k as i32)
                 .unwrap()
-                .expect("slot");
+                .expect("taken");
             sends.push((b, q));
         }
         inflight.push_back((g, rbufs, rr, sends));

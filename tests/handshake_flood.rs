@@ -59,7 +59,7 @@ fn legit_pair(ctx: &Ctx, listener: &Listener, handle: &[u8; 128], seed: u8) {
     sb.bytes_mut().unwrap().copy_from_slice(&data);
     let mut rb = r.register(len).unwrap();
     let mut rr = r.irecv(&mut rb, len).unwrap().unwrap();
-    let mut sr = s.isend(&sb, len).unwrap().unwrap();
+    let mut sr = s.isend_patiently(&sb, len, 0).unwrap().expect("taken");
     assert_eq!(wait(&mut rr, end), len);
     wait(&mut sr, end);
     assert!(rb.bytes().unwrap() == &data[..], "payload corrupted");

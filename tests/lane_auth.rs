@@ -39,7 +39,7 @@ fn traffic(s: &SendComm, r: &RecvComm, seed: u8, n: usize) {
         let data: Vec<u8> = (0..len).map(|j| (j as u8) ^ fill).collect();
         sb.bytes_mut().unwrap().copy_from_slice(&data);
         let mut rr = r.irecv(&mut rb, len).unwrap().expect("slot");
-        let mut sr = s.isend(&sb, len).unwrap().expect("slot");
+        let mut sr = s.isend_patiently(&sb, len, 0).unwrap().expect("taken");
         assert_eq!(wait(&mut rr).unwrap(), len);
         wait(&mut sr).unwrap();
         assert!(rb.bytes().unwrap() == &data[..], "message {i} corrupted");

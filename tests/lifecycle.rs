@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use railover_testkit::driver::{connect_pair, Code, Ctx};
+use railover_testkit::driver::{connect_pair, Buffer, Code, Ctx};
 
 fn thread_names() -> Vec<String> {
     std::fs::read_dir("/proc/self/task")
@@ -76,22 +76,21 @@ fn rss_kib() -> u64 {
 }
 
 /// One init … finalize cycle as a job that ends without closing anything: a listener, a
-/// connected pair of comms with a send and a receive that meet, a send nobody receives
+/// connected pair of comms with a send and a receive that meet, a receive nobody sends to
 /// (pending at finalize), and every handle left to NCCL's forgetting.
 fn cycle_leaving_everything_open() {
     let ctx = Ctx::init().unwrap();
     let (mut h, l) = ctx.listen(0).unwrap();
     let (s, r) = connect_pair(&ctx, 0, &mut h, &l, Duration::from_secs(30)).unwrap();
-    let mut rbuf = r.register(64).unwrap();
-    let sbufs = [s.register(64).unwrap(), s.register(64).unwrap()];
-    let recv = r.irecv(&mut rbuf, 64).unwrap().expect("a request slot");
-    let sends: Vec<_> = sbufs
-        .iter()
-        .map(|b| s.isend(b, 64).unwrap().expect("a request slot"))
+    let mut rbufs = [r.register(64).unwrap(), r.register(64).unwrap()];
+    let sbuf = s.register(64).unwrap();
+    let recvs: Vec<_> = (rbufs.iter_mut())
+        .map(|b| r.irecv(b, 64).unwrap().expect("a request slot"))
         .collect();
+    let send = s.isend_patiently(&sbuf, 64, 0).unwrap().expect("taken");
     ctx.finalize().unwrap();
     // NCCL never closes these: the driver's handles must not close them on drop either.
-    std::mem::forget((s, r, l, recv, sends, rbuf, sbufs));
+    std::mem::forget((s, r, l, recvs, send, rbufs, sbuf));
     use railover::ffi::handle::{COMMS, LISTENS, MRS, REQUESTS};
     assert_eq!(
         (COMMS.len(), LISTENS.len(), MRS.len(), REQUESTS.len()),
@@ -199,30 +198,32 @@ fn process_lifecycle() {
     let (mut h, l) = b.listen(0).unwrap();
     let (s, r) = connect_pair(&b, 0, &mut h, &l, Duration::from_secs(30)).unwrap();
     let bufs: Vec<_> = (0..257).map(|_| s.register(4).unwrap()).collect();
+    let mut rbufs: Vec<_> = (0..257).map(|_| r.register(4).unwrap()).collect();
     let mut reqs = Vec::new();
-    for buf in &bufs[..256] {
-        // No receive is posted, so nothing can complete: the slots stay taken.
+    for group in rbufs[..256].chunks_mut(8) {
+        let mut group: Vec<(&mut Buffer, usize, i32)> =
+            group.iter_mut().map(|b| (b, 4, 0)).collect();
         reqs.push(
-            s.isend(buf, 4)
+            r.irecv_group(&mut group)
+                .unwrap()
+                .expect("32 receive requests per comm are supported"),
+        );
+    }
+    assert!(
+        r.irecv(&mut rbufs[256], 4).unwrap().is_none(),
+        "the 33rd receive gets a NULL request"
+    );
+    for buf in &bufs[..256] {
+        // Nothing is tested: the slots stay taken.
+        reqs.push(
+            s.isend_patiently(buf, 4, 0)
                 .unwrap()
                 .expect("32 x 8 send requests per comm are supported"),
         );
     }
     assert!(
         s.isend(&bufs[256], 4).unwrap().is_none(),
-        "the 257th send gets a NULL request"
-    );
-    let mut rbufs: Vec<_> = (0..33).map(|_| r.register(4).unwrap()).collect();
-    for buf in &mut rbufs[..32] {
-        reqs.push(
-            r.irecv(buf, 4)
-                .unwrap()
-                .expect("32 receive requests per comm are supported"),
-        );
-    }
-    assert!(
-        r.irecv(&mut rbufs[32], 4).unwrap().is_none(),
-        "the 33rd receive gets a NULL request"
+        "the 257th send, with every posted buffer taken, gets a NULL request"
     );
     drop((reqs, s, r, l));
 

@@ -34,6 +34,18 @@ fn wait(req: &mut Request) -> Result<usize, driver::Code> {
     }
 }
 
+/// A grouped receive's sizes, buffer by buffer, once done.
+fn wait_all(req: &mut Request) -> Result<Vec<usize>, driver::Code> {
+    let end = deadline();
+    loop {
+        if let Some(sizes) = req.test_all()? {
+            return Ok(sizes);
+        }
+        assert!(Instant::now() < end, "grouped receive did not complete");
+        std::thread::yield_now();
+    }
+}
+
 fn fill(buf: &mut Buffer, data: &[u8]) {
     buf.bytes_mut().unwrap()[..data.len()].copy_from_slice(data);
 }
@@ -55,7 +67,7 @@ fn sizes_from_zero_to_64_mib_arrive_intact() {
         fill(&mut sb, &data);
         let mut rb = r.register(len + 100).unwrap();
         let mut rr = r.irecv(&mut rb, len + 100).unwrap().expect("slot");
-        let mut sr = s.isend(&sb, len).unwrap().expect("slot");
+        let mut sr = s.isend_patiently(&sb, len, 0).unwrap().expect("taken");
         assert_eq!(wait(&mut rr).unwrap(), len, "reported size");
         assert_eq!(wait(&mut sr).unwrap(), len);
         assert!(
@@ -83,7 +95,7 @@ fn eight_in_flight_keep_order() {
     let mut sreqs: Vec<Request> = sbufs
         .iter()
         .zip(&sizes)
-        .map(|(b, &l)| s.isend(b, l).unwrap().unwrap())
+        .map(|(b, &l)| s.isend_patiently(b, l, 0).unwrap().expect("taken"))
         .collect();
     for (i, rq) in rreqs.iter_mut().enumerate() {
         assert_eq!(wait(rq).unwrap(), sizes[i]);
@@ -127,17 +139,10 @@ fn a_grouped_receive_of_eight_takes_each_send_by_tag() {
         for &k in &order {
             let mut b = s.register(len(k).max(1)).unwrap();
             fill(&mut b, &pattern(round * 8 + k as u64, len(k)));
-            let q = s.isend_tagged(&b, len(k), tags[k]).unwrap().expect("slot");
+            let q = (s.isend_patiently(&b, len(k), tags[k]).unwrap()).expect("taken");
             sends.push((b, q));
         }
-        let end = deadline();
-        let sizes = loop {
-            if let Some(sizes) = rr.test_all().unwrap() {
-                break sizes;
-            }
-            assert!(Instant::now() < end, "grouped receive did not complete");
-            std::thread::yield_now();
-        };
+        let sizes = wait_all(&mut rr).unwrap();
         assert_eq!(
             sizes,
             (0..8).map(len).collect::<Vec<_>>(),
@@ -161,45 +166,61 @@ fn a_grouped_receive_of_eight_takes_each_send_by_tag() {
 }
 
 #[test]
-fn a_send_whose_tag_no_buffer_of_the_group_has_fails_its_comm() {
+fn a_send_whose_tag_no_free_buffer_has_waits_and_the_comm_goes_on() {
     let ctx = setup();
     let (s, r, _l) = pair(&ctx);
     let mut a = r.register(64).unwrap();
     let mut b = r.register(64).unwrap();
-    let _rr = r
+    let mut rr = r
         .irecv_group(&mut [(&mut a, 64, 1), (&mut b, 64, 2)])
         .unwrap()
         .expect("slot");
-    let sb = s.register(8).unwrap();
-    let sb2 = s.register(8).unwrap();
-    let mut ok = s.isend_tagged(&sb, 8, 1).unwrap().expect("slot");
-    let mut bad = s.isend_tagged(&sb2, 8, 3).unwrap().expect("slot");
-    // Usage error (ncclInvalidUsage) for the send no buffer takes; the comm fails.
-    assert_eq!(wait(&mut bad), Err(driver::Code(5)));
-    let _ = wait(&mut ok);
-    let sb3 = s.register(8).unwrap();
-    let mut later = s.isend_tagged(&sb3, 8, 2).unwrap().expect("slot");
-    assert_eq!(
-        wait(&mut later),
-        Err(driver::Code(5)),
-        "the comm stays failed"
+    let (sb, sb2, sb3) = (
+        s.register(8).unwrap(),
+        s.register(8).unwrap(),
+        s.register(8).unwrap(),
     );
+    let mut one = s.isend_patiently(&sb, 8, 1).unwrap().expect("taken");
+    // The group is heard of; no buffer of it has tag 3: "not now", as often as asked.
+    for _ in 0..1000 {
+        assert!(s.isend_tagged(&sb2, 8, 3).unwrap().is_none());
+    }
+    let mut two = s.isend_patiently(&sb3, 8, 2).unwrap().expect("taken");
+    assert_eq!(wait_all(&mut rr).unwrap(), vec![8, 8]);
+    assert_eq!((wait(&mut one), wait(&mut two)), (Ok(8), Ok(8)));
+    // The comm goes on: the tag-3 send takes the next receive that has it.
+    let mut c = r.register(64).unwrap();
+    let mut rr = r
+        .irecv_group(&mut [(&mut c, 64, 3)])
+        .unwrap()
+        .expect("slot");
+    let mut three = s.isend_patiently(&sb2, 8, 3).unwrap().expect("taken");
+    assert_eq!(wait_all(&mut rr).unwrap(), vec![8]);
+    assert_eq!(wait(&mut three), Ok(8));
 }
 
 #[test]
-fn a_send_larger_than_its_receive_fails_both_sides_without_overrun() {
+fn a_send_larger_than_its_receive_is_cut_to_it_on_both_sides() {
     let ctx = setup();
     let (s, r, _l) = pair(&ctx);
-    let sb = s.register(200).unwrap();
+    let mut sb = s.register(200).unwrap();
+    let data = pattern(7, 150);
+    fill(&mut sb, &data);
     let mut rb = r.register(200).unwrap();
     fill(&mut rb, &[0xEE; 200]);
     let mut rr = r.irecv(&mut rb, 100).unwrap().unwrap();
-    let mut sr = s.isend(&sb, 150).unwrap().unwrap();
-    assert_eq!(wait(&mut rr), Err(driver::Code(5)));
-    assert_eq!(wait(&mut sr), Err(driver::Code(5)));
+    let mut sr = s.isend_patiently(&sb, 150, 0).unwrap().expect("taken");
+    // As NCCL's IB transport: the send is cut to the receive, and both report 100 bytes.
+    assert_eq!(wait(&mut rr), Ok(100));
+    assert_eq!(wait(&mut sr), Ok(100));
+    let got = rb.bytes().unwrap();
     assert!(
-        rb.bytes().unwrap().iter().all(|&b| b == 0xEE),
-        "receive buffer was written"
+        got[..100] == data[..100],
+        "the receive holds the send's first 100 bytes"
+    );
+    assert!(
+        got[100..].iter().all(|&b| b == 0xEE),
+        "nothing past the receive"
     );
 }
 
@@ -285,7 +306,7 @@ fn a_stranger_with_garbage_is_dropped_and_the_listener_keeps_serving() {
     let sb = s.register(10).unwrap();
     let mut rb = r.register(10).unwrap();
     let mut rr = r.irecv(&mut rb, 10).unwrap().unwrap();
-    let mut sr = s.isend(&sb, 10).unwrap().unwrap();
+    let mut sr = s.isend_patiently(&sb, 10, 0).unwrap().expect("taken");
     assert_eq!(wait(&mut rr).unwrap(), 10);
     wait(&mut sr).unwrap();
 }
@@ -298,7 +319,7 @@ fn metrics_count_the_bytes_that_moved() {
     let sb = s.register(len).unwrap();
     let mut rb = r.register(len).unwrap();
     let mut rr = r.irecv(&mut rb, len).unwrap().unwrap();
-    let mut sr = s.isend(&sb, len).unwrap().unwrap();
+    let mut sr = s.isend_patiently(&sb, len, 0).unwrap().expect("taken");
     wait(&mut rr).unwrap();
     wait(&mut sr).unwrap();
     // The reactor hands counters to the registry every 100 ms: poll the rendered text.

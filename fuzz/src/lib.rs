@@ -150,7 +150,7 @@ fn group_ok(h: &Header) -> bool {
 fn max_len(kind: Kind) -> u64 {
     match kind {
         Kind::Hello | Kind::Welcome | Kind::Challenge | Kind::Proof => MAX_BODY,
-        Kind::Data | Kind::Cts | Kind::Truncated | Kind::Place => MAX_DATA,
+        Kind::Data | Kind::Cts | Kind::Place => MAX_DATA,
         _ => u64::MAX,
     }
 }

@@ -233,6 +233,10 @@ pub struct Config {
     pub gdr_hca: HcaFilter,
     /// `RAILOVER_IB_*` and `RAILOVER_QPS_PER_LANE`: GID choice and QP settings of verbs lanes.
     pub verbs: VerbsSettings,
+    /// `RAILOVER_UNMATCHED_WARN_MS`: how long sends may find no receive for their tags
+    /// in the peer's oldest posted receive before one WARN per comm names them (the comm
+    /// stays open).
+    pub unmatched_warn: Duration,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
     /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`, `RAILOVER_GIVEUP_MS`.
     pub router: RouterConfig,
@@ -256,6 +260,7 @@ impl Default for Config {
             verbs: VerbsSettings::default(),
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
+            unmatched_warn: Duration::from_secs(10),
             router: RouterConfig::default(),
         }
     }
@@ -362,6 +367,14 @@ impl Config {
             "an integer number of milliseconds from 0 to 3600000",
         )? {
             cfg.router.giveup = d;
+        }
+        if let Some(d) = ms(
+            "RAILOVER_UNMATCHED_WARN_MS",
+            1,
+            86_400_000,
+            "an integer number of milliseconds from 1 to 86400000",
+        )? {
+            cfg.unmatched_warn = d;
         }
         if let Some(v) = get("RAILOVER_PROBE_BYTES") {
             cfg.probe_bytes = parse_u64(&v, 0, 64 << 20).ok_or(ConfigError {
@@ -599,6 +612,8 @@ mod tests {
             ("RAILOVER_FAILBACK_INTERVAL_MS", "0"),
             ("RAILOVER_FAILBACK_PROBES", "0"),
             ("RAILOVER_GIVEUP_MS", "forever"),
+            ("RAILOVER_UNMATCHED_WARN_MS", "0"),
+            ("RAILOVER_UNMATCHED_WARN_MS", "never"),
             ("RAILOVER_RAIL_RULE", "nearest"),
             ("RAILOVER_DISTANCE_LIMIT", "NVL"),
             ("RAILOVER_RAILS", "eth0"),
@@ -705,9 +720,12 @@ mod tests {
             ("RAILOVER_FAILBACK_PROBES", "5"),
             ("RAILOVER_GIVEUP_MS", "5000"),
             ("RAILOVER_RAILS", "rv0:1,rv1:0"),
+            ("RAILOVER_UNMATCHED_WARN_MS", "2500"),
         ])
         .unwrap();
         assert_eq!(c.router.giveup, Duration::from_millis(5000));
+        assert_eq!(c.unmatched_warn, Duration::from_millis(2500));
+        assert_eq!(cfg(&[]).unwrap().unmatched_warn, Duration::from_secs(10));
         assert_eq!(c.completion_timeout, Duration::from_millis(250));
         assert_eq!(c.router.rail_rule, RailRule::Any);
         assert_eq!(c.router.distance_limit, PathType::Sys);

@@ -2,7 +2,8 @@
 //! frames and payloads of the comm's lanes and writes what it gives back. No sockets, no
 //! threads, no clock reads. Lanes are the caller's keys.
 //!
-//! Call order: [`CommMachine::post`] NCCL's requests; feed each lane's items to
+//! Call order: [`CommMachine::post_send`] (matched sends) and [`CommMachine::post_recv`]
+//! NCCL's requests; feed each lane's items to
 //! [`CommMachine::handle_frame`], [`CommMachine::handle_data`] (then place the payload
 //! where it says) and [`CommMachine::handle_payload_done`]; then write
 //! [`CommMachine::poll_data`]'s output on the lane the caller picks (sender) or
@@ -15,20 +16,16 @@ use super::{
     ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
 };
 
-/// What a sender wants written on a lane.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Out {
-    /// A `Data` frame with the payload of message `seq` ([`CommMachine::message`]).
-    Data { seq: u64, len: u64 },
-    /// A frame without payload (a truncation notice).
-    Frame(Header),
-}
-
 /// What a frame without payload meant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Heard {
-    /// Control that changes nothing beyond the machine (a CTS, a truncation notice).
-    Control,
+    /// The receiver posted receive `seq` of `capacity` bytes in `group` (sender only): for
+    /// the comm's [`Matcher`](super::matching::Matcher), which NCCL's `isend` asks.
+    Cts {
+        seq: u64,
+        capacity: u64,
+        group: Group,
+    },
     /// The receiver acknowledged progress, so a failover is complete.
     Progress,
     /// The sender retired the lane it came on (receiver only).
@@ -61,28 +58,13 @@ impl<T> CommMachine<T> {
         }
     }
 
-    /// NCCL posted a send (`send`) or a receive of `len` bytes; a request for the other
-    /// side is handed back.
-    pub fn post(&mut self, send: bool, len: u64, token: T) -> Result<(), T> {
-        match self {
-            CommMachine::Send(m) if send => {
-                m.post(len, token);
-            }
-            CommMachine::Recv(m) if !send => {
-                m.post(len, token);
-            }
-            _ => return Err(token),
-        }
-        Ok(())
-    }
-
-    /// Sender: NCCL posted a send of `len` bytes with `tag`; a receive comm hands the
-    /// token back.
-    pub fn post_send(&mut self, len: u64, tag: i32, token: T) -> Result<(), T> {
+    /// Sender: NCCL posted a send of `len` bytes, matched to receive `seq` (and cut to
+    /// its size); a receive comm hands the token back.
+    pub fn post_send(&mut self, seq: u64, len: u64, token: T) -> Result<(), T> {
         let CommMachine::Send(m) = self else {
             return Err(token);
         };
-        m.post_tagged(len, tag, token);
+        m.post(seq, len, token);
         Ok(())
     }
 
@@ -97,8 +79,8 @@ impl<T> CommMachine<T> {
         Ok(())
     }
 
-    /// Sender: a send's tag matched no free receive of its group when it was posted;
-    /// the comm must fail with this error.
+    /// Sender: a posted send contradicts what the receiver acknowledged; the comm must
+    /// fail with this error.
     pub fn take_fault(&mut self) -> Option<ConnError> {
         match self {
             CommMachine::Send(m) => m.take_fault(),
@@ -116,14 +98,15 @@ impl<T> CommMachine<T> {
             (CommMachine::Send(_), Kind::Stalled) => Err(ConnError::Stalled(
                 "the receiver has heard nothing on this lane for the completion timeout".into(),
             )),
-            (CommMachine::Send(m), Kind::Cts) => {
+            (CommMachine::Send(_), Kind::Cts) => {
                 let (capacity, group) = Group::of_cts(h);
-                (m.handle_cts_in(h.seq, capacity, group)).map(|()| Heard::Control)
+                Ok(Heard::Cts {
+                    seq: h.seq,
+                    capacity,
+                    group,
+                })
             }
             (CommMachine::Send(m), Kind::Ack) => m.handle_ack(h.seq).map(|()| Heard::Progress),
-            (CommMachine::Recv(m), Kind::Truncated) => {
-                m.handle_truncated(h.seq, h.len).map(|()| Heard::Control)
-            }
             (CommMachine::Recv(_), Kind::Retire) => Ok(Heard::Retire),
             (CommMachine::Recv(_), Kind::Fence) => Ok(Heard::Fence(h.seq)),
             _ => Err(ConnError::Protocol(format!("unexpected {h:?}"))),
@@ -165,16 +148,14 @@ impl<T> CommMachine<T> {
         m.payload_done(lane, seq, len)
     }
 
-    /// Sender: the next thing to write on `lane`, which the caller picked for it.
+    /// Sender: the next message to write on `lane`, which the caller picked for it (a
+    /// `Data` frame with the payload of [`CommMachine::message`]).
     #[must_use]
-    pub fn poll_data(&mut self, lane: usize) -> Option<Out> {
+    pub fn poll_data(&mut self, lane: usize) -> Option<Transmit> {
         let CommMachine::Send(m) = self else {
             return None;
         };
-        m.poll_transmit(lane).map(|t| match t {
-            Transmit::Data { seq, len } => Out::Data { seq, len },
-            Transmit::Truncated { seq, len } => Out::Frame(Header::new(Kind::Truncated, seq, len)),
-        })
+        m.poll_transmit(lane)
     }
 
     /// Sender: a message is cleared and waits for a lane.
@@ -282,16 +263,27 @@ mod tests {
     fn each_side_takes_only_its_frames() {
         let mut s = CommMachine::new(true);
         let mut r = CommMachine::new(false);
-        assert_eq!(s.post(false, 1, 'x'), Err('x'));
-        assert_eq!(r.post(true, 1, 'y'), Err('y'));
-        assert_eq!(s.post(true, 4, 'a'), Ok(()));
-        assert_eq!(r.post(false, 8, 'b'), Ok(()));
-        // CTS from the receiver, then the data, then its ack.
+        assert_eq!(s.post_recv(vec![(1, 0, 'x')]), Err(vec!['x']));
+        assert_eq!(r.post_send(0, 1, 'y'), Err('y'));
+        assert_eq!(r.post_recv(vec![(8, 5, 'b')]), Ok(()));
+        // CTS from the receiver, then the send matched to it, its data, then its ack.
         let cts = r.poll_control().expect("the receiver's CTS first");
+        let group = Group {
+            tag: 5,
+            ..Group::SINGLE
+        };
+        assert_eq!(
+            s.handle_frame(&cts),
+            Ok(Heard::Cts {
+                seq: 0,
+                capacity: 8,
+                group
+            })
+        );
         assert!(!s.wants_lane());
-        assert_eq!(s.handle_frame(&cts), Ok(Heard::Control));
+        assert_eq!(s.post_send(0, 4, 'a'), Ok(()));
         assert!(s.wants_lane());
-        assert_eq!(s.poll_data(3), Some(Out::Data { seq: 0, len: 4 }));
+        assert_eq!(s.poll_data(3), Some(Transmit { seq: 0, len: 4 }));
         assert_eq!(s.on_lane(3), 1);
         assert_eq!(s.message(0), Some(&'a'));
         assert_eq!(r.handle_data(3, 0, 4), Ok(Some(&'b')));
@@ -336,8 +328,8 @@ mod tests {
     #[test]
     fn a_lost_comm_settles_every_request_with_the_error() {
         let mut r = CommMachine::new(false);
-        r.post(false, 8, 1).unwrap();
-        r.post(false, 8, 2).unwrap();
+        r.post_recv(vec![(8, 0, 1)]).unwrap();
+        r.post_recv(vec![(8, 0, 2)]).unwrap();
         assert_eq!(r.pending(), 2);
         r.handle_lane_lost(ConnError::PeerClosed);
         let got: Vec<_> = std::iter::from_fn(|| r.poll_outcome()).collect();

@@ -256,8 +256,8 @@ impl PathMachine {
         let carrier = self.lanes.remove(&k);
         let carrier_pair = carrier.as_ref().and_then(|c| c.pair);
         let peer_gone = matches!(error, ConnError::PeerClosed);
-        // A broken protocol, or a send no receive matches: another lane will not help.
-        let protocol = matches!(error, ConnError::Protocol(_) | ConnError::Unmatched(_));
+        // A broken protocol: another lane will not help.
+        let protocol = matches!(error, ConnError::Protocol(_));
         if self.sender {
             let stripes = carrier.map(|c| c.stripes).unwrap_or_default();
             self.orphans.extend(stripes.iter().copied());

@@ -59,8 +59,8 @@ struct Posted<T> {
     capacity: u64,
     group: Group,
     token: T,
-    /// Settled, waiting for the receives before it: its length, or why it failed.
-    done: Option<Result<u64, ConnError>>,
+    /// Settled, waiting for the receives before it: its length.
+    done: Option<u64>,
 }
 
 /// Receiver-side bookkeeping of one comm. Lanes are the caller's keys.
@@ -210,7 +210,7 @@ impl<T> RecvMachine<T> {
         let p = self
             .slot(seq)
             .expect("a payload being written has its receive");
-        p.done = Some(Ok(len));
+        p.done = Some(len);
         let others: Vec<usize> = (self.writing.iter())
             .filter(|&(_, &s)| s == seq)
             .map(|(&l, _)| l)
@@ -228,47 +228,15 @@ impl<T> RecvMachine<T> {
             let p = self.posted.pop_front().expect("front checked");
             self.delivered = p.seq + 1;
             self.ack_owed = true;
-            match p.done.expect("front checked") {
-                Ok(len) => {
-                    self.stats.messages += 1;
-                    self.stats.bytes += len;
-                    self.events.push_back(RecvEvent::Completed {
-                        seq: p.seq,
-                        len,
-                        token: p.token,
-                    });
-                }
-                Err(error) => self.events.push_back(RecvEvent::Failed {
-                    seq: p.seq,
-                    token: p.token,
-                    error,
-                }),
-            }
+            let len = p.done.expect("front checked");
+            self.stats.messages += 1;
+            self.stats.bytes += len;
+            self.events.push_back(RecvEvent::Completed {
+                seq: p.seq,
+                len,
+                token: p.token,
+            });
         }
-    }
-
-    /// The sender's message `seq` of `len` bytes did not fit: that receive fails with a
-    /// usage error and the comm moves on. A repeated notice changes nothing.
-    pub fn handle_truncated(&mut self, seq: u64, len: u64) -> Result<(), ConnError> {
-        if seq < self.delivered {
-            return Ok(());
-        }
-        if self.writing.values().any(|&s| s == seq) {
-            return Err(ConnError::Protocol(format!(
-                "truncation notice for {seq} while its payload arrives"
-            )));
-        }
-        let p = self.slot(seq).ok_or_else(|| {
-            ConnError::Protocol(format!(
-                "truncation notice for {seq} without a posted receive"
-            ))
-        })?;
-        if p.done.is_none() {
-            let capacity = p.capacity;
-            p.done = Some(Err(ConnError::Truncated { len, capacity }));
-            self.advance();
-        }
-        Ok(())
     }
 
     #[must_use]
@@ -508,35 +476,6 @@ mod tests {
             Placement::Discard { len: 10 }
         );
         assert!(m.payload_done(2, 1, 10).unwrap().is_empty());
-    }
-
-    #[test]
-    fn truncation_fails_that_receive_and_moves_on() {
-        let mut m = RecvMachine::default();
-        m.post(10, 'a');
-        m.post(10, 'b');
-        let _ = ctrl(&mut m);
-        m.handle_truncated(0, 11).unwrap();
-        assert_eq!(
-            m.poll_event(),
-            Some(RecvEvent::Failed {
-                seq: 0,
-                token: 'a',
-                error: ConnError::Truncated {
-                    len: 11,
-                    capacity: 10
-                }
-            })
-        );
-        assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 1 }]);
-        m.handle_truncated(0, 11).unwrap();
-        assert!(
-            m.poll_event().is_none(),
-            "a repeated notice changes nothing"
-        );
-        m.handle_data(0, 1, 10).unwrap();
-        m.payload_done(0, 1, 10).unwrap();
-        assert!(m.handle_truncated(5, 1).is_err());
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! ```
 //! All integers are little-endian except the magic. `len` is the payload length for
 //! `Data`, the receive capacity for `Cts` (its top byte places the receive in a grouped
-//! receive, `aux` is its tag: see [`Group`]), the send size for `Truncated`, and the body
+//! receive, `aux` is its tag: see [`Group`]), and the body
 //! length for the handshake frames (`Hello`, `Challenge`, `Proof`, `Welcome`); see
 //! [`crate::conn::auth`] for how a handshake proves who is calling. Parsing checks every length before it reads, so a
 //! stranger's bytes produce a [`WireError`], never a panic.
@@ -20,8 +20,10 @@ pub const MAGIC: [u8; 2] = *b"RO";
 /// over several lanes at once; `Retire` ends one of them). 4: grouped receives (a `Cts`
 /// carries its receive's tag and place in a group of up to [`MAX_GROUP`]). 5: payloads
 /// written in place (`Place`, and [`DATA_PLACED`] on a `Data`), and `Fence`. 6: a `Cts`
-/// may require its payload in place ([`CTS_IN_PLACE`]).
-pub const VERSION: u8 = 6;
+/// may require its payload in place ([`CTS_IN_PLACE`]). 7: the sender matches each send
+/// to a receive by NCCL's IB rules (`conn::matching`) and cuts a send larger than its
+/// receive to the receive's size, so `Truncated` (code 7) is gone.
+pub const VERSION: u8 = 7;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
 pub const MAX_BODY: u64 = 4096;
@@ -61,7 +63,7 @@ pub struct Group {
 }
 
 impl Group {
-    /// A receive of its own: any send's tag fills it (as before grouped receives).
+    /// A receive of its own, with tag 0.
     pub const SINGLE: Group = Group {
         tag: 0,
         index: 0,
@@ -116,8 +118,6 @@ pub enum Kind {
     Data,
     /// Receiver → sender: `seq` messages delivered (cumulative).
     Ack,
-    /// Sender → receiver: message `seq` of `len` bytes exceeds the posted receive.
-    Truncated,
     /// Either side: orderly close of the comm.
     Close,
     /// Either side: "this lane is alive", sent when it has had nothing else to send for a
@@ -151,14 +151,13 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind, in wire-code order.
-    pub const ALL: [Kind; 15] = [
+    pub const ALL: [Kind; 14] = [
         Kind::Hello,
         Kind::Welcome,
         Kind::Refuse,
         Kind::Cts,
         Kind::Data,
         Kind::Ack,
-        Kind::Truncated,
         Kind::Close,
         Kind::Keepalive,
         Kind::Stalled,
@@ -177,7 +176,7 @@ impl Kind {
             Kind::Cts => 4,
             Kind::Data => 5,
             Kind::Ack => 6,
-            Kind::Truncated => 7,
+            // 7 was `Truncated`, until version 7.
             Kind::Close => 8,
             Kind::Keepalive => 9,
             Kind::Stalled => 10,
@@ -197,7 +196,6 @@ impl Kind {
             4 => Kind::Cts,
             5 => Kind::Data,
             6 => Kind::Ack,
-            7 => Kind::Truncated,
             8 => Kind::Close,
             9 => Kind::Keepalive,
             10 => Kind::Stalled,
@@ -303,7 +301,7 @@ impl Header {
             Kind::Data if h.aux & !DATA_PLACED != 0 => {
                 return Err(WireError::Malformed("Data flags"))
             }
-            Kind::Data | Kind::Truncated | Kind::Place => (h.len, MAX_DATA),
+            Kind::Data | Kind::Place => (h.len, MAX_DATA),
             Kind::Cts => {
                 let (capacity, group) = Group::of_cts(&h);
                 if !group.valid() {
@@ -561,8 +559,15 @@ mod tests {
         let codes: Vec<u8> = Kind::ALL.iter().map(|k| k.code()).collect();
         assert_eq!(
             codes,
-            (1..=15).collect::<Vec<u8>>(),
+            (1..=15).filter(|&c| c != 7).collect::<Vec<u8>>(),
             "ALL lists every kind once"
+        );
+        let mut old = Header::new(Kind::Ack, 0, 0).encode();
+        old[3] = 7;
+        assert_eq!(
+            Header::decode(&old),
+            Err(WireError::UnknownKind(7)),
+            "Truncated is gone"
         );
         for kind in Kind::ALL {
             let h = Header {

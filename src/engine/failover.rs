@@ -250,8 +250,6 @@ impl Engine {
         let peer_gone = matches!(error, ConnError::PeerClosed);
         if matches!(error, ConnError::Protocol(_)) {
             self.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
-        } else if matches!(error, ConnError::Unmatched(_)) {
-            self.stats.unmatched_sends.fetch_add(1, Ordering::Relaxed);
         } else if !peer_gone {
             self.stats.lane_failures.fetch_add(1, Ordering::Relaxed);
         }
@@ -873,7 +871,7 @@ impl Engine {
             handshakes_pending: load(&st.handshakes_pending),
             protocol_errors: load(&st.protocol_errors),
             lane_failures: load(&st.lane_failures),
-            unmatched_sends: load(&st.unmatched_sends),
+            unmatched_sends: crate::handoff::comm::UNMATCHED_SENDS.load(Ordering::Relaxed),
             gave_up: load(&st.gave_up),
             link_events: load(&st.link_events),
             memory_registrations: USER_REGISTRATIONS.load(Ordering::Relaxed),

@@ -281,15 +281,20 @@ impl Engine {
     fn comm_inbound(&mut self, c: usize, k: usize, item: Inbound) -> Result<Took, ConnError> {
         let comm = &mut self.comms[c];
         match item {
-            Inbound::Frame(h, _) if h.kind == Kind::Cts && Group::in_place(&h) => {
-                // Remember it (before the machine, which may hand the send out at once).
-                comm.in_place.insert(h.seq);
-                let keep = h.seq.saturating_sub(super::IN_PLACE_KEPT);
-                comm.in_place = comm.in_place.split_off(&keep);
-                comm.machine.handle_frame(&h)?;
-            }
             Inbound::Frame(h, _) => match comm.machine.handle_frame(&h)? {
-                Heard::Control => {}
+                Heard::Cts {
+                    seq,
+                    capacity,
+                    group,
+                } => {
+                    if Group::in_place(&h) {
+                        // Remember it before NCCL's `isend` can match a send to it.
+                        comm.in_place.insert(seq);
+                        let keep = seq.saturating_sub(super::IN_PLACE_KEPT);
+                        comm.in_place = comm.in_place.split_off(&keep);
+                    }
+                    comm.shared.announce(seq, capacity, group)?;
+                }
                 Heard::Progress => comm.path.handle_resumed(),
                 Heard::Retire => {
                     if comm.path.carrier(k).is_none() || !comm.path.handle_retired(k) {
@@ -452,7 +457,8 @@ impl Engine {
         };
         let entry = self.comms.vacant_entry();
         let key = entry.key();
-        let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic));
+        let warn = self.setup.unmatched_warn;
+        let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic, warn));
         entry.insert(Comm {
             shared: shared.clone(),
             machine: CommMachine::new(side == Side::Send),

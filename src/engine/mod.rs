@@ -29,11 +29,12 @@ use std::time::{Duration, Instant};
 use slab::Slab;
 
 use crate::conn::auth::{self, CommId, Initiator, Session};
-use crate::conn::comm::{CommMachine, Out};
+use crate::conn::comm::CommMachine;
 use crate::conn::lane::{io_error, Cause, LaneMachine, LINGER};
 use crate::conn::path::PathMachine;
 use crate::conn::wire::{Group, Header, Kind, NicAddr, CTS_IN_PLACE};
 use crate::conn::ConnError;
+use crate::conn::Transmit;
 use crate::handoff::{
     CommShared, CommandQueue, Error, ListenShared, PendingConnect, Request, Side,
 };
@@ -74,6 +75,9 @@ pub struct Setup {
     pub router: RouterConfig,
     /// Where counters and events are recorded (the reactor batches them).
     pub telemetry: Arc<Telemetry>,
+    /// How long sends may find no receive for their tags before one WARN per comm names
+    /// them (`RAILOVER_UNMATCHED_WARN_MS`).
+    pub unmatched_warn: Duration,
     /// Handshake randomness from this seed instead of the OS: only for the deterministic
     /// simulation, whose runs must replay exactly. `None` in production.
     pub entropy_seed: Option<u64>,
@@ -109,9 +113,6 @@ pub struct ReactorStats {
     pub duplicates: AtomicU64,
     /// Carrier changes seen on local NICs.
     pub link_events: AtomicU64,
-    /// Sends whose tag matched no free receive of their grouped receive (each fails its
-    /// comm).
-    pub unmatched_sends: AtomicU64,
 }
 
 /// The lanes' sockets, as the reactor lends them to one engine call. `k` is always a
@@ -459,66 +460,85 @@ impl Engine {
         self.dirty.push(k);
     }
 
-    /// A send or a (grouped) receive NCCL posted on `comm`: its buffers and their tags,
-    /// one for a send.
-    pub fn post(
+    /// A send NCCL posted on `comm`, matched to receive `seq` and cut to its size.
+    pub fn post_send(
         &mut self,
         comm: &Arc<CommShared>,
-        side: Side,
         req: &Arc<Request>,
-        bufs: Vec<(UserBuf, i32)>,
+        buf: UserBuf,
+        seq: u64,
         io: &mut dyn Io,
     ) {
-        let fail_all = |bufs: Vec<(UserBuf, i32)>, e: Error| {
-            for sub in 0..bufs.len() {
-                req.settle(sub, Err(e.clone()));
-            }
-        };
-        let Some(c) = self.comm_of(comm) else {
-            let what = match side {
-                Side::Send => "send on a closed comm",
-                Side::Recv => "receive on a closed comm",
-            };
-            return fail_all(bufs, Error::InvalidArgument(what.into()));
-        };
-        let other = || Error::InvalidArgument("send or receive on a comm of the other side".into());
-        let pending = |(sub, (buf, tag)): (usize, (UserBuf, i32))| {
-            let len = buf.len() as u64;
-            (
-                len,
-                tag,
-                Pending {
-                    buf,
-                    req: req.clone(),
-                    sub,
-                },
-            )
-        };
-        let machine = &mut self.comms[c].machine;
-        let posted = match side {
-            Side::Send => {
-                let mut subs = bufs.into_iter().enumerate().map(pending);
-                match (subs.next(), subs.next()) {
-                    (Some((len, tag, p)), None) => {
-                        machine.post_send(len, tag, p).map_err(|p| vec![p])
-                    }
-                    _ => return req.fail(Error::Internal("a send of several buffers".into())),
-                }
-            }
-            Side::Recv => machine.post_recv(bufs.into_iter().enumerate().map(pending).collect()),
-        };
-        if let Err(ps) = posted {
-            for p in ps {
-                p.req.settle(p.sub, Err(other()));
-            }
+        let Some(c) = self.posted_on(comm, Side::Send, req, 1) else {
             return;
+        };
+        let len = buf.len() as u64;
+        let p = Pending {
+            buf,
+            req: req.clone(),
+            sub: 0,
+        };
+        if let Err(p) = self.comms[c].machine.post_send(seq, len, p) {
+            return p.req.settle(0, Err(other_side()));
         }
         if let Some(e) = self.comms[c].machine.take_fault() {
-            self.stats.unmatched_sends.fetch_add(1, Ordering::Relaxed);
             tracing::warn!("railover: comm {c} failed: {e}");
             return self.fail_comm(c, e, io);
         }
         self.pump(c);
+    }
+
+    /// A (grouped) receive NCCL posted on `comm`: its buffers and their tags.
+    pub fn post_recv(
+        &mut self,
+        comm: &Arc<CommShared>,
+        req: &Arc<Request>,
+        bufs: Vec<(UserBuf, i32)>,
+        _io: &mut dyn Io,
+    ) {
+        let Some(c) = self.posted_on(comm, Side::Recv, req, bufs.len()) else {
+            return;
+        };
+        let subs = (bufs.into_iter().enumerate())
+            .map(|(sub, (buf, tag))| {
+                let len = buf.len() as u64;
+                let p = Pending {
+                    buf,
+                    req: req.clone(),
+                    sub,
+                };
+                (len, tag, p)
+            })
+            .collect();
+        if let Err(ps) = self.comms[c].machine.post_recv(subs) {
+            for p in ps {
+                p.req.settle(p.sub, Err(other_side()));
+            }
+            return;
+        }
+        self.pump(c);
+    }
+
+    /// The comm a request of `side` over `subs` buffers was posted on, or `None` when the
+    /// comm is closed (the request failed).
+    fn posted_on(
+        &self,
+        comm: &Arc<CommShared>,
+        side: Side,
+        req: &Request,
+        subs: usize,
+    ) -> Option<usize> {
+        let c = self.comm_of(comm);
+        if c.is_none() {
+            let what = match side {
+                Side::Send => "send on a closed comm",
+                Side::Recv => "receive on a closed comm",
+            };
+            for sub in 0..subs {
+                req.settle(sub, Err(Error::InvalidArgument(what.into())));
+            }
+        }
+        c
     }
 
     fn comm_of(&self, shared: &Arc<CommShared>) -> Option<usize> {
@@ -562,31 +582,26 @@ impl Engine {
                 })
                 .map(|(k, _)| k)
                 .expect("a slot below the total is some lane's");
-            let Some(out) = comm.machine.poll_data(k) else {
+            let Some(Transmit { seq, len }) = comm.machine.poll_data(k) else {
                 break;
             };
             let lane = &mut lanes[k];
-            match out {
-                Out::Frame(h) => lane.writer.push_ctrl(&h.encode()),
-                Out::Data { seq, len } => {
-                    let p = comm
-                        .machine
-                        .message(seq)
-                        .expect("transmitting a queued message");
-                    let min_gen = if comm.machine.first_try(seq) {
-                        0
-                    } else {
-                        comm.fences
-                    };
-                    let place = Placing {
-                        min_gen,
-                        must: comm.in_place.contains(&seq),
-                    };
-                    lane.writer.push_data(seq, len, p.buf.lend(), Some(place));
-                    self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
-                    self.metrics.message(lane.nic, true, len);
-                }
-            }
+            let p = comm
+                .machine
+                .message(seq)
+                .expect("transmitting a queued message");
+            let min_gen = if comm.machine.first_try(seq) {
+                0
+            } else {
+                comm.fences
+            };
+            let place = Placing {
+                min_gen,
+                must: comm.in_place.contains(&seq),
+            };
+            lane.writer.push_data(seq, len, p.buf.lend(), Some(place));
+            self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
+            self.metrics.message(lane.nic, true, len);
             self.dirty.push(k);
         }
         while let Some(h) = comm.machine.poll_control() {
@@ -805,3 +820,8 @@ fn fresh_random(seeded: &mut Option<SplitMix64>) -> Result<auth::Random, ConnErr
 
 #[cfg(test)]
 mod tests;
+
+/// A send posted on a receive comm, or the other way round.
+fn other_side() -> Error {
+    Error::InvalidArgument("send or receive on a comm of the other side".into())
+}

@@ -172,6 +172,7 @@ fn engine(host: u8, now: Instant) -> Engine {
         stripes: None,
         router: RouterConfig::default(),
         telemetry: Arc::new(Telemetry::start(&ExporterConfig::default(), None)),
+        unmatched_warn: Duration::from_secs(10),
         entropy_seed: Some(u64::from(host)),
     };
     let queue = Arc::new(CommandQueue::new(
@@ -567,7 +568,7 @@ fn a_receiver_whose_nic_refuses_its_queued_offers_still_gets_its_stalled_out() {
     for tag in 0..2 {
         let req = Arc::new(Request::new(shared.clone()));
         let buf = UserBuf::of_slice(Vec::leak(vec![0u8; 8192]));
-        p.b.post(&shared, Side::Recv, &req, vec![(buf, tag)], &mut p.mb);
+        p.b.post_recv(&shared, &req, vec![(buf, tag)], &mut p.mb);
     }
     p.b.drive(now, &mut p.mb);
     assert!(p.mb.ops.contains(&Op::Close(kb)), "{:?}", p.mb.ops);

@@ -529,13 +529,9 @@ unsafe fn do_irecv(
         // SAFETY: `data` is NULL or NCCL's array for this call, of `n` elements.
         let buf = unsafe { read_at(data.cast_const(), i, "data") }?;
         let size = size_at(i)?;
-        // A single receive takes any send, as before grouped receives: its tag is unused.
-        let tag = if count == 1 {
-            0
-        } else {
-            // SAFETY: `tags` is NULL or NCCL's array for this call, of `n` elements.
-            unsafe { read_at(tags.cast_const(), i, "tags") }?
-        };
+        // Every buffer's tag picks its send, a single receive's too (as `ncclIbIsend`).
+        // SAFETY: `tags` is NULL or NCCL's array for this call, of `n` elements.
+        let tag = unsafe { read_at(tags.cast_const(), i, "tags") }?;
         // SAFETY: `mhandles` is NULL or NCCL's array for this call, of `n` elements.
         let mr = MRS.get(unsafe { read_at(mhandles.cast_const(), i, "mhandles") }?)?;
         if buf.is_null() && size > 0 {

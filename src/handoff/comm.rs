@@ -10,9 +10,13 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::queue::CommandQueue;
+use super::queue::{Command, CommandQueue};
+use super::request::Request;
 use super::Error;
-use crate::transport::memory::{Memory, Region};
+use crate::conn::matching::{Matched, Matcher};
+use crate::conn::wire::Group;
+use crate::conn::ConnError;
+use crate::transport::memory::{Memory, Region, UserBuf};
 
 /// Requests a comm may have in flight (`NCCL_NET_MAX_REQUESTS`, which `ffi` reports).
 pub const NCCL_NET_MAX_REQUESTS: usize = 32;
@@ -48,10 +52,26 @@ pub struct CommShared {
     spread: AtomicUsize,
     /// Registrations made on this comm, so a move to another NIC can register them there.
     regions: Mutex<Vec<Weak<MemoryRegion>>>,
+    /// Send side: the receives the peer announced and which send took which. The reactor
+    /// announces, NCCL's `isend` claims: each holds the lock for one short call.
+    matcher: Mutex<Matcher>,
+    /// How long sends may find no receive for their tags in the head group before one
+    /// WARN names them (`RAILOVER_UNMATCHED_WARN_MS`).
+    unmatched_warn: Duration,
 }
 
+/// Comms whose sends found no matching receive for longer than their bound (one WARN
+/// each), process-wide.
+pub static UNMATCHED_SENDS: AtomicU64 = AtomicU64::new(0);
+
 impl CommShared {
-    pub(crate) fn new(side: Side, key: usize, queue: Arc<CommandQueue>, nic: usize) -> CommShared {
+    pub(crate) fn new(
+        side: Side,
+        key: usize,
+        queue: Arc<CommandQueue>,
+        nic: usize,
+        unmatched_warn: Duration,
+    ) -> CommShared {
         CommShared {
             side,
             key,
@@ -62,7 +82,35 @@ impl CommShared {
             nic: AtomicUsize::new(nic),
             spread: AtomicUsize::new(1),
             regions: Mutex::new(Vec::new()),
+            matcher: Mutex::new(Matcher::default()),
+            unmatched_warn,
         }
+    }
+
+    /// Reactor side (sender): the receiver posted receive `seq` of `capacity` bytes in
+    /// `group`. Repeats change nothing; a contradiction is the peer's protocol error.
+    pub(crate) fn announce(&self, seq: u64, capacity: u64, group: Group) -> Result<(), ConnError> {
+        self.matcher.lock().announce(seq, capacity, group)
+    }
+
+    /// NCCL's side (`isend`): the receive a send with `tag` fills, or `None` for "not
+    /// now" (NCCL's IB rules: [`crate::conn::matching`]). Sends that have found no buffer
+    /// for their tags in a posted group for longer than the comm's bound get one WARN and
+    /// are counted; the comm stays open.
+    pub fn claim(&self, tag: i32, now: Instant) -> Option<Matched> {
+        let mut m = self.matcher.lock();
+        let got = m.claim(tag, now);
+        if got.is_none() {
+            if let Some(o) = m.overdue(now, self.unmatched_warn) {
+                drop(m);
+                UNMATCHED_SENDS.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    "railover: comm {}: {o}; the comm stays open, waiting (a tag mismatch between the two ranks' NCCL calls never resolves; RAILOVER_UNMATCHED_WARN_MS sets when this is reported)",
+                    self.key
+                );
+            }
+        }
+        got
     }
 
     /// The local NIC that carries most of the comm now.
@@ -139,6 +187,56 @@ impl CommShared {
     /// Marks the comm closed; `false` if it already was.
     pub(crate) fn mark_closed(&self) -> bool {
         !self.closed.swap(true, Ordering::AcqRel)
+    }
+}
+
+/// What `isend` did with a send.
+#[derive(Debug)]
+pub enum Isend {
+    /// "Not now": no receive for its tag yet, or no request slot free. NCCL calls again.
+    NotNow,
+    /// The comm had failed: a request that reports why.
+    Failed(Arc<Request>),
+    /// Matched to a receive and handed to the reactor.
+    Posted(Arc<Request>, Matched),
+}
+
+impl CommShared {
+    /// NCCL's `isend` of `buf` with `tag`, its arguments checked: matched to a receive
+    /// (NCCL's IB rules, [`crate::conn::matching`]), cut to the receive's size and queued
+    /// for the reactor, or "not now". A request slot is taken before a receive is
+    /// claimed, so a claimed receive always gets its send.
+    pub fn isend(
+        self: &Arc<Self>,
+        mut buf: UserBuf,
+        tag: i32,
+        now: Instant,
+    ) -> Result<Isend, Error> {
+        self.queue.check()?;
+        if self.is_closed() {
+            return Err(Error::InvalidArgument("comm is closed".into()));
+        }
+        if !self.try_take_slot() {
+            return Ok(Isend::NotNow);
+        }
+        if let Some(e) = self.failure() {
+            let req = Arc::new(Request::group(self.clone(), 1));
+            req.fail(e);
+            return Ok(Isend::Failed(req));
+        }
+        let Some(m) = self.claim(tag, now) else {
+            self.release_slot();
+            return Ok(Isend::NotNow);
+        };
+        buf.truncate(usize::try_from(m.capacity).unwrap_or(usize::MAX));
+        let req = Arc::new(Request::group(self.clone(), 1));
+        self.queue.push(Command::Send {
+            comm: self.clone(),
+            req: req.clone(),
+            buf,
+            seq: m.seq,
+        });
+        Ok(Isend::Posted(req, m))
     }
 }
 
@@ -278,6 +376,7 @@ mod tests {
             0,
             Arc::new(CommandQueue::for_tests(waker)),
             1,
+            Duration::from_secs(10),
         ))
     }
 

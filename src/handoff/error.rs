@@ -27,9 +27,6 @@ pub enum Error {
 impl From<ConnError> for Error {
     fn from(e: ConnError) -> Error {
         match e {
-            ConnError::Truncated { .. } | ConnError::Unmatched(_) => {
-                Error::InvalidUsage(e.to_string())
-            }
             ConnError::Protocol(_) | ConnError::PeerClosed | ConnError::Gone(_) => {
                 Error::Remote(e.to_string())
             }

@@ -36,11 +36,13 @@ pub enum Command {
         token: [u8; 16],
         pending: Arc<PendingConnect>,
     },
+    /// A send NCCL posted, matched to receive `seq` (`CommShared::claim`) and cut to its
+    /// size.
     Send {
         comm: Arc<CommShared>,
         req: Arc<Request>,
         buf: UserBuf,
-        tag: i32,
+        seq: u64,
     },
     /// A receive of one to `MAX_RECVS` buffers, each with its tag (a grouped receive).
     Recv {
@@ -254,7 +256,13 @@ mod tests {
         let q = Arc::new(CommandQueue::new(
             Waker::new(poll.registry(), Token(0)).unwrap(),
         ));
-        let comm = Arc::new(CommShared::new(Side::Send, 0, q.clone(), 0));
+        let comm = Arc::new(CommShared::new(
+            Side::Send,
+            0,
+            q.clone(),
+            0,
+            Duration::from_secs(10),
+        ));
         let queued = Arc::new(Done::default());
         q.push(Command::CloseComm {
             comm: comm.clone(),
@@ -296,7 +304,13 @@ mod tests {
         let q = Arc::new(CommandQueue::new(
             Waker::new(poll.registry(), Token(0)).unwrap(),
         ));
-        let comm = Arc::new(CommShared::new(Side::Send, 0, q.clone(), 0));
+        let comm = Arc::new(CommShared::new(
+            Side::Send,
+            0,
+            q.clone(),
+            0,
+            Duration::from_secs(10),
+        ));
         let pending = Arc::new(PendingConnect::default());
         let queued = Arc::new(Request::new(comm.clone()));
         let close = Arc::new(Done::default());
@@ -305,7 +319,7 @@ mod tests {
             comm: comm.clone(),
             req: queued.clone(),
             buf: empty(),
-            tag: 0,
+            seq: 0,
         });
         assert_eq!(q.check(), Ok(()));
         q.poison("on purpose".into());

@@ -168,7 +168,13 @@ mod tests {
         let q = Arc::new(CommandQueue::new(
             Waker::new(poll.registry(), Token(0)).unwrap(),
         ));
-        Arc::new(CommShared::new(Side::Recv, 0, q, 0))
+        Arc::new(CommShared::new(
+            Side::Recv,
+            0,
+            q,
+            0,
+            std::time::Duration::from_secs(10),
+        ))
     }
 
     #[test]

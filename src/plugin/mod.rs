@@ -10,12 +10,12 @@ pub mod nics;
 use std::ffi::{CStr, CString};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
 use crate::config::{Config, TransportChoice};
-use crate::handoff::comm::{MAX_RECVS, NCCL_PTR_HOST};
+use crate::handoff::comm::{Isend, MAX_RECVS, NCCL_PTR_HOST};
 pub use crate::handoff::{
     CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Side,
     Status,
@@ -145,6 +145,7 @@ impl Runtime {
                     .map(|n| (n.tcp.name.as_str(), n.rail))
                     .collect::<Vec<_>>(),
             )),
+            unmatched_warn: config.unmatched_warn,
             entropy_seed: None,
         };
         let telemetry = setup.telemetry.clone();
@@ -666,8 +667,10 @@ fn new_request(comm: &Arc<CommShared>, count: usize) -> Result<Option<Arc<Reques
     Ok(Some(req))
 }
 
-/// Queues a send with `tag` (which picks its buffer in a grouped receive); `Ok(None)`
-/// when all request slots are busy ("call again").
+/// Posts a send with `tag`, as NCCL's IB transport does (`ncclIbIsend`): the send takes
+/// the first free buffer with its tag in the peer's oldest posted receive that is not
+/// fully matched, and is cut to that buffer's size. `Ok(None)` ("call again") when there
+/// is none yet, or all request slots are busy; the comm goes on either way.
 pub fn isend(
     comm: &Arc<CommShared>,
     mut buf: UserBuf,
@@ -679,19 +682,10 @@ pub fn isend(
     }
     mr.check(comm, buf.addr(), buf.len())?;
     buf.attach(mr.region.clone());
-    let Some(req) = new_request(comm, 1)? else {
-        return Ok(None);
-    };
-    if req.is_finished() {
-        return Ok(Some(req));
-    }
-    comm.queue.push(Command::Send {
-        comm: comm.clone(),
-        req: req.clone(),
-        buf,
-        tag,
-    });
-    Ok(Some(req))
+    Ok(match comm.isend(buf, tag, Instant::now())? {
+        Isend::NotNow => None,
+        Isend::Failed(req) | Isend::Posted(req, _) => Some(req),
+    })
 }
 
 /// Queues a receive of 1 to [`MAX_RECVS`] buffers, each with its tag and registration: a

@@ -45,7 +45,7 @@ use slab::Slab;
 
 use crate::conn::wire::NicAddr;
 use crate::engine::{self, Engine};
-use crate::handoff::{panic_message, Command, CommandQueue, Error, ListenShared, Side};
+use crate::handoff::{panic_message, Command, CommandQueue, Error, ListenShared};
 use crate::routing::RoutePublisher;
 use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
 use crate::transport::netlink::LinkWatcher;
@@ -479,9 +479,9 @@ impl<F: Fabric> Reactor<F> {
                 comm,
                 req,
                 buf,
-                tag,
-            } => engine.post(&comm, Side::Send, &req, vec![(buf, tag)], io),
-            Command::Recv { comm, req, bufs } => engine.post(&comm, Side::Recv, &req, bufs, io),
+                seq,
+            } => engine.post_send(&comm, &req, buf, seq, io),
+            Command::Recv { comm, req, bufs } => engine.post_recv(&comm, &req, bufs, io),
             Command::CloseComm { comm, done } => {
                 engine.close_comm(&comm, now, io);
                 done.signal();

@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::conn::ib_model::{IbModel, Placed};
+use crate::conn::matching::Matched;
+use crate::handoff::comm::Isend;
 use crate::handoff::{
     CommShared, Command, Done, ListenShared, PendingConnect, PendingListen, Request, Status,
 };
@@ -86,15 +89,17 @@ fn setup(s: &Scenario, node: usize) -> Setup {
             seed: s.seed.wrapping_mul(2).wrapping_add(node as u64 + 1),
         },
         telemetry: telemetry(),
+        unmatched_warn: Duration::from_secs(10),
         entropy_seed: Some(s.seed ^ (node as u64 + 1) << 56),
     }
 }
 
-/// A request NCCL would hold, with the memory it lent.
+/// A request NCCL would hold, with the memory it lent: a send (`id` is its number, one
+/// buffer) or a receive (`id` is its group, a buffer for each message of it).
 struct Posted {
-    seq: usize,
+    id: usize,
     req: Arc<Request>,
-    mem: Arc<SimMem>,
+    mems: Vec<Arc<SimMem>>,
     at: Time,
 }
 
@@ -103,11 +108,28 @@ struct Flow {
     from: usize,
     send: Arc<CommShared>,
     recv: Arc<CommShared>,
-    next: usize,
+    /// The next send and the next group of receives NCCL posts.
+    next_send: usize,
+    next_group: usize,
+    /// Sends `isend` answered "not now", with when NCCL first tried each: it tries
+    /// them again, in order, on every turn.
+    waiting: VecDeque<(usize, Time)>,
     sends: VecDeque<Posted>,
     recvs: VecDeque<Posted>,
+    /// NCCL's IB transport, given the same calls: where each send must go.
+    model: IbModel,
+    /// The model's id of each group of receives posted.
+    model_ids: Vec<u64>,
+    /// Per buffer (message, sequence number): the send that filled it and the size.
+    filled: Vec<Option<(usize, usize)>>,
+    /// Per send: the size it moves, once matched.
+    send_size: Vec<Option<usize>>,
+    /// Per send and per buffer: finished well.
     sent_ok: Vec<bool>,
     recv_ok: Vec<bool>,
+    /// Per buffer: its receive failed as a whole although it held other buffers too
+    /// (this one may have been filled, and its send completed, as in NCCL's IB transport).
+    group_failed: Vec<bool>,
     /// When a request of the comm first failed.
     failed: Option<Time>,
     may_fail: bool,
@@ -140,6 +162,11 @@ struct Sim {
     polled: Option<Vec<Vec<Token>>>,
     /// Stranded bytes were reported (once a run).
     stranded: bool,
+    /// What NCCL's side met: `isend` answers "not now", sends cut to their receive, and
+    /// grouped receives (of two buffers or more) that finished.
+    not_now: u64,
+    cut: u64,
+    grouped: u64,
 }
 
 /// Where a run ended.
@@ -154,6 +181,11 @@ pub(crate) struct Report {
     /// stopped.
     pub landed: u64,
     pub dropped: u64,
+    /// `isend` answers "not now", sends cut to their receive's size, and grouped
+    /// receives that finished.
+    pub not_now: u64,
+    pub cut: u64,
+    pub grouped: u64,
 }
 
 impl Sim {
@@ -335,11 +367,18 @@ impl Sim {
                 max_spread: 1,
                 send,
                 recv,
-                next: 0,
+                next_send: 0,
+                next_group: 0,
+                waiting: VecDeque::new(),
                 sends: VecDeque::new(),
                 recvs: VecDeque::new(),
+                model: IbModel::default(),
+                model_ids: Vec::new(),
+                filled: vec![None; c.sizes.len()],
+                send_size: vec![None; c.sizes.len()],
                 sent_ok: vec![false; c.sizes.len()],
                 recv_ok: vec![false; c.sizes.len()],
+                group_failed: vec![false; c.sizes.len()],
                 failed: None,
                 may_fail: check::may_fail(&self.s, i),
             });
@@ -383,85 +422,181 @@ impl Sim {
         }
     }
 
-    /// NCCL's side: posts what is due, takes what finished, and checks it.
+    /// NCCL's side: posts what is due, tries again the sends that were told "not now",
+    /// takes what finished, and checks it.
     fn drive_requests(&mut self) -> Option<Time> {
         let mut next: Option<Time> = None;
         for f in 0..self.flows.len() {
             self.harvest(f);
-            let plan = &self.s.comms[f];
             let fl = &self.flows[f];
-            let (from, to) = (fl.from, 1 - fl.from);
-            if fl.next >= plan.sizes.len() || !self.alive(from) || !self.alive(to) {
+            if !self.alive(fl.from) || !self.alive(1 - fl.from) {
                 continue;
             }
-            let due = self.start + plan.gap * fl.next as u32;
-            if due > self.now {
-                next = [next, Some(due)].into_iter().flatten().min();
-                continue;
-            }
-            if fl.sends.len() >= plan.window || fl.recvs.len() >= plan.window {
-                continue;
-            }
-            let seq = fl.next;
-            let len = plan.sizes[seq];
-            let send_mem = Arc::new(SimMem::new(message(f, seq, len)));
-            let recv_mem = Arc::new(SimMem::new(vec![0xEE; len + plan.slack[seq]]));
-            let fl = &mut self.flows[f];
-            fl.next += 1;
-            let sreq = Arc::new(Request::new(fl.send.clone()));
-            let rreq = Arc::new(Request::new(fl.recv.clone()));
-            self.net.lock().expect_writes(
-                recv_mem.clone(),
-                rreq.clone(),
-                format!("comm {f} receive {seq}"),
-            );
-            let fl = &mut self.flows[f];
-            let (Some(tx), Some(rx)) = (&self.nodes[from], &self.nodes[to]) else {
-                continue;
-            };
-            // As `plugin::isend`/`irecv`: a comm that failed hands out failed requests
-            // and queues nothing.
-            match fl.recv.failure() {
-                Some(e) => rreq.fail(e),
-                None => rx.queue().push(Command::Recv {
-                    comm: fl.recv.clone(),
-                    req: rreq.clone(),
-                    bufs: vec![(recv_mem.user_buf(), 0)],
-                }),
-            }
-            match fl.send.failure() {
-                Some(e) => sreq.fail(e),
-                None => tx.queue().push(Command::Send {
-                    comm: fl.send.clone(),
-                    req: sreq.clone(),
-                    buf: send_mem.user_buf(),
-                    tag: 0,
-                }),
-            }
-            let now = self.now;
-            fl.sends.push_back(Posted {
-                seq,
-                req: sreq,
-                mem: send_mem.clone(),
-                at: now,
-            });
-            fl.recvs.push_back(Posted {
-                seq,
-                req: rreq,
-                mem: recv_mem.clone(),
-                at: now,
-            });
-            self.mems.push(send_mem);
-            self.mems.push(recv_mem);
-            // Another message may be due at once.
-            next = Some(now);
+            let soon = [self.post_receives(f), self.post_sends(f)];
+            next = soon.into_iter().chain([next]).flatten().min();
         }
         next
     }
 
+    /// The first buffer (sequence number) of each group of comm `f`'s receives.
+    fn group_first(&self, f: usize, group: usize) -> usize {
+        self.s.comms[f].matching.groups[..group].iter().sum()
+    }
+
+    /// Buffer `k`'s size: its message, the slack, less what it is short.
+    fn capacity(&self, f: usize, k: usize) -> usize {
+        let plan = &self.s.comms[f];
+        plan.sizes[k] + plan.slack[k] - plan.matching.short[k]
+    }
+
+    /// Posts comm `f`'s receives that are due, a group at a time, within the window;
+    /// returns when the next one is due.
+    fn post_receives(&mut self, f: usize) -> Option<Time> {
+        let plan = self.s.comms[f].clone();
+        let groups = &plan.matching.groups;
+        let to = 1 - plan.from;
+        while self.flows[f].next_group < groups.len() && self.flows[f].recvs.len() < plan.window {
+            let group = self.flows[f].next_group;
+            let first = self.group_first(f, group);
+            let due = self.start + plan.gap * first as u32;
+            if due > self.now {
+                return Some(due);
+            }
+            let n = groups[group];
+            let caps: Vec<usize> = (first..first + n).map(|k| self.capacity(f, k)).collect();
+            let fl = &mut self.flows[f];
+            fl.next_group += 1;
+            let rreq = Arc::new(Request::group(fl.recv.clone(), n));
+            let mems: Vec<Arc<SimMem>> = (caps.iter())
+                .map(|&cap| Arc::new(SimMem::new(vec![0xEE; cap])))
+                .collect();
+            let bufs: Vec<(i32, u64)> = (first..first + n)
+                .zip(&caps)
+                .map(|(k, &cap)| (plan.matching.tags[k], cap as u64))
+                .collect();
+            let id = fl.model.irecv(&bufs);
+            fl.model_ids.push(id);
+            for (k, mem) in (first..).zip(&mems) {
+                self.net.lock().expect_writes(
+                    mem.clone(),
+                    rreq.clone(),
+                    format!("comm {f} receive {k}"),
+                );
+            }
+            let fl = &mut self.flows[f];
+            // As `plugin::irecv`: a comm that failed hands out failed requests and
+            // queues nothing.
+            match (fl.recv.failure(), &self.nodes[to]) {
+                (Some(e), _) => rreq.fail(e),
+                (None, Some(rx)) => rx.queue().push(Command::Recv {
+                    comm: fl.recv.clone(),
+                    req: rreq.clone(),
+                    bufs: (mems.iter().zip(&bufs))
+                        .map(|(m, &(tag, _))| (m.user_buf(), tag))
+                        .collect(),
+                }),
+                (None, None) => unreachable!("checked alive"),
+            }
+            fl.recvs.push_back(Posted {
+                id: group,
+                req: rreq,
+                mems: mems.clone(),
+                at: self.now,
+            });
+            self.mems.extend(mems);
+        }
+        None
+    }
+
+    /// Posts comm `f`'s sends that are due (NCCL holds them from then on) and tries every
+    /// send it holds, in order, through the plugin's own `isend`; returns when the next
+    /// one is due, or now when one was handed to the reactor.
+    fn post_sends(&mut self, f: usize) -> Option<Time> {
+        let plan = self.s.comms[f].clone();
+        let n = plan.sizes.len();
+        let mut soon = None;
+        let fl = &mut self.flows[f];
+        while fl.next_send < n && fl.waiting.len() + fl.sends.len() < plan.window * 8 {
+            let due = self.start + plan.gap * fl.next_send as u32;
+            if due > self.now {
+                soon = Some(due);
+                break;
+            }
+            fl.waiting.push_back((fl.next_send, self.now));
+            fl.next_send += 1;
+        }
+        let at = self.base + self.now;
+        for _ in 0..self.flows[f].waiting.len() {
+            let (j, since) = self.flows[f].waiting.pop_front().expect("counted");
+            let k = plan.matching.order[j];
+            let (tag, len) = (plan.matching.tags[k], plan.sizes[k]);
+            let mem = Arc::new(SimMem::new(message(f, j, len)));
+            let fl = &mut self.flows[f];
+            let req = match fl.send.isend(mem.user_buf(), tag, at) {
+                Err(e) => {
+                    let req = Arc::new(Request::new(fl.send.clone()));
+                    req.fail(e);
+                    req
+                }
+                Ok(Isend::NotNow) => {
+                    fl.waiting.push_back((j, since));
+                    self.not_now += 1;
+                    continue;
+                }
+                Ok(Isend::Failed(req)) => req,
+                Ok(Isend::Posted(req, m)) => {
+                    self.matched(f, j, m);
+                    soon = Some(self.now);
+                    req
+                }
+            };
+            self.note(|| format!("comm {f}: send {j} (tag {tag}, {len} B) posted"));
+            self.flows[f].sends.push_back(Posted {
+                id: j,
+                req,
+                mems: vec![mem.clone()],
+                at: self.now,
+            });
+            self.mems.push(mem);
+        }
+        soon
+    }
+
+    /// The plugin matched send `j` of comm `f` to `m`: NCCL's IB transport must have put
+    /// it in the same buffer, with the same size.
+    fn matched(&mut self, f: usize, j: usize, m: Matched) {
+        let plan = &self.s.comms[f];
+        let k = plan.matching.order[j];
+        let (tag, len) = (plan.matching.tags[k], plan.sizes[k]);
+        let seq = m.seq as usize;
+        let posted = self.flows[f].next_group;
+        let group = (0..posted)
+            .map(|g| (g, self.group_first(f, g)))
+            .find(|&(g, first)| (first..first + plan.matching.groups[g]).contains(&seq));
+        let size = len.min(m.capacity as usize);
+        let fl = &mut self.flows[f];
+        let want = fl.model.isend(tag, len as u64);
+        let ours = group.map(|(g, first)| Placed {
+            recv: fl.model_ids[g],
+            index: seq - first,
+            size: size as u64,
+        });
+        self.note(|| format!("comm {f}: send {j} (tag {tag}) matched receive {seq}"));
+        if ours.is_none() || ours != want {
+            self.violate(format!(
+                "comm {f}: send {j} (tag {tag}, {len} B) went into receive {seq} ({ours:?}); NCCL's IB transport puts it at {want:?}"
+            ));
+        }
+        self.cut += u64::from(size < len);
+        let fl = &mut self.flows[f];
+        if let Some(slot) = fl.filled.get_mut(seq) {
+            *slot = Some((j, size));
+        }
+        fl.send_size[j] = Some(size);
+    }
+
     fn harvest(&mut self, f: usize) {
         let now = self.now;
-        let sizes = self.s.comms[f].sizes.clone();
         for side in 0..2 {
             let node = if side == 0 {
                 self.flows[f].from
@@ -471,6 +606,9 @@ impl Sim {
             if !self.alive(node) {
                 continue;
             }
+            if side == 0 {
+                self.overdue_sends(f);
+            }
             let list = if side == 0 {
                 std::mem::take(&mut self.flows[f].sends)
             } else {
@@ -479,7 +617,12 @@ impl Sim {
             let mut keep = VecDeque::new();
             for p in list {
                 let what = if side == 0 { "send" } else { "receive" };
-                match p.req.status() {
+                let status = p.req.status();
+                if !matches!(status, Ok(Status::Pending)) {
+                    // As `plugin::test`: a finished request frees its slot.
+                    p.req.comm.release_slot();
+                }
+                match status {
                     Ok(Status::Pending) => {
                         let since = p.at.max(self.last_fault);
                         if now > since + HANG_BOUND {
@@ -495,7 +638,7 @@ impl Sim {
                             };
                             self.violate(format!(
                                 "comm {f}: {what} {} hangs ({peer}): posted at {} ms, last fault at {} ms",
-                                p.seq,
+                                p.id,
                                 p.at.as_millis(),
                                 self.last_fault.as_millis()
                             ));
@@ -505,44 +648,32 @@ impl Sim {
                         }
                         keep.push_back(p);
                     }
-                    Ok(Status::Done(n)) => {
-                        self.note(|| format!("comm {f}: {what} {} done ({n} B)", p.seq));
-                        if n != sizes[p.seq] as u64 {
+                    Ok(Status::Done(n)) if side == 0 => {
+                        self.note(|| format!("comm {f}: send {} done ({n} B)", p.id));
+                        let want = self.flows[f].send_size[p.id];
+                        if want != Some(n as usize) {
                             self.violate(format!(
-                                "comm {f}: {what} {} reports {n} B, {} were sent",
-                                p.seq, sizes[p.seq]
+                                "comm {f}: send {} reports {n} B, its receive took {want:?}",
+                                p.id
                             ));
                         }
-                        if side == 1 {
-                            let got = p.mem.bytes();
-                            let want = message(f, p.seq, sizes[p.seq]);
-                            if got[..want.len()] != want[..] {
-                                let at = got.iter().zip(&want).position(|(a, b)| a != b);
-                                self.violate(format!(
-                                    "comm {f}: receive {} holds wrong bytes (first at {at:?}): lost, doubled or out of order",
-                                    p.seq
-                                ));
-                            }
-                            if got[want.len()..].iter().any(|&b| b != 0xEE) {
-                                self.violate(format!(
-                                    "comm {f}: receive {} wrote past the message",
-                                    p.seq
-                                ));
-                            }
-                            self.flows[f].recv_ok[p.seq] = true;
-                        } else {
-                            self.flows[f].sent_ok[p.seq] = true;
-                        }
+                        self.flows[f].sent_ok[p.id] = true;
                     }
+                    Ok(Status::Done(_)) => self.received(f, &p),
                     Err(e) => {
-                        self.note(|| format!("comm {f}: {what} {} failed: {e}", p.seq));
+                        self.note(|| format!("comm {f}: {what} {} failed: {e}", p.id));
+                        if side == 1 && p.mems.len() > 1 {
+                            let first = self.group_first(f, p.id);
+                            let bufs = first..first + p.mems.len();
+                            self.flows[f].group_failed[bufs].fill(true);
+                        }
                         let fl = &mut self.flows[f];
                         if fl.failed.is_none() {
                             fl.failed = Some(now);
                             if !fl.may_fail {
                                 self.violate(format!(
                                     "comm {f}: {what} {} failed ({e}) although an eligible pair stayed healthy and the peer lived",
-                                    p.seq
+                                    p.id
                                 ));
                             }
                         }
@@ -588,11 +719,72 @@ impl Sim {
         }
     }
 
+    /// Sends of comm `f` that `isend` has answered "not now" for longer than a request
+    /// may hang: they never found their receive.
+    fn overdue_sends(&mut self, f: usize) {
+        let now = self.now;
+        let fl = &self.flows[f];
+        let stuck = (fl.waiting.iter())
+            .find(|&&(_, since)| now > since.max(self.last_fault) + HANG_BOUND)
+            .copied();
+        if let Some((j, since)) = stuck {
+            let posted = self.flows[f].next_group;
+            self.violate(format!(
+                "comm {f}: send {j} found no receive: tried since {} ms, {posted} group(s) of receives posted",
+                since.as_millis()
+            ));
+            let fl = &mut self.flows[f];
+            fl.failed.get_or_insert(now);
+            fl.waiting.clear();
+        }
+    }
+
+    /// A grouped receive of comm `f` finished: each buffer holds the bytes of the send
+    /// NCCL's IB transport put there, with its size, and nothing after them.
+    fn received(&mut self, f: usize, p: &Posted) {
+        let first = self.group_first(f, p.id);
+        let sizes: Vec<u64> = p.req.sizes().collect();
+        self.grouped += u64::from(sizes.len() > 1);
+        for (i, (mem, &n)) in p.mems.iter().zip(&sizes).enumerate() {
+            let k = first + i;
+            self.note(|| format!("comm {f}: receive {k} done ({n} B)"));
+            let Some((j, size)) = self.flows[f].filled[k] else {
+                self.violate(format!(
+                    "comm {f}: receive {k} finished, but no send was matched to it"
+                ));
+                continue;
+            };
+            if n != size as u64 {
+                self.violate(format!(
+                    "comm {f}: receive {k} reports {n} B, send {j} moved {size}"
+                ));
+            }
+            let len = self.s.comms[f].sizes[self.s.comms[f].matching.order[j]];
+            let want = &message(f, j, len)[..size];
+            let got = mem.bytes();
+            if got[..size] != want[..] {
+                let at = got.iter().zip(want).position(|(a, b)| a != b);
+                self.violate(format!(
+                    "comm {f}: receive {k} holds wrong bytes (first at {at:?}): send {j} lost, doubled or out of order"
+                ));
+            }
+            if got[size..].iter().any(|&b| b != 0xEE) {
+                self.violate(format!("comm {f}: receive {k} wrote past the message"));
+            }
+            self.flows[f].recv_ok[k] = true;
+        }
+    }
+
     /// Whether NCCL's side has nothing left to wait for.
     fn settled(&self) -> bool {
         self.flows.iter().enumerate().all(|(f, fl)| {
             let ended = !self.alive(fl.from) || !self.alive(1 - fl.from);
-            let all_posted = fl.next >= self.s.comms[f].sizes.len() || fl.failed.is_some() || ended;
+            let plan = &self.s.comms[f];
+            let all_posted = (fl.next_send >= plan.sizes.len()
+                && fl.waiting.is_empty()
+                && fl.next_group >= plan.matching.groups.len())
+                || fl.failed.is_some()
+                || ended;
             let live_pending = |side: usize, q: &VecDeque<Posted>| {
                 let node = if side == 0 { fl.from } else { 1 - fl.from };
                 self.alive(node) && !q.is_empty()
@@ -713,10 +905,13 @@ impl Sim {
             if !self.alive(1 - fl.from) {
                 continue;
             }
-            for (seq, (&s, &r)) in fl.sent_ok.iter().zip(&fl.recv_ok).enumerate() {
-                if s && !r {
-                    let msg = format!("comm {f}: send {seq} completed but its receive never did");
-                    self.violations.push(msg);
+            for (k, filled) in fl.filled.iter().enumerate() {
+                if let Some((j, _)) = *filled {
+                    if fl.sent_ok[j] && !fl.recv_ok[k] && !fl.group_failed[k] {
+                        let msg =
+                            format!("comm {f}: send {j} completed but its receive {k} never did");
+                        self.violations.push(msg);
+                    }
                 }
             }
         }
@@ -762,6 +957,9 @@ pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
         spun: false,
         polled: None,
         stranded: false,
+        not_now: 0,
+        cut: 0,
+        grouped: 0,
     };
     sim.run();
     // The reactors go first: they hold views of the lent memory.
@@ -778,6 +976,9 @@ pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
     let report = Report {
         landed,
         dropped,
+        not_now: sim.not_now,
+        cut: sim.cut,
+        grouped: sim.grouped,
         virtual_time: sim.now,
         failed_comms: sim.flows.iter().filter(|f| f.failed.is_some()).count(),
         max_spread: sim.flows.iter().map(|f| f.max_spread).max().unwrap_or(1),

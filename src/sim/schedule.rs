@@ -47,8 +47,83 @@ pub(crate) struct CommPlan {
     pub slack: Vec<usize>,
     /// Message `k` is posted `k * gap` after traffic starts (or when a slot frees).
     pub gap: Duration,
-    /// Requests in flight per side at most.
+    /// Requests in flight per side at most (a grouped receive is one request).
     pub window: usize,
+    /// How NCCL groups the receives and orders the sends.
+    pub matching: Matching,
+}
+
+/// How the receives of a comm are grouped and tagged, and in which order its sends come.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Matching {
+    /// The number of buffers of each receive NCCL posts, 1 to 8, in order; they sum to
+    /// the number of messages (buffer `k` is the one message `k` is meant for).
+    pub groups: Vec<usize>,
+    /// Each buffer's tag; a send is meant for a buffer with its tag.
+    pub tags: Vec<i32>,
+    /// Bytes buffer `k` lacks for message `k`, so a send into it is cut (mostly 0).
+    pub short: Vec<usize>,
+    /// Send `j` carries message `order[j]` (its size and tag), a permutation inside each
+    /// group: a group's sends come in any order.
+    pub order: Vec<usize>,
+}
+
+impl Matching {
+    /// One receive per message, every tag 0, sends in order: NCCL's plain send/recv.
+    pub(crate) fn singles(n: usize) -> Matching {
+        Matching {
+            groups: vec![1; n],
+            tags: vec![0; n],
+            short: vec![0; n],
+            order: (0..n).collect(),
+        }
+    }
+
+    fn is_singles(&self) -> bool {
+        *self == Matching::singles(self.order.len())
+    }
+
+    /// Grouped receives from a seed of their own (the rest of the schedule is drawn as
+    /// before): groups of 1 to 8, tags from a small set so that groups repeat them and
+    /// share them, sends shuffled inside their group, and now and then a buffer smaller
+    /// than its message.
+    fn grouped(rng: &mut SplitMix64, sizes: &[usize]) -> Matching {
+        let n = sizes.len();
+        let mut groups = Vec::new();
+        let mut left = n;
+        while left > 0 {
+            let g = 1 + rng.below(left.min(8));
+            groups.push(g);
+            left -= g;
+        }
+        let alphabet = 1 + rng.below(4);
+        let tags = (0..n).map(|_| rng.below(alphabet) as i32).collect();
+        let short = (sizes.iter())
+            .map(|&len| {
+                if len > 0 && rng.below(8) == 0 {
+                    1 + rng.below(len)
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let mut order = Vec::with_capacity(n);
+        let mut first = 0;
+        for &g in &groups {
+            let mut part: Vec<usize> = (first..first + g).collect();
+            for i in (1..g).rev() {
+                part.swap(i, rng.below(i + 1));
+            }
+            order.extend(part);
+            first += g;
+        }
+        Matching {
+            groups,
+            tags,
+            short,
+            order,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -129,6 +204,7 @@ impl Scenario {
                 comms.push(CommPlan {
                     from,
                     nic: g.below(nics),
+                    matching: Matching::singles(sizes.len()),
                     sizes,
                     slack,
                     gap: g.ms(5, 300),
@@ -152,6 +228,15 @@ impl Scenario {
         };
         s.faults = faults(&mut g, &s);
         s.faults.sort_by_key(|f| f.at);
+        // Grouped receives on half the seeds (those with bit 1 set, independent of the
+        // fabric's), from a generator of their own so the rest of the schedule is as
+        // before.
+        if seed & 2 != 0 {
+            let mut rng = SplitMix64::new(seed ^ 0x6d61_7463_6869_6e67);
+            for c in &mut s.comms {
+                c.matching = Matching::grouped(&mut rng, &c.sizes);
+            }
+        }
         s
     }
 }
@@ -449,6 +534,14 @@ impl fmt::Display for Scenario {
                 c.gap.as_millis(),
                 c.sizes
             )?;
+            let m = &c.matching;
+            if !m.is_singles() {
+                writeln!(
+                    f,
+                    "    receives of {:?} buffers, tags {:?}, short by {:?}; sends carry {:?}",
+                    m.groups, m.tags, m.short, m.order
+                )?;
+            }
         }
         for x in &self.faults {
             writeln!(f, "  at {:>6} ms: {}", x.at.as_millis(), x.action)?;

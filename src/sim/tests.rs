@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use super::schedule::{Action, CommPlan, Fault, Scenario};
-use super::{run_scenario, run_seed, run_seeds, Failure};
+use super::schedule::{Action, CommPlan, Fault, Matching, Scenario};
+use super::{run_scenario, run_seed, run_seeds, Failure, Report};
 
 /// Seeds per `cargo test` run, over all the shards below.
 const SEEDS: u64 = 10_000;
@@ -202,6 +202,49 @@ fn payloads_are_written_in_place_on_verbs_like_seeds() {
     );
 }
 
+/// Grouped receives, tagged sends in any order, "not now" answers and sends cut to
+/// their receive happen on the seeds that group (half of them), through their faults;
+/// the shards check every match against NCCL's IB transport (`conn::ib_model`).
+#[test]
+fn grouped_receives_and_retried_sends_happen_on_half_the_seeds() {
+    if env_u64("RAILOVER_SIM_SEED").is_some() {
+        return;
+    }
+    let quiet = tracing::subscriber::NoSubscriber::default();
+    let runs: Vec<(bool, Report)> = tracing::subscriber::with_default(quiet, || {
+        (0..200)
+            .map(|seed| {
+                let (s, r) = run_seed(seed, false);
+                (
+                    s.comms
+                        .iter()
+                        .any(|c| c.matching != Matching::singles(c.sizes.len())),
+                    r,
+                )
+            })
+            .collect()
+    });
+    let grouping = runs.iter().filter(|(g, _)| *g).count();
+    let sum = |f: fn(&Report) -> u64| runs.iter().map(|(_, r)| f(r)).sum::<u64>();
+    let (grouped, cut, not_now) = (sum(|r| r.grouped), sum(|r| r.cut), sum(|r| r.not_now));
+    let faulted = (runs.iter())
+        .filter(|(_, r)| r.grouped > 0 && !r.violations.is_empty())
+        .count();
+    eprintln!(
+        "{grouping} of 200 seeds group receives: {grouped} grouped receives finished, {cut} sends cut, {not_now} times \"not now\""
+    );
+    assert_eq!(faulted, 0);
+    assert!(
+        (80..=120).contains(&grouping),
+        "{grouping} of 200 seeds group"
+    );
+    assert!(grouped >= 100 && cut >= 20 && not_now >= 200);
+    assert!(
+        runs.iter().all(|(g, r)| *g || (r.grouped, r.cut) == (0, 0)),
+        "a seed that does not group grouped or cut"
+    );
+}
+
 /// One comm from node 0 on rail 0 of two, 60 messages of 256 KiB a millisecond apart
 /// (four in flight), over a verbs-like fabric, under `faults` (times in microseconds
 /// from the start of traffic).
@@ -218,6 +261,7 @@ fn dense(faults: Vec<(u64, Action)>) -> Scenario {
             slack: vec![0; 60],
             gap: Duration::from_millis(1),
             window: 4,
+            matching: Matching::singles(60),
         }],
         faults: faults
             .into_iter()

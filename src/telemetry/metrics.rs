@@ -307,8 +307,8 @@ pub const METRICS: &[MetricSpec] = &[
         name: UNMATCHED_SENDS_TOTAL,
         kind: MetricKind::Counter,
         labels: &[],
-        unit: "sends",
-        help: "Sends whose tag matched no free receive of the grouped receive they met; each fails its comm (a tag mismatch between the two ranks' NCCL calls).",
+        unit: "comms",
+        help: "Comms whose sends found no buffer for their tags in the peer's oldest posted receive for RAILOVER_UNMATCHED_WARN_MS (one WARN each): a tag mismatch between the two ranks' NCCL calls. The comm stays open.",
     },
     MetricSpec {
         name: MEMORY_EXCLUSIONS_TOTAL,
@@ -763,7 +763,8 @@ impl Telemetry {
         metrics::counter!(LANE_FAILURES_TOTAL).increment(n);
     }
 
-    /// Sends that matched no receive since the last call (`ReactorStats::unmatched_sends`).
+    /// Comms whose sends found no receive for their tags for too long, since the last call
+    /// (`handoff::comm::UNMATCHED_SENDS`).
     pub fn record_unmatched_sends(&self, n: u64) {
         metrics::counter!(UNMATCHED_SENDS_TOTAL).increment(n);
     }

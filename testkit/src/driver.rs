@@ -378,6 +378,10 @@ impl Request {
 
 /// The outcome of an `isend`/`irecv` on `bufs`: a request, none yet ("call again"), or
 /// the error; the buffers' claims are released unless a request now holds them.
+/// How long [`SendComm::isend_patiently`] keeps asking: far longer than a receive's
+/// clear-to-send takes to arrive on a loaded machine.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
 fn posted_all(r: c_int, req: *mut c_void, bufs: &[&Buffer]) -> Result<Option<Request>, Code> {
     if r != NCCL_SUCCESS || req.is_null() {
         for b in bufs {
@@ -407,10 +411,31 @@ impl SendComm {
         self.0.register(len, ptr_type)
     }
 
-    /// Sends the first `len` bytes of `buf`; `Ok(None)` means "no slot now, call again".
-    /// Panics if `buf` is still used by another request or `len` exceeds it.
+    /// Sends the first `len` bytes of `buf` with tag 0; `Ok(None)` means "not now, call
+    /// again": the receive it fills is not posted (or not yet heard of), or no slot is
+    /// free. Panics if `buf` is still used by another request or `len` exceeds it.
     pub fn isend(&self, buf: &Buffer, len: usize) -> Result<Option<Request>, Code> {
         self.isend_tagged(buf, len, 0)
+    }
+
+    /// As [`SendComm::isend_tagged`], calling again while the plugin answers "not now",
+    /// as NCCL does, for up to [`PATIENCE`]; `Ok(None)` if it never took the send.
+    pub fn isend_patiently(
+        &self,
+        buf: &Buffer,
+        len: usize,
+        tag: i32,
+    ) -> Result<Option<Request>, Code> {
+        let end = Instant::now() + PATIENCE;
+        loop {
+            if let Some(r) = self.isend_tagged(buf, len, tag)? {
+                return Ok(Some(r));
+            }
+            if Instant::now() > end {
+                return Ok(None);
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// As [`SendComm::isend`], with `tag` (which picks the buffer of a grouped receive).

@@ -130,6 +130,7 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_ZERO_COPY", "sometimes", "sometimes");
   bad_value("RAILOVER_GDR", "yes", "yes");
   bad_value("RAILOVER_GDR_HCA", "mlx5_0:0", "mlx5_0:0");
+  bad_value("RAILOVER_UNMATCHED_WARN_MS", "0", "0");
   bad_value("LOCAL_RANK", "first", "first");
 
   /* Not UTF-8: an error for every variable, shown with U+FFFD for the bad bytes. Some
@@ -150,7 +151,8 @@ int main(int argc, char** argv) {
       "RAILOVER_IB_RETRY_CNT",     "RAILOVER_IB_TC",
       "RAILOVER_IB_SL",            "RAILOVER_QPS_PER_LANE",
       "RAILOVER_ZERO_COPY",        "RAILOVER_GDR",
-      "RAILOVER_GDR_HCA",          "LOCAL_RANK",
+      "RAILOVER_GDR_HCA",          "RAILOVER_UNMATCHED_WARN_MS",
+      "LOCAL_RANK",
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
     bad_value(vars[i], "lo\xff\xfe", "lo\xef\xbf\xbd");

@@ -59,6 +59,12 @@ impl UserBuf {
         self.len == 0
     }
 
+    /// Keeps only the first `len` bytes (a send cut to its receive's size); a larger
+    /// `len` changes nothing.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// The address, for range checks against memory registrations.
     pub fn addr(&self) -> usize {
         self.ptr as usize
