@@ -9,8 +9,17 @@ use crate::handoff::{panic_message, Error};
 
 /// Runs `body` for the entry point `name`, mapping its outcome to `ncclResult_t`.
 pub fn guard(name: &'static str, body: impl FnOnce() -> Result<(), Error>) -> NcclResult {
+    guard_code(name, || body().map(|()| NCCL_SUCCESS))
+}
+
+/// As [`guard`], for a body that may return an error code itself, without a WARN (one
+/// already logged for the same failure).
+pub fn guard_code(
+    name: &'static str,
+    body: impl FnOnce() -> Result<NcclResult, Error>,
+) -> NcclResult {
     match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => NCCL_SUCCESS,
+        Ok(Ok(code)) => code,
         Ok(Err(e)) => error::report(name, &e),
         Err(panic) => {
             let what = panic_message(&*panic);

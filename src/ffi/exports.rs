@@ -7,7 +7,7 @@
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use super::boundary::guard;
+use super::boundary::{guard, guard_code};
 use super::handle::{
     self, handle_mut, read_at, write, write_opt, COMMS, CONTEXTS, LISTENS, MRS, REQUESTS,
 };
@@ -661,14 +661,14 @@ unsafe extern "C" fn iflush(
 }
 
 unsafe extern "C" fn test(request: Ptr, done: *mut c_int, sizes: *mut c_int) -> NcclResult {
-    guard("test", || {
+    guard_code("test", || {
         let req = REQUESTS.get(request)?;
         if done.is_null() {
             return Err(Error::InvalidArgument("NULL done".into()));
         }
         match plugin::test(&req) {
             // SAFETY: `done` is NCCL's out-pointer for this call: NULL or writable.
-            Ok(Status::Pending) => unsafe { write(done, 0, "done") },
+            Ok(Status::Pending) => unsafe { write(done, 0, "done") }.map(|()| NCCL_SUCCESS),
             Ok(Status::Done(_)) => {
                 REQUESTS.remove(request)?;
                 if !sizes.is_null() {
@@ -679,13 +679,19 @@ unsafe extern "C" fn test(request: Ptr, done: *mut c_int, sizes: *mut c_int) -> 
                     }
                 }
                 // SAFETY: `done` is NCCL's out-pointer for this call: NULL or writable.
-                unsafe { write(done, 1, "done") }
+                unsafe { write(done, 1, "done") }.map(|()| NCCL_SUCCESS)
             }
             Err(e) => {
                 REQUESTS.remove(request)?;
                 // SAFETY: `done` is NCCL's out-pointer for this call: NULL or writable.
                 unsafe { write(done, 1, "done") }?;
-                Err(e)
+                // One WARN per failed comm: its later requests fail with the same code,
+                // quietly.
+                if plugin::first_report(&req, &e) {
+                    Err(e)
+                } else {
+                    Ok(super::error::code(&e))
+                }
             }
         }
     })

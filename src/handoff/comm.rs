@@ -45,6 +45,8 @@ pub struct CommShared {
     inflight: AtomicUsize,
     /// Set once the comm can no longer carry data; later requests fail with it.
     failed: Mutex<Option<Error>>,
+    /// NCCL was told of that failure (one WARN per comm, not one per request).
+    reported: AtomicBool,
     closed: AtomicBool,
     /// The local NIC that carries most of the comm now (the reactor moves it on failover).
     nic: AtomicUsize,
@@ -78,6 +80,7 @@ impl CommShared {
             queue,
             inflight: AtomicUsize::new(0),
             failed: Mutex::new(None),
+            reported: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             nic: AtomicUsize::new(nic),
             spread: AtomicUsize::new(1),
@@ -178,6 +181,11 @@ impl CommShared {
     /// reactor's panic.
     pub(crate) fn failure(&self) -> Option<Error> {
         self.failed.lock().clone().or_else(|| self.queue.panicked())
+    }
+
+    /// `true` the first time only: NCCL is told of the comm's failure once.
+    pub(crate) fn first_report(&self) -> bool {
+        !self.reported.swap(true, Ordering::AcqRel)
     }
 
     pub(crate) fn is_closed(&self) -> bool {

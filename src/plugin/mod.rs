@@ -746,6 +746,12 @@ pub fn test(req: &Request) -> Result<Status, Error> {
     st
 }
 
+/// Whether `test`'s failure `e` of `req` is the first NCCL hears of it: a request failed by
+/// its comm's failure (or its reactor's) is reported once per comm, the rest quietly.
+pub fn first_report(req: &Request, e: &Error) -> bool {
+    req.comm.failure().as_ref() != Some(e) || req.comm.first_report()
+}
+
 /// `iflush` of a receive at `addr` in `region`: a request that is done once every NIC
 /// that wrote into the range has read back through it (GPU memory), or `None` when there
 /// is nothing to wait for (host memory, or no NIC registered it).
