@@ -750,6 +750,79 @@ class Watch(Tmp):
         self.assertEqual(rec["measured"], 0)
 
 
+# ---- the real worker, on a stand-in for torch ----------------------------------------
+
+FAKE_TORCH = os.path.join(HERE, "fake_torch")
+
+
+def fake_torch_launcher(**env):
+    """The real launcher and worker, with scripts/fake_torch first on the path."""
+
+    def launch(*args):
+        argv, e = g.worker_launcher(*args)
+        e["PYTHONPATH"] = os.pathsep.join([FAKE_TORCH] + [p for p in [e.get("PYTHONPATH")] if p])
+        e.update(env)
+        return argv, e
+
+    return launch
+
+
+def built_plugin():
+    for kind in ("release", "debug"):
+        path = os.path.join(HERE, "..", "target", kind, "librailover.so")
+        if os.path.isfile(path):
+            return os.path.abspath(path)
+    return None
+
+
+class RealWorker(Tmp):
+    def test_the_worker_runs_the_sweep_and_the_driver_passes_it(self):
+        a = self.opts("--step", "2", "--grace", "10", "--teardown-limit", "10")
+        d = g.Driver(a, fake_torch_launcher(), ok_preflight, echo=lambda *a, **k: None)
+        status = d.run()
+        s = read_summary(self.out)
+        self.assertEqual(status, g.PASSED, json.dumps(s["modes"]["plugin"]["problems"] + s["modes"]["socket"]["problems"]))
+        self.assertEqual(len(s["rows"]), len(g.plan(a)))
+        for r in s["rows"]:
+            self.assertTrue(r["railover_ok"] and r["socket_ok"], r)
+            self.assertGreater(r["railover_busbw"], 0)
+        ranks = s["modes"]["plugin"]["ranks"]
+        self.assertEqual([(o["outcome"], o.get("nccl")) for o in ranks], [("ok", "2.28.9"), ("ok", "2.28.9")])
+        self.assertEqual(sorted(os.listdir(self.out)), sorted(g.OUT_FILES))
+
+    def test_the_worker_catches_a_wrong_element_in_each_collective(self):
+        for kind in g.COLLECTIVES:
+            with self.subTest(kind):
+                a = self.opts("--max-bytes", "32", "--step", "4", "--grace", "10")
+                run = g.ModeRun(a, "plugin", self.work, fake_torch_launcher(FAKE_TORCH_CORRUPT=kind), 60,
+                                log=lambda *a, **k: None)  # fmt: skip
+                run.watch()
+                rec = g.mode_record(run, g.plan(a), 11, final=True)
+                self.assertEqual([o["outcome"] for o in rec["ranks"]], ["ok", "ok"])
+                bad = {r["collective"] for r in rec["results"] if r["ok"] is False}
+                self.assertEqual(bad, {kind})
+                self.assertTrue(all(r["wrong_elements"] >= 1 for r in rec["results"] if r["collective"] == kind))
+
+    def test_the_real_preflight_passes_with_torch_and_the_built_plugin(self):
+        so = built_plugin()
+        if not so:
+            self.skipTest("no target/{release,debug}/librailover.so built")
+        a = g.parse_args(["--plugin", so, "--out", self.out])
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([FAKE_TORCH] + ([old] if old else []))
+        try:
+            v = g.run_preflight(a)
+        finally:
+            if old is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = old
+        self.assertEqual((v["ok"], v["expected_table"]), (True, 11), v["reasons"])
+        self.assertIn(11, v["exports"]["tables"])
+        self.assertEqual(v["probe"]["nccl_version"], [2, 28, 9])
+        self.assertIn("ncclNetPlugin_v11", v["probe"]["dlopen"]["found"])
+
+
 # ---- the whole run: files, preflight, crash, SIGTERM ---------------------------------
 
 
