@@ -22,7 +22,7 @@ echo "== fault tier"
 timeout 1200 bash scripts/fault-tier.sh 2>&1 | tee "$faultlog" || status=$?
 echo "== verbs tier (Soft-RoCE in QEMU)"
 timeout 900 bash scripts/verbs-tier.sh 2>&1 | tee "$verbslog" || status=$?
-echo "== GPU check helpers (log parsing, result checks; no GPU needed)"
+echo "== GPU check (preflight, NCCL log parsing, rank watcher, outputs; no GPU needed)"
 timeout 120 python3 scripts/test_gpu_check.py 2>&1 | tee "$pylog" || status=$?
 
 count() {
