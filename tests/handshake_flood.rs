@@ -12,6 +12,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use railover::conn::auth::Initiator;
+use railover::conn::wire::NicAddr;
 use railover::reactor::HANDSHAKES_TOTAL;
 use railover_testkit::driver::{connect_pair, Ctx, Listener, Request};
 
@@ -47,12 +49,13 @@ fn wait(req: &mut Request, end: Instant) -> usize {
 }
 
 /// A real connect/accept on `listener` (whose handle is `handle`) and one checked
-/// message.
-fn legit_pair(ctx: &Ctx, listener: &Listener, handle: &[u8; 128], seed: u8) {
+/// message; `Err` when the connect failed, as NCCL's communicator setup would.
+fn legit_pair(ctx: &Ctx, listener: &Listener, handle: &[u8; 128], seed: u8) -> Result<(), String> {
     let mut handle = *handle;
-    let limit = Duration::from_secs(10);
+    let limit = Duration::from_secs(40);
     let end = Instant::now() + limit;
-    let (s, r) = connect_pair(ctx, 0, &mut handle, listener, limit).expect("connect_pair");
+    let (s, r) = connect_pair(ctx, 0, &mut handle, listener, limit)
+        .map_err(|e| format!("connect_pair: {e:?}"))?;
     let len = 1 << 20;
     let mut sb = s.register(len).unwrap();
     let data: Vec<u8> = (0..len).map(|i| (i as u8) ^ seed).collect();
@@ -63,6 +66,7 @@ fn legit_pair(ctx: &Ctx, listener: &Listener, handle: &[u8; 128], seed: u8) {
     assert_eq!(wait(&mut rr, end), len);
     wait(&mut sr, end);
     assert!(rb.bytes().unwrap() == &data[..], "payload corrupted");
+    Ok(())
 }
 
 /// The receiver: answers the parent's commands on stdin, one line each.
@@ -80,7 +84,7 @@ fn flood_receiver() {
     let (handle, listener) = ctx.listen(0).expect("listen");
     let nccl = railover::plugin::NetHandle::decode(&handle).unwrap().addr;
     // Warm up: one real comm, so the baseline includes what any comm costs.
-    legit_pair(&ctx, &listener, &handle, 1);
+    legit_pair(&ctx, &listener, &handle, 1).expect("a connect before any flood");
     let (fds0, rss0) = (open_fds(), status_kb("VmRSS:"));
     println!(
         "ready nccl={nccl} failover={} fds={fds0} rss={rss0}",
@@ -99,12 +103,17 @@ fn flood_receiver() {
         match cmd.as_str() {
             "legit" => {
                 // Real connects, one after another, until the flood is over.
-                let mut pairs = 0u32;
+                let (mut pairs, mut failed) = (0u32, 0u32);
                 while commands.try_recv().as_deref() != Ok("stop") {
-                    legit_pair(&ctx, &listener, &handle, (pairs as u8) | 1);
-                    pairs += 1;
+                    match legit_pair(&ctx, &listener, &handle, (pairs as u8) | 1) {
+                        Ok(()) => pairs += 1,
+                        Err(e) => {
+                            failed += 1;
+                            eprintln!("a real connect failed: {e}");
+                        }
+                    }
                 }
-                println!("legit ok pairs={pairs}");
+                println!("legit ok pairs={pairs} failed={failed}");
             }
             "settle" => {
                 // Until the deadline has closed every stranger's connection.
@@ -244,6 +253,7 @@ fn a_flood_of_idle_connections_is_bounded_and_leaves_nothing_behind() {
     rx.send("stop");
     let legit = rx.line("legit ok");
     assert!(field::<u32>(&legit, "pairs") >= 1, "{legit}");
+    assert_eq!(field::<u32>(&legit, "failed"), 0, "{legit}");
 
     // Every flood connection is closed by the receiver: by eviction, or at the deadline.
     for s in &held {
@@ -294,4 +304,94 @@ fn a_flood_of_idle_connections_is_bounded_and_leaves_nothing_behind() {
     eprintln!("receiver log:\n{log}");
     let lines = log.lines().filter(|l| l.contains("turned away")).count();
     assert!((1..=2).contains(&lines), "{lines} log lines:\n{log}");
+}
+
+/// A Hello that names the NCCL listener's comm (anyone may send one: it needs no
+/// secret), from a stranger who then never answers the Challenge.
+fn stranger_hello(i: u64) -> Vec<u8> {
+    let mut random = [0u8; 64];
+    random[..8].copy_from_slice(&i.to_le_bytes());
+    random[8] = 1;
+    let nics = vec![NicAddr {
+        addr: "127.0.0.1:9".parse().unwrap(),
+        rail: Some(0),
+    }];
+    Initiator::connect(&[0x5A; 16], nics, &random).1
+}
+
+#[test]
+fn a_flood_of_hellos_fails_no_real_connect_and_holds_no_slot_past_the_deadline() {
+    let mut rx = Receiver::spawn();
+    let ready = rx.line("ready");
+    let nccl: SocketAddr = field(&ready, "nccl");
+    rx.send("legit");
+    // As fast as four threads can: connect, a Hello naming the comm, then silence.
+    let start = Instant::now();
+    let flood = Duration::from_secs(4);
+    let flooders: Vec<_> = (0..4u64)
+        .map(|t| {
+            std::thread::spawn(move || {
+                let mut held = std::collections::VecDeque::new();
+                let mut sent = 0u64;
+                while start.elapsed() < flood {
+                    if let Ok(mut s) = TcpStream::connect_timeout(&nccl, Duration::from_secs(5)) {
+                        if s.write_all(&stranger_hello(t << 32 | sent)).is_ok() {
+                            sent += 1;
+                        }
+                        held.push_back(s);
+                        // Hold at most 200 per thread: the descriptors of this process.
+                        if held.len() > 200 {
+                            held.pop_front();
+                        }
+                    }
+                }
+                (sent, held)
+            })
+        })
+        .collect();
+    let mut hellos = 0;
+    let mut held = Vec::new();
+    for f in flooders {
+        let (n, h) = f.join().unwrap();
+        hellos += n;
+        held.extend(h);
+    }
+    rx.send("stop");
+    let legit = rx.line("legit ok");
+    eprintln!(
+        "{hellos} Hellos in {flood:?} ({:.0}/s); {legit}",
+        hellos as f64 / flood.as_secs_f64()
+    );
+    assert!(hellos >= 1000, "only {hellos} Hellos: not a flood");
+    assert!(field::<u32>(&legit, "pairs") >= 1, "{legit}");
+    assert_eq!(
+        field::<u32>(&legit, "failed"),
+        0,
+        "a Hello flood failed real connects: {legit}"
+    );
+    // Every stranger's connection is closed at the pre-authentication deadline (2 s),
+    // not held for the 30 s a connect of our own may take.
+    for s in &held {
+        s.set_nonblocking(true).unwrap();
+    }
+    let end = Instant::now() + Duration::from_secs(6);
+    while !held.is_empty() {
+        assert!(
+            Instant::now() < end,
+            "{} stranger connections still open 6 s after the flood",
+            held.len()
+        );
+        let mut b = [0u8; 256];
+        held.retain_mut(|s| loop {
+            match s.read(&mut b) {
+                Ok(0) => break false,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break true,
+                Err(_) => break false,
+            }
+        });
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    rx.send("quit");
+    let _ = rx.child.wait();
 }

@@ -297,7 +297,7 @@ pub fn frame_reader(data: &[u8]) {
                     r.enlarge();
                 }
             }
-            Ok(Some(Inbound::Data { seq, len })) => {
+            Ok(Some(Inbound::Data { seq, len, .. })) => {
                 got.push(Event::Data { seq, len });
                 r.place(None);
             }

@@ -206,6 +206,12 @@ impl PathMachine {
         self.lanes.get(&k)
     }
 
+    /// The newest lane attempt: the sender's latest, or the latest a receiver was
+    /// offered (attempts count up from 0, the comm's first lane).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
     /// Whether some lane carries the comm.
     pub fn has_lane(&self) -> bool {
         !self.lanes.is_empty()

@@ -117,9 +117,28 @@ impl Engine {
                     self.turned_away(&format!("dropped before it authenticated: {error}"), now);
                 }
             }
-            Role::Connecting { pending, .. } => {
-                tracing::warn!("railover: connect failed: {error}");
-                *pending.result.lock() = Some(Err(error.into()));
+            Role::Connecting(mut d) => {
+                // The listener dropped us before we authenticated: its handshake caps, or
+                // its deadline while it was swamped. A connect that can still make it in
+                // time tries again rather than fail NCCL's communicator setup.
+                let again = matches!(error, ConnError::PeerClosed)
+                    .then(|| d.again(now))
+                    .flatten();
+                match again {
+                    Some(at) => {
+                        tracing::info!(
+                            "railover: connect to {}: the listener dropped attempt {} before it authenticated; trying again",
+                            d.to,
+                            d.attempt + 1
+                        );
+                        d.attempt += 1;
+                        self.redials.push((at, d));
+                    }
+                    None => {
+                        tracing::warn!("railover: connect failed: {error}");
+                        *d.pending.result.lock() = Some(Err(error.into()));
+                    }
+                }
             }
             Role::Probe { pair, .. } => self.probe_failed(pair, now),
             Role::Migrating { comm: c, mv } => {

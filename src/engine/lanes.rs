@@ -225,8 +225,8 @@ impl Engine {
                 lane.role = Role::Closing;
                 Ok(())
             }
-            (Step::Welcomed { nics, session, .. }, Role::Connecting { pending, nic, to }) => {
-                let (pending, nic, to) = (pending.clone(), *nic, *to);
+            (Step::Welcomed { nics, session, .. }, Role::Connecting(d)) => {
+                let (pending, nic, to) = (d.pending.clone(), d.nic, d.to);
                 let session = session
                     .ok_or_else(|| ConnError::Protocol("the handshake agreed no session".into()))?;
                 let shared = self.new_comm(Side::Send, k, nic, session);
@@ -304,6 +304,13 @@ impl Engine {
                     return Ok(Took::Retired);
                 }
                 Heard::Fence(epoch) => {
+                    // Only a lane the sender opened, so one this end has seen, is fenced.
+                    if epoch > comm.path.epoch() {
+                        return Err(ConnError::Protocol(format!(
+                            "Fence of lane attempt {epoch}, beyond the {} opened so far",
+                            comm.path.epoch()
+                        )));
+                    }
                     if !comm.heard.insert(epoch) {
                         return Ok(Took::Item); // heard on another lane already
                     }
@@ -318,7 +325,14 @@ impl Engine {
                     comm.machine.replay_point();
                 }
             },
-            Inbound::Data { seq, len } => {
+            Inbound::Data { seq, len, placed } => {
+                // A payload written in place fills only a buffer this lane offered for it:
+                // anything else would complete a receive with bytes that never arrived.
+                if placed && !self.lanes[k].writer.offered(seq) {
+                    return Err(ConnError::Protocol(format!(
+                        "Data {seq} claims to be written in place, but this lane offered no buffer for it"
+                    )));
+                }
                 let dst = comm.machine.handle_data(k, seq, len)?.map(|p| p.buf.lend());
                 if dst.is_none() {
                     self.stats.duplicates.fetch_add(1, Ordering::Relaxed);
@@ -365,12 +379,12 @@ impl Engine {
         let lane = &mut self.lanes[k];
         match lane.m.handle_hello(body, secret, &random, now)? {
             None => {
+                // It named a secret of ours, which anyone may name: it keeps its
+                // pre-authentication deadline (a real connector answers the Challenge
+                // within a round trip), and is only let go after idle strangers.
                 if let Some(t) = lane.ticket {
                     self.gate.vouch(t);
                 }
-                // It named a secret of ours: a peer of this job, which gets as long to
-                // prove it as our own connects get for the whole handshake.
-                lane.m.expect_by(now + HANDSHAKE_TIMEOUT);
             }
             Some(e) => self.refused(k, &e, now),
         }

@@ -209,11 +209,7 @@ enum Role {
     /// listen id, or `None` for a failover listener.
     Handshake { listener: Option<u64> },
     /// Connecting; waiting for the listener's `Welcome`.
-    Connecting {
-        pending: Arc<PendingConnect>,
-        nic: usize,
-        to: SocketAddr,
-    },
+    Connecting(Dial),
     /// Carrying a comm.
     Comm(usize),
     /// Probing a candidate pair for the router, since `started`.
@@ -224,6 +220,29 @@ enum Role {
     Migrating { comm: usize, mv: Move },
     /// Flushing its last bytes before it closes.
     Closing,
+}
+
+/// NCCL's connect, across the attempts a busy listener may make it take.
+#[derive(Debug)]
+struct Dial {
+    pending: Arc<PendingConnect>,
+    nic: usize,
+    to: SocketAddr,
+    /// The handle's token: the key of the handshake, never sent.
+    token: [u8; 16],
+    /// When NCCL asked: every attempt fits in [`HANDSHAKE_TIMEOUT`] from here.
+    since: Instant,
+    /// Attempts made before this one.
+    attempt: u32,
+}
+
+impl Dial {
+    /// When to try again after the listener dropped attempt `self.attempt` before the
+    /// handshake finished, if there is time left: soon, then backing off to 1 s.
+    fn again(&self, now: Instant) -> Option<Instant> {
+        let wait = Duration::from_millis(20 << self.attempt.min(6)).min(Duration::from_secs(1));
+        Some(now + wait).filter(|&at| at < self.since + HANDSHAKE_TIMEOUT)
+    }
 }
 
 #[derive(Debug)]
@@ -294,6 +313,9 @@ pub struct Engine {
     entropy: Option<SplitMix64>,
     /// Send comms with a lane whose stripes all left: retired once it drained.
     draining: Vec<usize>,
+    /// NCCL's connects to try again, and when: the listener dropped them before they
+    /// authenticated (its handshake caps at a burst of connects, or a flood).
+    redials: Vec<(Instant, Dial)>,
 }
 
 impl Engine {
@@ -331,6 +353,7 @@ impl Engine {
             metrics: Sampler::new(n, now),
             entropy: setup.entropy_seed.map(SplitMix64::new),
             draining: Vec::new(),
+            redials: Vec::new(),
             setup,
         }
     }
@@ -373,6 +396,7 @@ impl Engine {
             self.next_deadline,
             Some(self.next_tick),
             self.router.poll_timeout(),
+            self.redials.iter().map(|&(at, _)| at).min(),
         ]
         .into_iter()
         .flatten()
@@ -383,6 +407,15 @@ impl Engine {
     pub fn handle_timeout(&mut self, now: Instant, io: &mut dyn Io) {
         if self.next_deadline.is_some_and(|d| d <= now) {
             self.expire(now, io);
+        }
+        if self.redials.iter().any(|&(at, _)| at <= now) {
+            let (due, later) = std::mem::take(&mut self.redials)
+                .into_iter()
+                .partition(|&(at, _)| at <= now);
+            self.redials = later;
+            for (_, d) in due {
+                self.dial(d, now, io);
+            }
         }
         if now >= self.next_tick {
             self.tick(now, io);
@@ -430,6 +463,20 @@ impl Engine {
         now: Instant,
         io: &mut dyn Io,
     ) {
+        let d = Dial {
+            pending: pending.clone(),
+            nic,
+            to,
+            token: *token,
+            since: now,
+            attempt: 0,
+        };
+        self.dial(d, now, io);
+    }
+
+    /// One attempt of NCCL's connect `d`.
+    fn dial(&mut self, d: Dial, now: Instant, io: &mut dyn Io) {
+        let (nic, to) = (d.nic, d.to);
         let result = fresh_random(&mut self.entropy)
             .map_err(Error::from)
             .and_then(|random| {
@@ -443,17 +490,13 @@ impl Engine {
         let (k, random) = match result {
             Ok(r) => r,
             Err(e) => {
-                *pending.result.lock() = Some(Err(e));
+                *d.pending.result.lock() = Some(Err(e));
                 return;
             }
         };
-        let (auth, hello) = Initiator::connect(token, self.wire.clone(), &random);
-        let role = Role::Connecting {
-            pending: pending.clone(),
-            nic,
-            to,
-        };
-        self.add_lane(k, role, now, HANDSHAKE_TIMEOUT);
+        let (auth, hello) = Initiator::connect(&d.token, self.wire.clone(), &random);
+        let deadline = (d.since + HANDSHAKE_TIMEOUT).saturating_duration_since(now);
+        self.add_lane(k, Role::Connecting(d), now, deadline);
         let lane = &mut self.lanes[k];
         lane.nic = Some(nic);
         lane.m.connecting(auth, hello);
@@ -797,10 +840,13 @@ impl Engine {
         self.flush_dirty(now, io);
         let lanes: Vec<usize> = self.lanes.iter().map(|(k, _)| k).collect();
         for k in lanes {
-            if let Some(Role::Connecting { pending, .. }) = self.lanes.get(k).map(|l| &l.role) {
-                *pending.result.lock() = Some(Err(Error::Internal("plugin finalised".into())));
+            if let Some(Role::Connecting(d)) = self.lanes.get(k).map(|l| &l.role) {
+                *d.pending.result.lock() = Some(Err(Error::Internal("plugin finalised".into())));
             }
             self.drop_lane(k, io);
+        }
+        for (_, d) in self.redials.drain(..) {
+            *d.pending.result.lock() = Some(Err(Error::Internal("plugin finalised".into())));
         }
     }
 }

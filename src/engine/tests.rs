@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use super::*;
 use crate::telemetry::exporter::ExporterConfig;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Op {
     Connect(usize),
     Fence(usize),
@@ -27,6 +27,8 @@ struct Mem {
     rx: HashMap<usize, Vec<u8>>,
     tx: HashMap<usize, Vec<u8>>,
     broken: HashSet<usize>,
+    /// Lanes the peer closed: once their bytes are read, the end of the stream.
+    eof: HashSet<usize>,
     /// Lanes whose NIC cannot register the memory of the comm's next message.
     unreachable: HashSet<usize>,
     /// Lanes whose NIC cannot register receive buffers: each offer fails the write, as
@@ -76,7 +78,11 @@ impl Io for Mem {
             let e = crate::conn::MemoryUnreachable(format!("lane {k}'s NIC cannot register it"));
             return Err(ReadError::Io(io::Error::other(e)));
         }
-        reader.next(&mut Src(self.rx.entry(k).or_default()))
+        let rx = self.rx.entry(k).or_default();
+        if rx.is_empty() && self.eof.contains(&k) {
+            return reader.next(&mut std::io::empty());
+        }
+        reader.next(&mut Src(rx))
     }
     fn write(&mut self, k: usize, writer: &mut FrameWriter) -> io::Result<()> {
         assert!(
@@ -330,19 +336,17 @@ fn a_fence_from_the_sender_fences_and_drops_the_lane_it_names_and_no_other() {
     p.b.attach_replacement(0, kb2, 1, now, &mut p.mb);
     assert_eq!(p.b.comms[0].path.lanes().count(), 2);
     p.mb.ops.clear();
-    // Fences for an unknown attempt and for the lane it comes on change nothing.
+    // A Fence for the lane it comes on changes nothing.
     let kb = p.b.comms[0]
         .path
         .lanes()
         .map(|(k, _)| k)
         .find(|&k| k != kb2)
         .unwrap();
-    for epoch in [7, 0] {
-        let f = Header::new(Kind::Fence, epoch, 0).encode();
-        p.mb.rx.entry(kb).or_default().extend_from_slice(&f);
-        p.b.service_lane(kb, now, &mut p.mb);
-        p.b.drive(now, &mut p.mb);
-    }
+    let f = Header::new(Kind::Fence, 0, 0).encode();
+    p.mb.rx.entry(kb).or_default().extend_from_slice(&f);
+    p.b.service_lane(kb, now, &mut p.mb);
+    p.b.drive(now, &mut p.mb);
     assert!(p.mb.ops.is_empty(), "{:?}", p.mb.ops);
     let f = Header::new(Kind::Fence, 1, 0).encode();
     p.mb.rx.entry(kb).or_default().extend_from_slice(&f);
@@ -356,6 +360,57 @@ fn a_fence_from_the_sender_fences_and_drops_the_lane_it_names_and_no_other() {
         "the comm goes on over the lane the Fence came on"
     );
     assert!(p.b.comms[0].shared.failure().is_none());
+}
+
+#[test]
+fn a_data_claiming_to_be_placed_on_a_lane_that_offered_nothing_completes_nothing() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    let kb = *p.mb.open.iter().next().unwrap();
+    let shared = p.b.comms[0].shared.clone();
+    let req = Arc::new(Request::new(shared.clone()));
+    let buf = UserBuf::of_slice(Vec::leak(vec![0xEEu8; 4096]));
+    p.b.post_recv(&shared, &req, vec![(buf, 0)], &mut p.mb);
+    p.b.drive(now, &mut p.mb);
+    let before = p.b.stats.protocol_errors.load(Ordering::Relaxed);
+    // On a TCP lane, which offers nothing, a Data for receive 0 flagged placed: no byte
+    // of it arrived, so it must not complete the receive.
+    let mut h = Header::new(Kind::Data, 0, 4096);
+    h.aux = crate::conn::wire::DATA_PLACED;
+    p.mb.rx
+        .entry(kb)
+        .or_default()
+        .extend_from_slice(&h.encode());
+    p.b.service_lane(kb, now, &mut p.mb);
+    p.b.drive(now, &mut p.mb);
+    assert_eq!(
+        p.b.stats.protocol_errors.load(Ordering::Relaxed),
+        before + 1
+    );
+    match req.status() {
+        Err(e) => assert!(e.to_string().contains("offered no buffer"), "{e}"),
+        other => panic!("the receive must fail, not {other:?}"),
+    }
+}
+
+#[test]
+fn a_fence_of_a_lane_never_opened_is_a_protocol_error() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    let kb = *p.mb.open.iter().next().unwrap();
+    let before = p.b.stats.protocol_errors.load(Ordering::Relaxed);
+    // Only attempt 0 was ever opened: a Fence of attempt 2^64-1 names nothing.
+    let f = Header::new(Kind::Fence, u64::MAX, 0).encode();
+    p.mb.rx.entry(kb).or_default().extend_from_slice(&f);
+    p.b.service_lane(kb, now, &mut p.mb);
+    p.b.drive(now, &mut p.mb);
+    assert_eq!(
+        p.b.stats.protocol_errors.load(Ordering::Relaxed),
+        before + 1
+    );
+    let e = p.b.comms[0].shared.failure().expect("the comm fails");
+    assert!(e.to_string().contains("Fence of lane attempt"), "{e}");
+    assert!(p.b.comms[0].heard.is_empty(), "nothing was recorded for it");
 }
 
 #[test]
@@ -442,7 +497,7 @@ fn an_accepted_lane_has_until_its_fabric_is_ready_and_then_the_preauth_window() 
 }
 
 #[test]
-fn a_lane_that_named_our_secret_has_the_connect_timeout_to_prove_it() {
+fn a_lane_that_named_our_secret_has_only_the_preauth_deadline_to_prove_it() {
     let now = Instant::now();
     let s = Duration::from_secs(1);
     let (mut a, mut b) = (engine(1, now), engine(2, now));
@@ -456,7 +511,8 @@ fn a_lane_that_named_our_secret_has_the_connect_timeout_to_prove_it() {
     let pending = Arc::new(PendingConnect::default());
     a.connect(0, addr(2), &[3; 16], &pending, now, &mut ma);
     a.drive(now, &mut ma);
-    // Its Hello arrives; the Challenge goes out, and no Proof ever comes back.
+    // Its Hello arrives; the Challenge goes out, and no Proof ever comes back. Anyone
+    // may name the listener's comm in a Hello: it earns no longer deadline.
     let hello = std::mem::take(ma.tx.entry(0).or_default());
     let named = b.next_lane();
     mb.open.insert(named);
@@ -468,12 +524,44 @@ fn a_lane_that_named_our_secret_has_the_connect_timeout_to_prove_it() {
     let idle = b.next_lane();
     mb.open.insert(idle);
     b.accepted(idle, 0, Some(9), Some(0), now, &mut mb);
-    b.handle_timeout(now + 5 * s, &mut mb);
-    assert_eq!(mb.ops, [Op::Close(idle)], "the silent one goes at 4 s");
-    b.handle_timeout(now + 29 * s, &mut mb);
-    assert_eq!(mb.ops, [Op::Close(idle)]);
-    b.handle_timeout(now + 30 * s, &mut mb);
-    assert_eq!(mb.ops, [Op::Close(idle), Op::Close(named)]);
+    b.handle_timeout(now + 4 * s - Duration::from_millis(1), &mut mb);
+    assert!(mb.ops.is_empty(), "{:?}", mb.ops);
+    b.handle_timeout(now + 4 * s, &mut mb);
+    let closed: BTreeSet<Op> = mb.ops.iter().copied().collect();
+    assert_eq!(closed, BTreeSet::from([Op::Close(named), Op::Close(idle)]));
+}
+
+#[test]
+fn a_connect_the_listener_drops_before_it_authenticates_tries_again() {
+    let now = Instant::now();
+    let ms = Duration::from_millis(1);
+    let mut a = engine(1, now);
+    let mut io = Mem::default();
+    let pending = Arc::new(PendingConnect::default());
+    a.connect(0, addr(2), &[3; 16], &pending, now, &mut io);
+    a.drive(now, &mut io);
+    // The listener closes the connection unanswered (its handshake caps were full).
+    io.eof.insert(0);
+    a.service_lane(0, now, &mut io);
+    a.drive(now, &mut io);
+    assert!(pending.result.lock().is_none(), "NCCL's connect goes on");
+    assert_eq!(io.ops, [Op::Connect(0), Op::Close(0)]);
+    // A second attempt after a short wait, on a lane of its own.
+    a.handle_timeout(now + 19 * ms, &mut io);
+    assert_eq!(io.ops.len(), 2, "not yet: {:?}", io.ops);
+    assert!(a.poll_timeout().is_some_and(|t| t <= now + 20 * ms));
+    a.handle_timeout(now + 20 * ms, &mut io);
+    assert!(matches!(io.ops[..], [_, _, Op::Connect(_)]), "{:?}", io.ops);
+    assert!(pending.result.lock().is_none());
+    // Refused outright (nothing listens there): NCCL hears of it at once.
+    let mut b = engine(3, now);
+    let mut io = Mem {
+        refuse_connect: true,
+        ..Mem::default()
+    };
+    let pending = Arc::new(PendingConnect::default());
+    b.connect(0, addr(2), &[3; 16], &pending, now, &mut io);
+    assert!(matches!(*pending.result.lock(), Some(Err(_))));
 }
 
 #[test]

@@ -7,11 +7,12 @@
 //! Both stop at `WouldBlock` and keep their place; both bound the bytes moved per call
 //! so that one busy lane cannot starve the others.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::io::{self, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::memory::LentBuf;
+use super::offers::MAX_OFFERS;
 use crate::conn::wire::{Header, Kind, WireError, DATA_PLACED, HEADER_LEN};
 
 /// Payload bytes the CPU copied through lanes' streams, process-wide: out of them into
@@ -35,7 +36,10 @@ pub enum Inbound {
     /// A frame without payload, with its body (handshake frames) or none.
     Frame(Header, Vec<u8>),
     /// A `Data` header: call [`FrameReader::place`] before calling `next` again.
-    Data { seq: u64, len: u64 },
+    /// `placed`: its payload was written in place by the sender's NIC, into a buffer
+    /// this end offered on this lane ([`FrameWriter::offered`] tells whether it did),
+    /// and none follows in the stream.
+    Data { seq: u64, len: u64, placed: bool },
     /// The placed payload has fully arrived.
     PayloadDone { seq: u64, len: u64 },
     /// The peer closed the stream at a frame boundary.
@@ -125,6 +129,7 @@ impl FrameReader {
                             return Ok(Some(Inbound::Data {
                                 seq: h.seq,
                                 len: h.len,
+                                placed: h.placed(),
                             }));
                         }
                         if h.body_len() == 0 {
@@ -414,6 +419,9 @@ pub struct FrameWriter {
     total: u64,
     /// Bytes ever queued; less `total`, what is still queued.
     pushed: u64,
+    /// Receives this lane offered to have written in place (a `Place` went out), the
+    /// newest [`MAX_OFFERS`]: only those may come back as a placed `Data`.
+    offered: BTreeSet<u64>,
 }
 
 const MAX_IOV: usize = 64;
@@ -480,6 +488,13 @@ impl FrameWriter {
 
     pub fn is_empty(&self) -> bool {
         self.q.is_empty()
+    }
+
+    /// Whether this lane offered receive `seq` to be written in place: a `Data` flagged
+    /// placed for anything else is a lie (on a lane that cannot place, such as TCP, it
+    /// always is), and would complete a receive with bytes that never arrived.
+    pub fn offered(&self, seq: u64) -> bool {
+        self.offered.contains(&seq)
     }
 
     /// Whether any queued bytes still come from a caller's buffer.
@@ -596,6 +611,10 @@ impl FrameWriter {
                 if let Some(bytes) = frame {
                     self.pushed += bytes.len() as u64;
                     self.q.push_front(Chunk::Ctrl { bytes, off: 0 });
+                    self.offered.insert(seq);
+                    if self.offered.len() > MAX_OFFERS {
+                        self.offered.pop_first();
+                    }
                 }
             }
             _ => {}
@@ -667,6 +686,18 @@ mod tests {
     }
 
     #[test]
+    fn a_lane_that_cannot_place_offers_nothing() {
+        let mut w = FrameWriter::default();
+        let buf = heap_buf(&[0u8; 64]);
+        w.push_advertise(3, 64, buf.lend(), 0);
+        w.push_ctrl(&Header::new(Kind::Cts, 3, 64).encode());
+        let mut out = Vec::new();
+        w.flush(&mut out).unwrap();
+        assert_eq!(out.len(), HEADER_LEN, "the Cts alone");
+        assert!(!w.offered(3), "a plain stream never offered receive 3");
+    }
+
+    #[test]
     fn no_staging_buffer_until_bytes_arrive_and_full_size_only_when_enlarged() {
         let mut wire = Vec::new();
         for seq in 0..400 {
@@ -732,7 +763,7 @@ mod tests {
             for _ in 0..1_000_000 {
                 match r.next(&mut sock).unwrap() {
                     None => continue,
-                    Some(Inbound::Data { seq, len }) => {
+                    Some(Inbound::Data { seq, len, .. }) => {
                         got.push(format!("data {seq} {len}"));
                         r.place(Some(dst.lend()));
                     }
@@ -947,6 +978,11 @@ mod tests {
                 lane.placed,
                 vec![(0, payload[..1000].to_vec()), (2, payload[..3000].to_vec())]
             );
+            // Only the receives a `Place` went out for may come back placed.
+            assert_eq!(
+                (0..5).map(|s| w.offered(s)).collect::<Vec<_>>(),
+                [true, false, true, false, false]
+            );
             // The receiving end: offers before their CTS, placed headers with no payload.
             let mut sock = Trickle {
                 data: lane.sink.out,
@@ -960,7 +996,8 @@ mod tests {
             for _ in 0..1000 {
                 match r.next(&mut sock).unwrap() {
                     Some(Inbound::Frame(h, body)) => seen.push((h.kind, h.seq, body.len())),
-                    Some(Inbound::Data { seq, len }) => {
+                    Some(Inbound::Data { seq, len, placed }) => {
+                        assert_eq!(placed, seq % 2 == 0 && seq < 4, "seq {seq}'s flag");
                         let dst = heap_buf(&vec![0; len as usize]);
                         r.place(Some(dst.lend()));
                         let Some(Inbound::PayloadDone { seq: s, len: n }) =
@@ -1077,7 +1114,11 @@ mod gpu_memory {
         let mut r = FrameReader::default();
         assert!(matches!(
             r.next(&mut sock).unwrap(),
-            Some(Inbound::Data { seq: 4, len: 16 })
+            Some(Inbound::Data {
+                seq: 4,
+                len: 16,
+                placed: false
+            })
         ));
         let dst = gpu_buf(&[0u8; 16]);
         r.place(Some(dst.lend()));
@@ -1093,7 +1134,11 @@ mod gpu_memory {
         let mut r = FrameReader::default();
         assert!(matches!(
             r.next(&mut sock).unwrap(),
-            Some(Inbound::Data { seq: 4, len: 16 })
+            Some(Inbound::Data {
+                seq: 4,
+                len: 16,
+                placed: true
+            })
         ));
         r.place(Some(gpu_buf(&[0u8; 16]).lend()));
         assert!(matches!(
