@@ -11,7 +11,7 @@ pub mod router;
 pub mod verbs;
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::topology::rails::RailMap;
@@ -303,10 +303,19 @@ impl fmt::Display for Config {
 
 impl Config {
     /// Reads the process environment. A value that is not UTF-8 is an error, not unset.
+    /// A `RAILOVER_SYSFS_ROOT` that is set must also look like sysfs
+    /// ([`check_sysfs_root`]): the one check that reads the filesystem, made here so that
+    /// [`Config::from_lookup`] stays a function of the values. Unset, `/sys` is used as
+    /// it is: a container without sysfs only loses PCI topology and link speeds.
     pub fn from_env() -> Result<Config, ConfigError> {
         let env = EnvReader::default();
         let parsed = Config::from_lookup(|k| env.get(k));
-        env.finish(parsed)
+        let sysfs_root = env.get(SYSFS_ROOT_VAR);
+        let cfg = env.finish(parsed)?;
+        if let Some(value) = sysfs_root {
+            check_sysfs_root(&cfg.sysfs_root, &value)?;
+        }
+        Ok(cfg)
     }
 
     /// Parses from any key lookup (tests pass a map; nothing reads the real environment).
@@ -501,17 +510,57 @@ impl Config {
             })?;
             cfg.rails = (!map.is_empty()).then_some(map);
         }
-        if let Some(v) = get("RAILOVER_SYSFS_ROOT") {
+        if let Some(v) = get(SYSFS_ROOT_VAR) {
+            // Taken as given (a path may hold blanks); whether it looks like sysfs is
+            // [`check_sysfs_root`]'s to say, as it reads the filesystem.
             if v.trim().is_empty() {
                 return Err(ConfigError {
-                    var: "RAILOVER_SYSFS_ROOT",
+                    var: SYSFS_ROOT_VAR,
                     value: v,
-                    accepted: "a directory laid out like /sys",
+                    accepted: SYSFS_ROOT_ACCEPTED,
                 });
             }
             cfg.sysfs_root = PathBuf::from(v);
         }
         Ok(cfg)
+    }
+}
+
+/// The variable naming the sysfs tree topology is read from.
+pub const SYSFS_ROOT_VAR: &str = "RAILOVER_SYSFS_ROOT";
+
+/// What `RAILOVER_SYSFS_ROOT` accepts, and why this value is not that.
+macro_rules! sysfs_accepted {
+    ($why:literal) => {
+        concat!(
+            "an existing directory laid out like /sys, with a class/net directory",
+            $why
+        )
+    };
+}
+const SYSFS_ROOT_ACCEPTED: &str = sysfs_accepted!("");
+
+/// Checks that `root`, the value `value` of `RAILOVER_SYSFS_ROOT`, is a directory with a
+/// `class/net` directory, as every sysfs has: a mistyped root would otherwise start
+/// cleanly and quietly change which NICs, rails and PCI paths discovery finds.
+pub fn check_sysfs_root(root: &Path, value: &str) -> Result<(), ConfigError> {
+    let refuse = |accepted| ConfigError {
+        var: SYSFS_ROOT_VAR,
+        value: value.to_string(),
+        accepted,
+    };
+    match std::fs::metadata(root) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(refuse(sysfs_accepted!(" (this is not a directory)"))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(refuse(sysfs_accepted!(" (this one does not exist)")))
+        }
+        // Unreadable, or too long a path (ENAMETOOLONG).
+        Err(_) => return Err(refuse(sysfs_accepted!(" (this path cannot be read)"))),
+    }
+    match std::fs::metadata(root.join("class/net")) {
+        Ok(m) if m.is_dir() => Ok(()),
+        _ => Err(refuse(sysfs_accepted!(" (this one has none)"))),
     }
 }
 
@@ -787,6 +836,44 @@ mod tests {
         // Cut at a character, never inside one.
         let wide = "\u{e9}".repeat(200);
         assert!(shown_value(&wide).starts_with(&format!("\"{}\"", "\u{e9}".repeat(48))));
+    }
+
+    #[test]
+    fn sysfs_root_must_exist_and_hold_class_net() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let check = |p: &Path| {
+            check_sysfs_root(p, &p.to_string_lossy()).map_err(|e| {
+                assert_eq!(e.var, "RAILOVER_SYSFS_ROOT");
+                assert_eq!(e.value, p.to_string_lossy());
+                let msg = e.to_string();
+                assert!(
+                    msg.contains(&format!("RAILOVER_SYSFS_ROOT={}", shown_value(&e.value)))
+                        && msg.contains("expected an existing directory laid out like /sys, with a class/net directory"),
+                    "{msg}"
+                );
+                msg
+            })
+        };
+        let missing = check(&root.join("nonexistent")).unwrap_err();
+        assert!(missing.contains("does not exist"), "{missing}");
+        std::fs::write(root.join("file"), "").unwrap();
+        let file = check(&root.join("file")).unwrap_err();
+        assert!(file.contains("not a directory"), "{file}");
+        let bare = check(root).unwrap_err();
+        assert!(bare.contains("has none"), "{bare}");
+        std::fs::create_dir_all(root.join("class")).unwrap();
+        std::fs::write(root.join("class/net"), "").unwrap();
+        assert!(check(root).unwrap_err().contains("has none"));
+        std::fs::remove_file(root.join("class/net")).unwrap();
+        std::fs::create_dir_all(root.join("class/net")).unwrap();
+        assert_eq!(check(root), Ok(()));
+        // A path longer than the system takes.
+        let long = check(Path::new(&"a".repeat(100_000))).unwrap_err();
+        assert!(long.len() < 1024, "{long}");
+        // Parsing alone never reads the filesystem: the same value parses anywhere.
+        let c = cfg(&[("RAILOVER_SYSFS_ROOT", "/nonexistent")]).unwrap();
+        assert_eq!(c.sysfs_root, Path::new("/nonexistent"));
     }
 
     #[test]
