@@ -470,8 +470,10 @@ mod tests {
         assert_eq!(r.rail_source, RailSource::Env);
         let rails: Vec<_> = r.nics.iter().map(|n| (n.name.as_str(), n.rail)).collect();
         assert_eq!(rails, [("mlx5_0", Some(1)), ("mlx5_1", Some(0))]);
-        // Blank is unset, as in the plugin.
-        assert_eq!(report(" ").unwrap().rail_source, RailSource::Automatic);
+        // Empty is unset, as in the plugin; blanks are refused, as every padded value is.
+        assert_eq!(report("").unwrap().rail_source, RailSource::Automatic);
+        let e = report(" ").unwrap_err();
+        assert!(e.contains("RAILOVER_RAILS=\" \""), "{e}");
         let e = report("mlx5_0").unwrap_err();
         assert!(
             e.contains("RAILOVER_RAILS") && e.contains("NIC:RAIL"),

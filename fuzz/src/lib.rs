@@ -12,7 +12,7 @@ use std::io::{self, Read};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
 
-use railover::config::{Config, ConfigError};
+use railover::config::{shown_value, strict_u64, Config, ConfigError};
 use railover::conn::auth::{
     self, AuthError, CommId, Initiator, Random, Responder, Secret, Session,
 };
@@ -791,9 +791,10 @@ pub const VARS: &[&str] = &[
 ];
 
 /// `Config::from_lookup` with arbitrary values for arbitrary `RAILOVER_*` keys: `Ok`, or
-/// an error naming a variable that was set, with its value, whose message shows both.
-/// Parsing is a function of the values (same input, same result); a value that parsed
-/// is what the config holds.
+/// an error naming a variable that was set, with its value, whose message shows both (a
+/// long value shortened) and stays short enough for one NCCL log line. Parsing is a
+/// function of the values (same input, same result); a value that parsed is what the
+/// config holds, and a number that parsed is plain decimal digits.
 pub fn config(data: &[u8]) {
     let mut inp = Input::new(data);
     let mut env: HashMap<String, String> = HashMap::new();
@@ -825,13 +826,14 @@ pub fn config(data: &[u8]) {
             }
             .to_string();
             assert!(
-                msg.contains(var) && msg.contains(&format!("{value:?}")),
+                msg.contains(&format!("{var}={}", shown_value(&value))),
                 "{msg}"
             );
+            assert!(msg.len() < 1024, "{} bytes: {msg}", msg.len());
             assert!(!accepted.is_empty());
         }
         Ok(cfg) => {
-            let num = |k: &str| env.get(k).map(|v| v.trim().parse::<u64>().expect("parsed"));
+            let num = |k: &str| env.get(k).map(|v| strict_u64(v).expect("plain digits"));
             if let Some(us) = num("RAILOVER_SPIN_US") {
                 assert_eq!(cfg.spin.as_micros(), us as u128);
             }

@@ -11,7 +11,7 @@ pub mod router;
 pub mod verbs;
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::topology::rails::RailMap;
@@ -20,13 +20,41 @@ use crate::topology::{PathType, RailRule};
 pub use router::RouterConfig;
 pub use verbs::{AddrFamily, Gdr, GidPolicy, VerbsSettings, ZeroCopy};
 
-/// A rejected environment value.
+/// A rejected environment value. The message shows the value through [`shown_value`],
+/// so a huge one still leaves room in the WARN line for what is accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{var}={value:?} is not valid: expected {accepted}")]
+#[error("{var}={} is not valid: expected {accepted}", shown_value(.value))]
 pub struct ConfigError {
     pub var: &'static str,
     pub value: String,
     pub accepted: &'static str,
+}
+
+/// Values whose quoted form is longer than this are shortened in error messages.
+pub const SHOWN_MAX: usize = 160;
+/// How many characters of a shortened value are shown.
+const SHOWN_HEAD: usize = 48;
+
+/// `value` as error messages show it: quoted and escaped (`{:?}`); when that is longer
+/// than [`SHOWN_MAX`] bytes, its first characters, `…` and the value's length in bytes.
+/// NCCL keeps about 1 kB of its last WARN (`ncclGetLastError`): a 100 kB value must
+/// neither push out what is accepted nor flood the log.
+pub fn shown_value(value: &str) -> String {
+    let full = format!("{value:?}");
+    if full.len() <= SHOWN_MAX {
+        return full;
+    }
+    let head: String = value.chars().take(SHOWN_HEAD).collect();
+    format!("{head:?}\u{2026} ({} bytes)", value.len())
+}
+
+/// The number `s` spells in plain decimal digits: no sign, no blanks, no trailing newline
+/// (`" 5"`, `"+5"` and `"5\n"` are not numbers); `None` also past `u64::MAX`.
+pub fn strict_u64(s: &str) -> Option<u64> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
 }
 
 /// Which network interfaces become railover TCP NICs: `NCCL_SOCKET_IFNAME` syntax.
@@ -43,9 +71,10 @@ pub struct IfFilter {
 }
 
 impl IfFilter {
-    /// Parses the `NCCL_SOCKET_IFNAME`-style value.
+    /// Parses the `NCCL_SOCKET_IFNAME`-style value. Blanks are not trimmed: interface
+    /// names hold none, so a value with blanks anywhere is refused.
     pub fn parse(value: &str) -> Result<IfFilter, String> {
-        let mut rest = value.trim();
+        let mut rest = value;
         let exclude = rest.starts_with('^');
         if exclude {
             rest = &rest[1..];
@@ -56,7 +85,6 @@ impl IfFilter {
         }
         let names: Vec<String> = rest
             .split(',')
-            .map(str::trim)
             .filter(|s| !s.is_empty())
             .map(String::from)
             .collect();
@@ -110,9 +138,10 @@ pub struct HcaFilter {
 }
 
 impl HcaFilter {
-    /// Parses the `NCCL_IB_HCA`-style value.
+    /// Parses the `NCCL_IB_HCA`-style value. Blanks are not trimmed: device names hold
+    /// none, so a value with blanks anywhere is refused; ports are plain decimal numbers.
     pub fn parse(value: &str) -> Result<HcaFilter, String> {
-        let mut rest = value.trim();
+        let mut rest = value;
         let exclude = rest.starts_with('^');
         if exclude {
             rest = &rest[1..];
@@ -122,16 +151,12 @@ impl HcaFilter {
             rest = &rest[1..];
         }
         let mut entries = Vec::new();
-        for item in rest.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for item in rest.split(',').filter(|s| !s.is_empty()) {
             let (name, port) = match item.split_once(':') {
                 Some((n, p)) => {
-                    let port = p
-                        .trim()
-                        .parse::<u8>()
-                        .ok()
-                        .filter(|&p| p > 0)
+                    let port = parse_u64(p, 1, u64::from(u8::MAX))
                         .ok_or_else(|| format!("{p:?} is not a port number"))?;
-                    (n.trim(), Some(port))
+                    (n, Some(port as u8))
                 }
                 None => (item, None),
             };
@@ -278,10 +303,19 @@ impl fmt::Display for Config {
 
 impl Config {
     /// Reads the process environment. A value that is not UTF-8 is an error, not unset.
+    /// A `RAILOVER_SYSFS_ROOT` that is set must also look like sysfs
+    /// ([`check_sysfs_root`]): the one check that reads the filesystem, made here so that
+    /// [`Config::from_lookup`] stays a function of the values. Unset, `/sys` is used as
+    /// it is: a container without sysfs only loses PCI topology and link speeds.
     pub fn from_env() -> Result<Config, ConfigError> {
         let env = EnvReader::default();
         let parsed = Config::from_lookup(|k| env.get(k));
-        env.finish(parsed)
+        let sysfs_root = env.get(SYSFS_ROOT_VAR);
+        let cfg = env.finish(parsed)?;
+        if let Some(value) = sysfs_root {
+            check_sysfs_root(&cfg.sysfs_root, &value)?;
+        }
+        Ok(cfg)
     }
 
     /// Parses from any key lookup (tests pass a map; nothing reads the real environment).
@@ -305,7 +339,7 @@ impl Config {
             cfg.spin = Duration::from_micros(us);
         }
         if let Some(v) = get("RAILOVER_LOG") {
-            cfg.log = match v.trim().to_ascii_lowercase().as_str() {
+            cfg.log = match v.to_ascii_lowercase().as_str() {
                 "off" | "none" => LogLevel::Off,
                 "warn" => LogLevel::Warn,
                 "info" => LogLevel::Info,
@@ -402,7 +436,7 @@ impl Config {
             })? as usize;
         }
         if let Some(v) = get("RAILOVER_STRIPES") {
-            cfg.stripes = match v.trim().to_ascii_lowercase().as_str() {
+            cfg.stripes = match v.to_ascii_lowercase().as_str() {
                 "auto" => None,
                 n => Some(parse_u64(n, 1, 64).ok_or(ConfigError {
                     var: "RAILOVER_STRIPES",
@@ -413,7 +447,7 @@ impl Config {
         }
         if let Some(v) = get("RAILOVER_TRANSPORT") {
             cfg.transport =
-                match v.trim().to_ascii_lowercase().as_str() {
+                match v.to_ascii_lowercase().as_str() {
                     "auto" => TransportChoice::Auto,
                     "verbs" | "ib" => TransportChoice::Verbs,
                     "tcp" => TransportChoice::Tcp,
@@ -446,7 +480,7 @@ impl Config {
             })? as u32;
         }
         if let Some(v) = get("RAILOVER_RAIL_RULE") {
-            cfg.router.rail_rule = match v.trim().to_ascii_lowercase().as_str() {
+            cfg.router.rail_rule = match v.to_ascii_lowercase().as_str() {
                 "same" => RailRule::Same,
                 "any" => RailRule::Any,
                 _ => {
@@ -459,7 +493,9 @@ impl Config {
             };
         }
         if let Some(v) = get("RAILOVER_DISTANCE_LIMIT") {
-            cfg.router.distance_limit = PathType::parse(&v).ok_or(ConfigError {
+            // `PathType::parse` also reads topology files, which may pad; a variable may not.
+            let unpadded = Some(v.as_str()).filter(|s| s.trim() == *s);
+            cfg.router.distance_limit = unpadded.and_then(PathType::parse).ok_or(ConfigError {
                 var: "RAILOVER_DISTANCE_LIMIT",
                 value: v.clone(),
                 accepted: "one of PIX, PXB, PHB, SYS",
@@ -474,17 +510,57 @@ impl Config {
             })?;
             cfg.rails = (!map.is_empty()).then_some(map);
         }
-        if let Some(v) = get("RAILOVER_SYSFS_ROOT") {
+        if let Some(v) = get(SYSFS_ROOT_VAR) {
+            // Taken as given (a path may hold blanks); whether it looks like sysfs is
+            // [`check_sysfs_root`]'s to say, as it reads the filesystem.
             if v.trim().is_empty() {
                 return Err(ConfigError {
-                    var: "RAILOVER_SYSFS_ROOT",
+                    var: SYSFS_ROOT_VAR,
                     value: v,
-                    accepted: "a directory laid out like /sys",
+                    accepted: SYSFS_ROOT_ACCEPTED,
                 });
             }
             cfg.sysfs_root = PathBuf::from(v);
         }
         Ok(cfg)
+    }
+}
+
+/// The variable naming the sysfs tree topology is read from.
+pub const SYSFS_ROOT_VAR: &str = "RAILOVER_SYSFS_ROOT";
+
+/// What `RAILOVER_SYSFS_ROOT` accepts, and why this value is not that.
+macro_rules! sysfs_accepted {
+    ($why:literal) => {
+        concat!(
+            "an existing directory laid out like /sys, with a class/net directory",
+            $why
+        )
+    };
+}
+const SYSFS_ROOT_ACCEPTED: &str = sysfs_accepted!("");
+
+/// Checks that `root`, the value `value` of `RAILOVER_SYSFS_ROOT`, is a directory with a
+/// `class/net` directory, as every sysfs has: a mistyped root would otherwise start
+/// cleanly and quietly change which NICs, rails and PCI paths discovery finds.
+pub fn check_sysfs_root(root: &Path, value: &str) -> Result<(), ConfigError> {
+    let refuse = |accepted| ConfigError {
+        var: SYSFS_ROOT_VAR,
+        value: value.to_string(),
+        accepted,
+    };
+    match std::fs::metadata(root) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(refuse(sysfs_accepted!(" (this is not a directory)"))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(refuse(sysfs_accepted!(" (this one does not exist)")))
+        }
+        // Unreadable, or too long a path (ENAMETOOLONG).
+        Err(_) => return Err(refuse(sysfs_accepted!(" (this path cannot be read)"))),
+    }
+    match std::fs::metadata(root.join("class/net")) {
+        Ok(m) if m.is_dir() => Ok(()),
+        _ => Err(refuse(sysfs_accepted!(" (this one has none)"))),
     }
 }
 
@@ -534,8 +610,9 @@ impl EnvReader {
     }
 }
 
-/// `var`'s value among `words` (each keyword with what it means), case and surrounding
-/// blanks ignored; `None` when unset, an error naming `accepted` when no keyword matches.
+/// `var`'s value among `words` (each keyword with what it means), case ignored (blanks
+/// are not: `" on"` is no keyword); `None` when unset, an error naming `accepted` when
+/// no keyword matches.
 fn parse_keyword<T: Copy>(
     get: &impl Fn(&'static str) -> Option<String>,
     var: &'static str,
@@ -545,7 +622,7 @@ fn parse_keyword<T: Copy>(
     let Some(v) = get(var) else {
         return Ok(None);
     };
-    let key = v.trim().to_ascii_lowercase();
+    let key = v.to_ascii_lowercase();
     match words.iter().find(|(w, _)| *w == key) {
         Some(&(_, t)) => Ok(Some(t)),
         None => Err(ConfigError {
@@ -556,11 +633,9 @@ fn parse_keyword<T: Copy>(
     }
 }
 
+/// [`strict_u64`] within `min..=max`.
 fn parse_u64(s: &str, min: u64, max: u64) -> Option<u64> {
-    s.trim()
-        .parse::<u64>()
-        .ok()
-        .filter(|v| (min..=max).contains(v))
+    strict_u64(s).filter(|v| (min..=max).contains(v))
 }
 
 #[cfg(test)]
@@ -650,10 +725,155 @@ mod tests {
             assert_eq!(err.value, value);
             let msg = err.to_string();
             assert!(
-                msg.contains(var) && msg.contains(value) && msg.contains("expected"),
+                msg.contains(&format!("{var}={value:?}")) && msg.contains("expected"),
                 "{msg}"
             );
         }
+    }
+
+    /// Every number is plain decimal digits and every keyword exactly a keyword (any
+    /// case): blanks around a value, a sign or a trailing newline make it a bad value.
+    #[test]
+    fn numbers_and_keywords_are_strict() {
+        for (var, good) in [
+            ("RAILOVER_SPIN_US", "5"),
+            ("RAILOVER_COMPLETION_TIMEOUT_MS", "250"),
+            ("RAILOVER_PROBE_TIMEOUT_MS", "5"),
+            ("RAILOVER_FAILBACK_INTERVAL_MS", "50"),
+            ("RAILOVER_GIVEUP_MS", "5"),
+            ("RAILOVER_UNMATCHED_WARN_MS", "5"),
+            ("RAILOVER_PROBE_BYTES", "5"),
+            ("RAILOVER_LOOPBACK_NICS", "5"),
+            ("RAILOVER_FAILBACK_PROBES", "5"),
+            ("RAILOVER_STRIPES", "5"),
+            ("RAILOVER_IB_GID_INDEX", "5"),
+            ("RAILOVER_IB_ROCE_VERSION", "1"),
+            ("RAILOVER_IB_TIMEOUT", "5"),
+            ("RAILOVER_IB_RETRY_CNT", "5"),
+            ("RAILOVER_IB_TC", "5"),
+            ("RAILOVER_IB_SL", "5"),
+            ("RAILOVER_QPS_PER_LANE", "5"),
+            ("RAILOVER_LOG", "info"),
+            ("RAILOVER_FAIR_SHARE", "on"),
+            ("RAILOVER_STRIPES", "auto"),
+            ("RAILOVER_TRANSPORT", "tcp"),
+            ("RAILOVER_RAIL_RULE", "any"),
+            ("RAILOVER_DISTANCE_LIMIT", "SYS"),
+            ("RAILOVER_IB_GID_INDEX", "auto"),
+            ("RAILOVER_IB_ADDR_FAMILY", "AF_INET6"),
+            ("RAILOVER_ZERO_COPY", "always"),
+            ("RAILOVER_GDR", "off"),
+            ("RAILOVER_IFNAME", "lo"),
+            ("RAILOVER_HCA", "mlx5_0:1"),
+            ("RAILOVER_GDR_HCA", "mlx5_0:1"),
+            ("RAILOVER_RAILS", "eth0:1"),
+        ] {
+            assert!(cfg(&[(var, good)]).is_ok(), "{var}={good:?} is good");
+            let mut bad = vec![
+                format!(" {good}"),
+                format!("{good} "),
+                format!("{good}\n"),
+                format!("\t{good}"),
+            ];
+            if good.ends_with(|c: char| c.is_ascii_digit()) {
+                let (head, n) = good.split_at(
+                    good.rfind(|c: char| !c.is_ascii_digit())
+                        .map_or(0, |i| i + 1),
+                );
+                bad.extend([
+                    format!("{head}+{n}"),
+                    format!("{head}-{n}"),
+                    format!("{head} {n}"),
+                    format!("{head}{n}.0"),
+                    format!("{head}{n}_0"),
+                    format!("{head}0x{n}"),
+                ]);
+            }
+            for value in bad {
+                let err = cfg(&[(var, &value)]).expect_err(&format!("{var}={value:?}"));
+                assert_eq!((err.var, err.value.as_str()), (var, value.as_str()));
+                let msg = err.to_string();
+                assert!(
+                    msg.contains(&format!("{var}={value:?}")) && msg.contains("expected"),
+                    "{msg}"
+                );
+            }
+        }
+        // Leading zeros are still decimal.
+        assert_eq!(
+            cfg(&[("RAILOVER_SPIN_US", "007")]).unwrap().spin,
+            Duration::from_micros(7)
+        );
+        assert_eq!(strict_u64("18446744073709551615"), Some(u64::MAX));
+        assert_eq!(strict_u64("18446744073709551616"), None);
+        for s in ["", "+1", "-0", " 1", "1 ", "1\n", "\u{0663}"] {
+            assert_eq!(strict_u64(s), None, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn a_huge_value_is_shortened_in_the_message() {
+        let value = "a".repeat(100_000);
+        let err = cfg(&[("RAILOVER_SPIN_US", &value)]).unwrap_err();
+        assert_eq!(err.value, value, "the error keeps the whole value");
+        let msg = err.to_string();
+        assert!(msg.len() < 1024, "{} bytes", msg.len());
+        let head = format!(
+            "RAILOVER_SPIN_US=\"{}\"\u{2026} (100000 bytes)",
+            "a".repeat(48)
+        );
+        assert!(msg.starts_with(&head), "{msg}");
+        assert!(
+            msg.contains("expected an integer number of microseconds"),
+            "{msg}"
+        );
+        // Short values are shown whole, escaped.
+        assert_eq!(shown_value("5\n"), "\"5\\n\"");
+        assert_eq!(
+            shown_value(&"b".repeat(100)),
+            format!("{:?}", "b".repeat(100))
+        );
+        // Cut at a character, never inside one.
+        let wide = "\u{e9}".repeat(200);
+        assert!(shown_value(&wide).starts_with(&format!("\"{}\"", "\u{e9}".repeat(48))));
+    }
+
+    #[test]
+    fn sysfs_root_must_exist_and_hold_class_net() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let check = |p: &Path| {
+            check_sysfs_root(p, &p.to_string_lossy()).map_err(|e| {
+                assert_eq!(e.var, "RAILOVER_SYSFS_ROOT");
+                assert_eq!(e.value, p.to_string_lossy());
+                let msg = e.to_string();
+                assert!(
+                    msg.contains(&format!("RAILOVER_SYSFS_ROOT={}", shown_value(&e.value)))
+                        && msg.contains("expected an existing directory laid out like /sys, with a class/net directory"),
+                    "{msg}"
+                );
+                msg
+            })
+        };
+        let missing = check(&root.join("nonexistent")).unwrap_err();
+        assert!(missing.contains("does not exist"), "{missing}");
+        std::fs::write(root.join("file"), "").unwrap();
+        let file = check(&root.join("file")).unwrap_err();
+        assert!(file.contains("not a directory"), "{file}");
+        let bare = check(root).unwrap_err();
+        assert!(bare.contains("has none"), "{bare}");
+        std::fs::create_dir_all(root.join("class")).unwrap();
+        std::fs::write(root.join("class/net"), "").unwrap();
+        assert!(check(root).unwrap_err().contains("has none"));
+        std::fs::remove_file(root.join("class/net")).unwrap();
+        std::fs::create_dir_all(root.join("class/net")).unwrap();
+        assert_eq!(check(root), Ok(()));
+        // A path longer than the system takes.
+        let long = check(Path::new(&"a".repeat(100_000))).unwrap_err();
+        assert!(long.len() < 1024, "{long}");
+        // Parsing alone never reads the filesystem: the same value parses anywhere.
+        let c = cfg(&[("RAILOVER_SYSFS_ROOT", "/nonexistent")]).unwrap();
+        assert_eq!(c.sysfs_root, Path::new("/nonexistent"));
     }
 
     #[test]
@@ -669,10 +889,23 @@ mod tests {
         assert!(f.selects("mlx5_1", 1) && !f.selects("mlx5_10", 1));
         let f = HcaFilter::parse("^mlx5_0:2").unwrap();
         assert!(f.selects("mlx5_0", 1) && !f.selects("mlx5_0", 2) && f.selects("rxe0", 1));
-        let f = HcaFilter::parse("^=rxe1, rxe2:1 ").unwrap();
+        let f = HcaFilter::parse("^=rxe1,rxe2:1").unwrap();
         assert!(f.exclude && f.exact);
         assert!(!f.selects("rxe1", 1) && f.selects("rxe10", 1) && !f.selects("rxe2", 1));
         assert!(f.selects("rxe2", 2));
+        for padded in [
+            "^=rxe1, rxe2:1",
+            " rxe0",
+            "rxe0 ",
+            "rxe0: 1",
+            "rxe0:+1",
+            "rxe0:1\n",
+        ] {
+            assert!(HcaFilter::parse(padded).is_err(), "{padded:?}");
+        }
+        for padded in ["eth0, eth1", " lo", "lo ", "lo\n", "^ lo"] {
+            assert!(IfFilter::parse(padded).is_err(), "{padded:?}");
+        }
     }
 
     #[test]
@@ -680,7 +913,7 @@ mod tests {
         assert_eq!(cfg(&[]).unwrap().transport, TransportChoice::Auto);
         for (v, want) in [
             ("auto", TransportChoice::Auto),
-            (" Verbs", TransportChoice::Verbs),
+            ("Verbs", TransportChoice::Verbs),
             ("TCP", TransportChoice::Tcp),
         ] {
             assert_eq!(cfg(&[("RAILOVER_TRANSPORT", v)]).unwrap().transport, want);
@@ -708,10 +941,7 @@ mod tests {
         assert!(c.fair_share, "on by default");
         assert_eq!(c.stripes, None, "auto by default");
         assert_eq!(cfg(&[("RAILOVER_STRIPES", "3")]).unwrap().stripes, Some(3));
-        assert_eq!(
-            cfg(&[("RAILOVER_STRIPES", " Auto ")]).unwrap().stripes,
-            None
-        );
+        assert_eq!(cfg(&[("RAILOVER_STRIPES", "Auto")]).unwrap().stripes, None);
         assert!(!cfg(&[("RAILOVER_FAIR_SHARE", "OFF")]).unwrap().fair_share);
         let c = cfg(&[
             ("RAILOVER_COMPLETION_TIMEOUT_MS", "250"),

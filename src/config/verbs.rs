@@ -159,7 +159,7 @@ impl VerbsSettings {
                 .transpose()
         };
         if let Some(v) = get("RAILOVER_IB_GID_INDEX") {
-            s.gid.index = match v.trim().to_ascii_lowercase().as_str() {
+            s.gid.index = match v.to_ascii_lowercase().as_str() {
                 "auto" | "-1" => None,
                 n => Some(parse_u64(n, 0, 255).ok_or(ConfigError {
                     var: "RAILOVER_IB_GID_INDEX",
@@ -172,7 +172,7 @@ impl VerbsSettings {
             s.gid.roce_version = n as u8;
         }
         if let Some(v) = get("RAILOVER_IB_ADDR_FAMILY") {
-            s.gid.family = match v.trim().to_ascii_uppercase().as_str() {
+            s.gid.family = match v.to_ascii_uppercase().as_str() {
                 "AF_INET" | "INET" | "IPV4" => AddrFamily::Inet,
                 "AF_INET6" | "INET6" | "IPV6" => AddrFamily::Inet6,
                 _ => {
@@ -282,7 +282,7 @@ mod tests {
             ("RAILOVER_IB_TC", "106"),
             ("RAILOVER_IB_SL", "3"),
             ("RAILOVER_QPS_PER_LANE", "4"),
-            ("RAILOVER_ZERO_COPY", " Always"),
+            ("RAILOVER_ZERO_COPY", "Always"),
             ("RAILOVER_GDR", "FORCE"),
         ])
         .unwrap();
@@ -307,7 +307,7 @@ mod tests {
             "{s}"
         );
         assert_eq!(
-            parse(&[("RAILOVER_IB_GID_INDEX", " Auto")])
+            parse(&[("RAILOVER_IB_GID_INDEX", "Auto")])
                 .unwrap()
                 .gid
                 .index,

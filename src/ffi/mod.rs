@@ -11,6 +11,9 @@
 //!   of the reactor thread, `listen`, `connect`, `accept`, `regMr`, `isend`, `irecv` and
 //!   `test` of a pending request return `ncclInternalError`; closes still succeed.
 //! * Legal NULLs (`sizes` in `test`, `sendDevComm`, profiler handles) are not errors.
+//! * In a child forked from a process whose plugin is initialised, every entry point,
+//!   `init` included, returns `ncclSystemError` at once, with one WARN per process
+//!   ([`crate::plugin::check_process`]): the reactor thread is not in the child.
 //!
 //! `unsafe` is allowed in this module and in each fabric's own `transport/*/sys` only;
 //! each block says why it is sound.

@@ -8,7 +8,7 @@ pub mod net_handle;
 pub mod nics;
 
 use std::ffi::{CStr, CString};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -371,6 +371,42 @@ static GLOBAL: Mutex<Global> = Mutex::new(Global {
     legacy: None,
 });
 
+/// The process that started the runtime (`std::process::id()`), 0 while none runs. An
+/// atomic, not a field behind [`GLOBAL`]: a forked child must be able to tell without
+/// taking a lock, since one that another thread of the parent held at the fork stays held
+/// in the child for good.
+static RUNTIME_PID: AtomicU32 = AtomicU32::new(0);
+
+/// The last process that reported [`check_process`]'s error, for one WARN per process.
+static FORK_REPORTED: AtomicU32 = AtomicU32::new(0);
+
+/// `Err` (`ncclSystemError`) in a child forked from a process whose runtime is running.
+/// The child has a copy of the runtime's memory but not its threads: no reactor would ever
+/// answer, so every call fails at once instead, `init` included (a new runtime could not
+/// be started safely on top of the copied one: its locks, sockets and handles are the
+/// parent's). A child forked before the first `init` or after the last `finalize` starts
+/// its own runtime as any process does. The parent is not affected.
+pub fn check_process() -> Result<(), Error> {
+    let owner = RUNTIME_PID.load(Ordering::Acquire);
+    let me = std::process::id();
+    if owner == 0 || owner == me {
+        return Ok(());
+    }
+    Err(Error::System(format!(
+        "railover was initialised in process {owner}; this is a child {me} forked from it, \
+         where railover's threads do not exist, so every call fails: use the network from \
+         a new process (exec, e.g. the spawn start method of Python's multiprocessing), or \
+         fork before NCCL initialises railover"
+    )))
+}
+
+/// Whether this is the first time this process reports [`check_process`]'s error: NCCL
+/// hears it once at WARN, and every later call fails with the same code quietly.
+pub fn first_fork_report() -> bool {
+    let me = std::process::id();
+    FORK_REPORTED.swap(me, Ordering::AcqRel) != me
+}
+
 /// `init` of v11+: a new context for one communicator. The first one starts the runtime.
 pub fn init_context(traffic_class: i32) -> Result<Arc<Context>, Error> {
     let mut g = GLOBAL.lock();
@@ -379,6 +415,7 @@ pub fn init_context(traffic_class: i32) -> Result<Arc<Context>, Error> {
         None => {
             let rt = Arc::new(Runtime::start()?);
             g.runtime = Some(rt.clone());
+            RUNTIME_PID.store(std::process::id(), Ordering::Release);
             rt
         }
     };
@@ -430,6 +467,7 @@ pub fn finalize(ctx: &Context) -> Result<bool, Error> {
         let mut g = GLOBAL.lock();
         g.contexts = g.contexts.saturating_sub(1);
         if g.contexts == 0 {
+            RUNTIME_PID.store(0, Ordering::Release);
             g.runtime.take()
         } else {
             None

@@ -23,7 +23,7 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
 
-use crate::config::{ConfigError, EnvReader};
+use crate::config::{strict_u64, ConfigError, EnvReader};
 
 /// The base port variable: an integer, or `off`.
 pub const PORT_VAR: &str = "RAILOVER_METRICS_PORT";
@@ -41,7 +41,7 @@ pub const LOCAL_RANK_VARS: [&str; 3] =
 const PORT_ACCEPTED: &str =
     "off, or a base port from 0 to 65535 to which the local rank is added (0: any free port)";
 const ADDR_ACCEPTED: &str = "an IPv4 or IPv6 address to bind, e.g. 0.0.0.0, 127.0.0.1 or ::";
-const RANK_ACCEPTED: &str = "a non-negative integer local rank";
+const RANK_ACCEPTED: &str = "a local rank from 0 to 65535";
 
 /// Connections open at once; a new one past this closes the longest-waiting idle one.
 pub const MAX_CONNECTIONS: usize = 64;
@@ -104,20 +104,22 @@ impl ExporterConfig {
         // Every variable is checked even when the endpoint is off: a bad value is an error
         // whether or not it is used today.
         let mut off = false;
+        // Strict, as every variable: plain decimal numbers, no surrounding blanks.
         if let Some(v) = get(PORT_VAR) {
-            let t = v.trim();
-            if t.eq_ignore_ascii_case("off") {
+            if v.eq_ignore_ascii_case("off") {
                 off = true;
             } else {
-                endpoint.base_port = t.parse().map_err(|_| ConfigError {
-                    var: PORT_VAR,
-                    value: v.clone(),
-                    accepted: PORT_ACCEPTED,
-                })?;
+                endpoint.base_port = strict_u64(&v)
+                    .and_then(|n| u16::try_from(n).ok())
+                    .ok_or_else(|| ConfigError {
+                        var: PORT_VAR,
+                        value: v.clone(),
+                        accepted: PORT_ACCEPTED,
+                    })?;
             }
         }
         if let Some(v) = get(ADDR_VAR) {
-            endpoint.addr = v.trim().parse().map_err(|_| ConfigError {
+            endpoint.addr = v.parse().map_err(|_| ConfigError {
                 var: ADDR_VAR,
                 value: v.clone(),
                 accepted: ADDR_ACCEPTED,
@@ -127,11 +129,13 @@ impl ExporterConfig {
             .iter()
             .find_map(|&var| get(var).map(|v| (var, v)))
         {
-            let rank: u16 = v.trim().parse().map_err(|_| ConfigError {
-                var,
-                value: v.clone(),
-                accepted: RANK_ACCEPTED,
-            })?;
+            let rank = strict_u64(&v)
+                .and_then(|n| u16::try_from(n).ok())
+                .ok_or_else(|| ConfigError {
+                    var,
+                    value: v.clone(),
+                    accepted: RANK_ACCEPTED,
+                })?;
             if !off
                 && endpoint.base_port != 0
                 && u32::from(endpoint.base_port) + u32::from(rank) > 65535
@@ -482,7 +486,7 @@ mod tests {
 
     #[test]
     fn off_and_any_port() {
-        for off in ["off", "OFF", " off "] {
+        for off in ["off", "OFF", "Off"] {
             let c = cfg(&[("RAILOVER_METRICS_PORT", off)]).unwrap();
             assert_eq!(c, ExporterConfig::off());
             assert_eq!(c.socket_addr(Some(1)).unwrap(), None);
@@ -494,6 +498,36 @@ mod tests {
             c.socket_addr(None).unwrap(),
             Some("[::1]:9464".parse().unwrap())
         );
+    }
+
+    #[test]
+    fn numbers_and_keywords_are_strict() {
+        // Parsed as they are: no blanks around them, no sign, no trailing newline.
+        for (var, value) in [
+            ("RAILOVER_METRICS_PORT", " 9000"),
+            ("RAILOVER_METRICS_PORT", "9000 "),
+            ("RAILOVER_METRICS_PORT", "+9000"),
+            ("RAILOVER_METRICS_PORT", "9000\n"),
+            ("RAILOVER_METRICS_PORT", " off"),
+            ("RAILOVER_METRICS_PORT", "off\n"),
+            ("RAILOVER_METRICS_ADDR", " 127.0.0.1"),
+            ("RAILOVER_METRICS_ADDR", "127.0.0.1\n"),
+            ("LOCAL_RANK", " 1"),
+            ("LOCAL_RANK", "+1"),
+            ("LOCAL_RANK", "1\n"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "+1"),
+            ("SLURM_LOCALID", "1 "),
+        ] {
+            let e = cfg(&[(var, value)]).unwrap_err();
+            assert_eq!((e.var, e.value.as_str()), (var, value));
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&format!("{var}={value:?}")) && msg.contains("expected"),
+                "{msg}"
+            );
+        }
+        let c = cfg(&[("RAILOVER_METRICS_PORT", "09000"), ("LOCAL_RANK", "1")]).unwrap();
+        assert_eq!(c.socket_addr(None).unwrap().unwrap().port(), 9001);
     }
 
     #[test]
@@ -516,6 +550,8 @@ mod tests {
         assert!(e.to_string().contains("IPv4 or IPv6"), "{e}");
         let e = cfg(&[("LOCAL_RANK", "-1")]).unwrap_err();
         assert_eq!((e.var, e.value.as_str()), ("LOCAL_RANK", "-1"));
+        let e = cfg(&[("LOCAL_RANK", "65536")]).unwrap_err();
+        assert!(e.to_string().contains("0 to 65535"), "{e}");
         let e = cfg(&[
             ("RAILOVER_METRICS_PORT", "off"),
             ("RAILOVER_METRICS_ADDR", "nowhere"),

@@ -98,20 +98,23 @@ pub struct RailMap {
 
 impl RailMap {
     /// Parses `NIC:RAIL,NIC:RAIL,…` given as the variable `var` (which error messages
-    /// name). Blank entries are ignored, so a trailing comma is fine; a blank value gives
-    /// an empty map, which callers treat as "not set".
+    /// name). Empty entries are ignored, so a trailing comma is fine; an empty value gives
+    /// an empty map, which callers treat as "not set". Nothing is trimmed: NIC names hold
+    /// no blanks, and `RAIL` is plain decimal digits (no sign, no blanks, no newline).
     pub fn parse(var: &str, value: &str) -> Result<RailMap, RailError> {
         let mut map = RailMap::default();
-        for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        for entry in value.split(',').filter(|e| !e.is_empty()) {
             let syntax = || RailError::Syntax {
                 var: var.to_string(),
                 value: value.to_string(),
                 entry: entry.to_string(),
             };
             let (nic, rail) = entry.rsplit_once(':').ok_or_else(syntax)?;
-            let nic = nic.trim();
-            let rail: u32 = rail.trim().parse().map_err(|_| syntax())?;
-            if nic.is_empty() || rail > MAX_RAIL {
+            if rail.is_empty() || !rail.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(syntax());
+            }
+            let rail: u32 = rail.parse().map_err(|_| syntax())?;
+            if nic.is_empty() || nic.contains(char::is_whitespace) || rail > MAX_RAIL {
                 return Err(syntax());
             }
             map.insert(var, nic, rail)?;
@@ -199,7 +202,7 @@ impl Topology {
         Ok(())
     }
 
-    /// Applies the value of `RAILOVER_RAILS` when it is set and not blank; otherwise keeps
+    /// Applies the value of `RAILOVER_RAILS` when it is set and not empty; otherwise keeps
     /// the rails the topology was built with (XML or automatic).
     pub fn apply_rail_env(&mut self, value: Option<&str>) -> Result<(), RailError> {
         let Some(value) = value else { return Ok(()) };
@@ -246,12 +249,30 @@ mod tests {
 
     #[test]
     fn parses_pairs_and_multi_port_names() {
-        let m = RailMap::parse("RAILOVER_RAILS", " mlx5_0:0, mlx5_1:2:1 ,").unwrap();
+        let m = RailMap::parse("RAILOVER_RAILS", "mlx5_0:0,mlx5_1:2:1,").unwrap();
         assert_eq!(
             m.entries(),
             &[("mlx5_0".to_string(), 0), ("mlx5_1:2".to_string(), 1)]
         );
-        assert!(RailMap::parse("RAILOVER_RAILS", "  ").unwrap().is_empty());
+        assert!(RailMap::parse("RAILOVER_RAILS", "").unwrap().is_empty());
+    }
+
+    #[test]
+    fn nothing_is_trimmed_and_rails_are_plain_digits() {
+        for bad in [
+            " mlx5_0:0",
+            "mlx5_0:0 ",
+            "mlx5_0:0, mlx5_1:1",
+            "mlx5_0 :0",
+            "mlx5_0: 0",
+            "mlx5_0:+0",
+            "mlx5_0:0\n",
+            "mlx5_0:0x1",
+            "  ",
+        ] {
+            let e = RailMap::parse("RAILOVER_RAILS", bad).unwrap_err();
+            assert!(matches!(e, RailError::Syntax { .. }), "{bad:?}: {e}");
+        }
     }
 
     #[test]

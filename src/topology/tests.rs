@@ -328,8 +328,8 @@ fn rail_map_from_env_overrides_and_validates() {
     let e = t.apply_rail_env(Some("mlx5_0:0,ibp0s0:1")).unwrap_err();
     assert!(matches!(e, RailError::Conflict { ref nic, .. } if nic == "mlx5_0"));
 
-    // Blank means "not set".
-    t.apply_rail_env(Some(" ")).unwrap();
+    // Empty means "not set".
+    t.apply_rail_env(Some("")).unwrap();
     assert_eq!(t.rail_source(), RailSource::Automatic);
 }
 

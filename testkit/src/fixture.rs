@@ -137,9 +137,11 @@ pub struct SysfsBuilder {
 }
 
 impl SysfsBuilder {
-    /// A builder writing under `root` (created if missing).
+    /// A builder writing under `root` (created if missing), with the `class/net`
+    /// directory every sysfs has (the plugin refuses a `RAILOVER_SYSFS_ROOT` without
+    /// one), even for a machine with no network interface.
     pub fn new(root: &Path) -> io::Result<SysfsBuilder> {
-        fs::create_dir_all(root)?;
+        fs::create_dir_all(root.join("class/net"))?;
         Ok(SysfsBuilder {
             root: root.to_path_buf(),
         })

@@ -7,8 +7,10 @@
  * and, for each bad value, checks that `init` fails with ncclInvalidArgument and that
  * exactly one WARN line came with it, naming the variable, the value and what is
  * accepted. Values that are not UTF-8 are set for every variable the plugin reads: they
- * are errors, not "unset". Last, an interface filter that matches nothing must give a
- * WARN naming the filter and the interfaces there are, and 0 devices.
+ * are errors, not "unset". Numbers and keywords are strict: blanks around them, a sign
+ * or a trailing newline make a bad value. RAILOVER_SYSFS_ROOT must be a directory with a
+ * class/net directory. Last, an interface filter that matches nothing must give a WARN
+ * naming the filter and the interfaces there are, and 0 devices.
  *
  * Prints "PASS <check>" or "FAIL <check>: <why>" and exits 0 only if all passed. Uses
  * only loopback (no endpoint is bound: RAILOVER_METRICS_PORT=off where init succeeds).
@@ -19,6 +21,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "nccl_net.h"
 
@@ -132,6 +136,75 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_GDR_HCA", "mlx5_0:0", "mlx5_0:0");
   bad_value("RAILOVER_UNMATCHED_WARN_MS", "0", "0");
   bad_value("LOCAL_RANK", "first", "first");
+
+  /* Numbers are plain decimal digits: no blanks around them, no sign, no newline. The
+   * WARN shows the value quoted and escaped, as Rust's {:?} does. */
+  bad_value("RAILOVER_SPIN_US", " 5", "RAILOVER_SPIN_US=\" 5\"");
+  bad_value("RAILOVER_PROBE_BYTES", "4096 ", "RAILOVER_PROBE_BYTES=\"4096 \"");
+  bad_value("RAILOVER_STRIPES", "2\t", "RAILOVER_STRIPES=\"2\\t\"");
+  bad_value("RAILOVER_COMPLETION_TIMEOUT_MS", "+250", "RAILOVER_COMPLETION_TIMEOUT_MS=\"+250\"");
+  bad_value("RAILOVER_IB_TIMEOUT", "+20", "RAILOVER_IB_TIMEOUT=\"+20\"");
+  bad_value("RAILOVER_GIVEUP_MS", "5000\n", "RAILOVER_GIVEUP_MS=\"5000\\n\"");
+  bad_value("RAILOVER_QPS_PER_LANE", "2\n", "RAILOVER_QPS_PER_LANE=\"2\\n\"");
+  bad_value("RAILOVER_RAILS", "lo:+0", "RAILOVER_RAILS=\"lo:+0\"");
+  bad_value("RAILOVER_HCA", "mlx5_0: 1", "RAILOVER_HCA=\"mlx5_0: 1\"");
+  bad_value("RAILOVER_METRICS_PORT", " 9000", "RAILOVER_METRICS_PORT=\" 9000\"");
+  bad_value("RAILOVER_METRICS_PORT", "+9000", "RAILOVER_METRICS_PORT=\"+9000\"");
+  bad_value("RAILOVER_METRICS_PORT", "9000\n", "RAILOVER_METRICS_PORT=\"9000\\n\"");
+  bad_value("LOCAL_RANK", " 1", "LOCAL_RANK=\" 1\"");
+  bad_value("LOCAL_RANK", "+1", "LOCAL_RANK=\"+1\"");
+  bad_value("LOCAL_RANK", "1\n", "LOCAL_RANK=\"1\\n\"");
+  /* Keywords keep their case but not surrounding blanks; lists take no blanks. */
+  bad_value("RAILOVER_LOG", " info", "RAILOVER_LOG=\" info\"");
+  bad_value("RAILOVER_TRANSPORT", "tcp\n", "RAILOVER_TRANSPORT=\"tcp\\n\"");
+  bad_value("RAILOVER_METRICS_PORT", "off ", "RAILOVER_METRICS_PORT=\"off \"");
+  bad_value("RAILOVER_IFNAME", "lo, eth0", "RAILOVER_IFNAME=\"lo, eth0\"");
+
+  /* RAILOVER_SYSFS_ROOT must exist and look like sysfs. */
+  bad_value("RAILOVER_SYSFS_ROOT", "/nonexistent",
+            "RAILOVER_SYSFS_ROOT=\"/nonexistent\" is not valid: expected an existing directory "
+            "laid out like /sys, with a class/net directory (this one does not exist)");
+  bad_value("RAILOVER_SYSFS_ROOT", "/",
+            "RAILOVER_SYSFS_ROOT=\"/\" is not valid: expected an existing directory laid out "
+            "like /sys, with a class/net directory (this one has none)");
+  /* 100 kB: refused, and the WARN shows its start and length, so what is accepted still
+   * fits in the line (g_last_warn keeps 4 kB, NCCL's last error 1 kB). */
+  {
+    size_t n = 100000;
+    char* huge = malloc(n + 1);
+    memset(huge, 'a', n);
+    huge[n] = 0;
+    char shown[256];
+    snprintf(shown, sizeof shown, "RAILOVER_SYSFS_ROOT=\"%.48s\"\xe2\x80\xa6 (100000 bytes)", huge);
+    bad_value("RAILOVER_SYSFS_ROOT", huge, shown);
+    check(strlen(g_last_warn) < 1024, "bad.RAILOVER_SYSFS_ROOT.short_warn",
+          "the WARN is %zu bytes long", strlen(g_last_warn));
+    free(huge);
+  }
+  /* A tree that has class/net is taken, without a WARN. */
+  {
+    char root[] = "/tmp/railover-env-warn.XXXXXX";
+    char class_dir[sizeof root + 16], net_dir[sizeof root + 16];
+    if (!mkdtemp(root)) {
+      check(0, "good.sysfs_root", "mkdtemp failed");
+    } else {
+      snprintf(class_dir, sizeof class_dir, "%s/class", root);
+      snprintf(net_dir, sizeof net_dir, "%s/class/net", root);
+      mkdir(class_dir, 0755);
+      mkdir(net_dir, 0755);
+      setenv("RAILOVER_SYSFS_ROOT", root, 1);
+      void* ctx;
+      ncclResult_t r = init_once(&ctx);
+      unsetenv("RAILOVER_SYSFS_ROOT");
+      check(r == ncclSuccess && g_warns == 0, "good.sysfs_root",
+            "init = %d with %d WARN line(s) for RAILOVER_SYSFS_ROOT=%s: %s", r, g_warns, root,
+            g_last_warn);
+      if (r == ncclSuccess) net->finalize(ctx);
+      rmdir(net_dir);
+      rmdir(class_dir);
+      rmdir(root);
+    }
+  }
 
   /* Not UTF-8: an error for every variable, shown with U+FFFD for the bad bytes. Some
    * of these would be accepted as text (a path, an interface name). */
