@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing of the wire decoder, frame reader, handshake, netlink, topology
-# XML and config parsers (fuzz/). Stable Rust only: libFuzzer (the libfuzzer-sys crate)
+# XML and config parsers, and of a receive comm fed hostile frame sequences after a real
+# handshake (receiver_session, through the engine's `fuzz-harness`) (fuzz/). Stable Rust only: libFuzzer (the libfuzzer-sys crate)
 # with LLVM's SanitizerCoverage pass, which stable rustc runs under -C passes=sancov-module,
 # so neither nightly nor RUSTC_BOOTSTRAP is needed.
 #

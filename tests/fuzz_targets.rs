@@ -172,12 +172,22 @@ fn every_target_has_a_test_and_seed_files() {
     }
 }
 
+/// The stateful target runs in the harness's unit tests here (the harness is a feature
+/// the plugin's tests build only for the library's own tests); its seed files are the
+/// in-code ones.
+#[test]
+fn the_stateful_target_has_its_seed_files() {
+    let name = "receiver_session";
+    assert_eq!(seed_files(name), targets::seeds(name), "fuzz/seeds/{name}");
+}
+
 /// Writes the in-code seeds to `fuzz/seeds/` (run by hand after a format change:
 /// `cargo test --test fuzz_targets -- --ignored write_seed_files`).
 #[test]
 #[ignore]
 fn write_seed_files() {
-    for (name, _) in targets::TARGETS {
+    let stateful = ("receiver_session", targets::TARGETS[0].1);
+    for (name, _) in targets::TARGETS.iter().chain([&stateful]) {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("fuzz/seeds")
             .join(name);

@@ -36,7 +36,16 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("netlink", netlink_parse),
     ("topology_xml", topology_xml),
     ("config", config),
+    #[cfg(feature = "fuzz-harness")]
+    ("receiver_session", receiver_session),
 ];
+
+/// A receive comm past a real handshake, fed hostile frame sequences: no receive
+/// completes with bytes that were not sent for it, none reports more than its buffer.
+#[cfg(feature = "fuzz-harness")]
+pub fn receiver_session(data: &[u8]) {
+    railover::engine::harness::receiver_session(data);
+}
 
 /// Reads structure out of fuzz bytes; past the end every read is zero, so any input is
 /// a valid plan.
@@ -964,6 +973,19 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             }
             vec![d]
         }
+        // Plans for `engine::harness::receiver_session`: op 0 posts (a byte for the
+        // group, two per capacity), 1 a Data (seq picker, length, payload), 3 a placed
+        // Data, 4 any header, 6 time.
+        "receiver_session" => vec![
+            // Two single receives of 256 and 512 bytes, a Data of 3 bytes into the first.
+            vec![0, 0, 0, 1, 0, 0, 0, 2, 1, 2, 3, 0, 1, b'a', b'b', b'c'],
+            // A receive, then a Data claiming to be placed into it.
+            vec![0, 0, 0, 1, 3, 2, 1, 0x40, 0, 1],
+            // A group of eight, a Fence far beyond any lane, time.
+            vec![
+                0, 0xA7, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 0, 8, 0, 4, 9, 1, 6, 0, 0x10,
+            ],
+        ],
         _ => Vec::new(),
     }
 }

@@ -17,6 +17,9 @@
 
 mod failover;
 pub mod gate;
+#[cfg(any(test, feature = "fuzz-harness"))]
+#[doc(hidden)]
+pub mod harness;
 mod lanes;
 
 use std::collections::{BTreeSet, HashMap};

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 pub use crate::conn::MemoryUnreachable;
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzz-harness"))]
 pub(crate) use sys::SimMem;
 pub use sys::{LentBuf, UserBuf};
 

@@ -161,10 +161,10 @@ impl UserBuf {
     }
 }
 
-/// Test only: memory the deterministic simulation lends the reactor, freed when the last
+/// Test only (and the fuzz harness): memory the deterministic simulation lends the reactor, freed when the last
 /// holder lets go. The simulation keeps one holder until its reactors are gone, so the
 /// memory outlives every [`UserBuf`] and view made from it.
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzz-harness"))]
 #[derive(Debug)]
 pub(crate) struct SimMem {
     ptr: *mut u8,
@@ -172,13 +172,13 @@ pub(crate) struct SimMem {
 }
 
 // SAFETY: the simulation drives its reactors on its own thread; the pointer only moves.
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzz-harness"))]
 unsafe impl Send for SimMem {}
 // SAFETY: as above; `bytes` is called between reactor steps, never during one.
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzz-harness"))]
 unsafe impl Sync for SimMem {}
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzz-harness"))]
 impl SimMem {
     pub(crate) fn new(data: Vec<u8>) -> SimMem {
         let len = data.len();
@@ -196,12 +196,14 @@ impl SimMem {
     }
 
     /// Where the memory starts.
+    #[cfg(test)]
     pub(crate) fn addr(&self) -> usize {
         self.ptr as usize
     }
 
     /// A NIC's write of `bytes` at `addr`, between reactor steps; `false` (nothing
     /// written) when they do not lie inside the memory.
+    #[cfg(test)]
     pub(crate) fn land(&self, addr: usize, bytes: &[u8]) -> bool {
         let Some(off) = addr.checked_sub(self.ptr as usize) else {
             return false;
@@ -230,7 +232,7 @@ impl SimMem {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzz-harness"))]
 impl Drop for SimMem {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` came from `Box::into_raw` of a boxed slice of that length,
@@ -239,7 +241,7 @@ impl Drop for SimMem {
     }
 }
 
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzz-harness"))]
 mod tests {
     use super::*;
 
