@@ -118,6 +118,8 @@ pub enum Step {
         session: Option<Session>,
         nics: Vec<NicAddr>,
         delivered: u64,
+        /// The listener's NICs (a bit per index) that cannot register the comm's memory.
+        refusing: u32,
     },
     /// Drop this payload unread (a probe's, or one reaching a closing lane).
     Discard,
@@ -236,6 +238,7 @@ impl LaneMachine {
                     session,
                     nics,
                     delivered: h.seq,
+                    refusing: h.aux,
                 })
             }
             (Kind::Refuse, Phase::Connecting(Purpose::Data)) => {

@@ -22,7 +22,8 @@ pub const MAGIC: [u8; 2] = *b"RO";
 /// written in place (`Place`, and [`DATA_PLACED`] on a `Data`), and `Fence`. 6: a `Cts`
 /// may require its payload in place ([`CTS_IN_PLACE`]). 7: the sender matches each send
 /// to a receive by NCCL's IB rules (`conn::matching`) and cuts a send larger than its
-/// receive to the receive's size, so `Truncated` (code 7) is gone.
+/// receive to the receive's size, so `Truncated` (code 7) is gone; a `Welcome`'s `aux`
+/// names the listener's NICs that cannot register the comm's memory.
 pub const VERSION: u8 = 7;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
@@ -528,9 +529,18 @@ impl Proof {
 impl Welcome {
     /// Header (with `seq` = messages delivered) plus body.
     pub fn encode(&self, delivered: u64) -> Vec<u8> {
+        self.encode_refusing(delivered, 0)
+    }
+
+    /// As [`Welcome::encode`], with `aux` naming the listener's NICs (a bit per index)
+    /// that cannot register the comm's memory: the sender leaves them out for the comm
+    /// even when the `Stalled` that said so first was lost with its lane.
+    pub fn encode_refusing(&self, delivered: u64, refusing: u32) -> Vec<u8> {
         let mut body = Vec::with_capacity(64);
         encode_nics(&mut body, &self.nics);
-        frame_with_body(Header::new(Kind::Welcome, delivered, 0), &body)
+        let mut h = Header::new(Kind::Welcome, delivered, 0);
+        h.aux = refusing;
+        frame_with_body(h, &body)
     }
 
     pub fn decode(body: &[u8]) -> Result<Welcome, WireError> {
@@ -579,6 +589,15 @@ mod tests {
             };
             assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }
+    }
+
+    #[test]
+    fn a_welcome_names_the_nics_that_cannot_register_the_comms_memory() {
+        let w = Welcome { nics: Vec::new() };
+        let f = w.encode_refusing(5, 0b10);
+        let h = Header::decode(&f).unwrap();
+        assert_eq!((h.kind, h.seq, h.aux), (Kind::Welcome, 5, 0b10));
+        assert_eq!(Header::decode(&w.encode(5)).unwrap().aux, 0);
     }
 
     #[test]

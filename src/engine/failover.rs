@@ -368,19 +368,20 @@ impl Engine {
         }
         let _ = io;
         self.carry(k, c);
-        let welcome = self.welcome(delivered);
+        let welcome = self.welcome(delivered, self.comms[c].refusing);
         self.lanes[k].writer.push_ctrl(&welcome);
         self.pump(c);
     }
 
     /// Send side: lane `k`, opened for some of comm `c`'s stripes, was accepted; the
-    /// receiver has `delivered` messages. It carries its share from now on.
+    /// receiver has `delivered` messages, and its NICs `refusing` (a bit per index) cannot
+    /// register the comm's memory. It carries its share from now on.
     pub(super) fn finish_migration(
         &mut self,
         c: usize,
         k: usize,
         mv: Move,
-        delivered: u64,
+        (delivered, refusing): (u64, u32),
         now: Instant,
         io: &mut dyn Io,
     ) -> Result<(), ConnError> {
@@ -395,6 +396,16 @@ impl Engine {
             ))
         })?;
         comm.path.handle_moved(k, now);
+        for nic in (0..32).filter(|b| refusing & 1 << b != 0) {
+            if self.router.handle_remote_unreachable(CommId(c), NicId(nic)) {
+                let pair = Pair {
+                    remote: NicId(nic),
+                    ..mv.to
+                };
+                self.memory_excluded(c, Some(pair), End::Remote);
+            }
+        }
+        let comm = &mut self.comms[c];
         let local = mv.to.local.0 as usize;
         comm.lazily += comm.shared.moved_to(local);
         for &epoch in &comm.fenced {
@@ -770,6 +781,9 @@ impl Engine {
         let lane = &mut self.lanes[k];
         let why = if memory { STALLED_MEMORY } else { 0 };
         if memory {
+            if let (Some(n @ 0..32), Some(comm)) = (lane.nic, self.comms.get_mut(c)) {
+                comm.refusing |= 1 << n;
+            }
             let nic = (lane.nic.and_then(|n| self.setup.nics.get(n)))
                 .map_or("this lane's NIC", |n| n.name.as_str());
             tracing::warn!(

@@ -240,9 +240,14 @@ impl Engine {
                 self.probe_answered(pair, started, now);
                 Ok(())
             }
-            (Step::Welcomed { delivered, .. }, &Role::Migrating { comm, mv }) => {
-                self.finish_migration(comm, k, mv, delivered, now, io)
-            }
+            (
+                Step::Welcomed {
+                    delivered,
+                    refusing,
+                    ..
+                },
+                &Role::Migrating { comm, mv },
+            ) => self.finish_migration(comm, k, mv, (delivered, refusing), now, io),
             (Step::Comm, &Role::Comm(c)) => {
                 match self.comm_inbound(c, k, item)? {
                     Took::Item => {}
@@ -269,12 +274,13 @@ impl Engine {
         }
     }
 
-    /// Our `Welcome`, acknowledging `delivered` messages.
-    pub(super) fn welcome(&self, delivered: u64) -> Vec<u8> {
+    /// Our `Welcome`, acknowledging `delivered` messages, naming our NICs that cannot
+    /// register the comm's memory (`refusing`, a bit per index).
+    pub(super) fn welcome(&self, delivered: u64, refusing: u32) -> Vec<u8> {
         Welcome {
             nics: self.wire.clone(),
         }
-        .encode(delivered)
+        .encode_refusing(delivered, refusing)
     }
 
     /// One item of comm `c` from its lane `k`.
@@ -424,7 +430,7 @@ impl Engine {
                 let id = session.id();
                 let comm = self.new_comm(Side::Recv, k, nic, session);
                 self.recv_by_id.insert(id, comm.key);
-                let welcome = self.welcome(0);
+                let welcome = self.welcome(0, 0);
                 self.lanes[k].writer.push_ctrl(&welcome);
                 shared.ready.lock().push_back(comm);
             }
@@ -485,6 +491,7 @@ impl Engine {
             fenced: Vec::new(),
             fences: 0,
             heard: std::collections::BTreeSet::new(),
+            refusing: 0,
             in_place: std::collections::BTreeSet::new(),
         });
         self.carry(lane, key);

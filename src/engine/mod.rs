@@ -187,6 +187,9 @@ struct Comm {
     fences: u64,
     /// Receive side: the epochs of the `Fence`s heard; their number stamps each offer.
     heard: BTreeSet<u64>,
+    /// Receive side: our NICs (a bit per index) that could not register this comm's
+    /// memory; every `Welcome` of its later lanes says so again.
+    refusing: u32,
     /// Send side: receives whose `Cts` asked for the payload in place (GPU memory), the
     /// latest [`IN_PLACE_KEPT`] sequence numbers.
     in_place: BTreeSet<u64>,

@@ -399,6 +399,21 @@ impl Router {
     }
 
     /// Comm `comm`, checked to have lane `lane`.
+    /// The comm's peer says again (in a lane's `Welcome`) that its NIC `nic` cannot
+    /// register the comm's memory, in case the `Stalled` that said so first was lost with
+    /// its lane: that NIC is left out of the comm's candidates from now on. `false` when
+    /// it already was, or the comm is not routed.
+    pub fn handle_remote_unreachable(&mut self, comm: CommId, nic: NicId) -> bool {
+        let Some(c) = self.comms.get_mut(&comm) else {
+            return false;
+        };
+        if c.unreachable.contains(&(End::Remote, nic)) {
+            return false;
+        }
+        c.unreachable.push((End::Remote, nic));
+        true
+    }
+
     fn comm_with_lane(&mut self, comm: CommId, lane: LaneId) -> Result<&mut Comm, RouterError> {
         let c = (self.comms.get_mut(&comm)).ok_or(RouterError::UnknownComm(comm))?;
         if lane.0 >= c.lanes.len() {

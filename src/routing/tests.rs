@@ -1446,6 +1446,35 @@ fn probes_that_take_time_do_not_hold_off_the_give_up() {
 }
 
 #[test]
+fn a_remote_nic_reported_again_in_a_welcome_is_left_out_once() {
+    let mut sim = router_with_rails(3, 2, config(5));
+    assert!(sim.router.handle_remote_unreachable(CommId(0), NicId(2)));
+    assert!(
+        !sim.router.handle_remote_unreachable(CommId(0), NicId(2)),
+        "known already: not counted twice"
+    );
+    assert!(
+        !sim.router.handle_remote_unreachable(CommId(9), NicId(2)),
+        "no such comm"
+    );
+    // The pair on the peer's NIC 2 fails for another reason: both comms' stripes there
+    // move, and only comm 1's comes back when it heals.
+    sim.router
+        .handle_lane_failure(CommId(0), LaneId(2), FailReason::NicError, sim.now)
+        .unwrap();
+    sim.drive();
+    let moves = sim.take_moves();
+    assert!(moves.iter().all(|m| m.to.remote != NicId(2)), "{moves:?}");
+    sim.advance_to(ms(30_000));
+    let p = sim.router.current_pair(CommId(0), LaneId(2)).unwrap();
+    assert_ne!(p.remote, NicId(2), "no fail-back onto it: {p}");
+    assert_eq!(
+        sim.router.current_pair(CommId(1), LaneId(2)),
+        Some(pair(2, 2))
+    );
+}
+
+#[test]
 fn a_nic_that_cannot_reach_a_comms_memory_is_left_out_for_that_comm_alone() {
     let mut sim = router_with_rails(3, 2, config(5));
     sim.router
