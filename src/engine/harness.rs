@@ -37,8 +37,8 @@ struct Wire {
     tx: HashMap<usize, Vec<u8>>,
 }
 
-/// What a lane has to read; empty means "would block".
-struct Pending<'a>(&'a mut Vec<u8>);
+/// What a lane has to read; empty means "would block", as a non-blocking socket's.
+pub(crate) struct Pending<'a>(pub(crate) &'a mut Vec<u8>);
 
 impl Read for Pending<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {

@@ -2,11 +2,11 @@
 //! and the effects they ask of the sockets come in the order the contract promises.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::io::Read;
 
 use mio::{Poll, Token, Waker};
 use parking_lot::Mutex;
 
+use super::harness::Pending;
 use super::*;
 use crate::telemetry::exporter::ExporterConfig;
 
@@ -42,21 +42,6 @@ struct Mem {
     ops: Vec<Op>,
 }
 
-/// A socket with nothing more to read would block.
-struct Src<'a>(&'a mut Vec<u8>);
-
-impl Read for Src<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if self.0.is_empty() {
-            return Err(io::ErrorKind::WouldBlock.into());
-        }
-        let n = buf.len().min(self.0.len());
-        buf[..n].copy_from_slice(&self.0[..n]);
-        self.0.drain(..n);
-        Ok(n)
-    }
-}
-
 impl Io for Mem {
     fn connect(&mut self, k: usize, _nic: usize, _to: SocketAddr) -> io::Result<()> {
         if self.refuse_connect {
@@ -82,7 +67,7 @@ impl Io for Mem {
         if rx.is_empty() && self.eof.contains(&k) {
             return reader.next(&mut std::io::empty());
         }
-        reader.next(&mut Src(rx))
+        reader.next(&mut Pending(rx))
     }
     fn write(&mut self, k: usize, writer: &mut FrameWriter) -> io::Result<()> {
         assert!(
