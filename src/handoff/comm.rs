@@ -183,6 +183,28 @@ impl CommShared {
         self.failed.lock().clone().or_else(|| self.queue.panicked())
     }
 
+    /// Takes a request slot for NCCL's `isend`/`irecv`: `Ok(false)` when all are busy
+    /// ("call again"). A comm that is closed, or whose reactor is gone, takes none: the
+    /// first is the caller's mistake.
+    pub(crate) fn take_slot(&self) -> Result<bool, Error> {
+        self.queue.check()?;
+        if self.is_closed() {
+            return Err(Error::InvalidArgument("comm is closed".into()));
+        }
+        Ok(self.try_take_slot())
+    }
+
+    /// A request of `count` buffers holding a slot [`CommShared::take_slot`] took. On a
+    /// comm whose peer closed or failed it is failed already, so that `test` reports the
+    /// remote error, as NCCL's own transports do.
+    pub(crate) fn new_request(self: &Arc<Self>, count: usize) -> Arc<Request> {
+        let req = Arc::new(Request::group(self.clone(), count));
+        if let Some(e) = self.failure() {
+            req.fail(e);
+        }
+        req
+    }
+
     /// `true` the first time only: NCCL is told of the comm's failure once.
     pub(crate) fn first_report(&self) -> bool {
         !self.reported.swap(true, Ordering::AcqRel)
@@ -220,23 +242,18 @@ impl CommShared {
         tag: i32,
         now: Instant,
     ) -> Result<Isend, Error> {
-        self.queue.check()?;
-        if self.is_closed() {
-            return Err(Error::InvalidArgument("comm is closed".into()));
-        }
-        if !self.try_take_slot() {
+        if !self.take_slot()? {
             return Ok(Isend::NotNow);
         }
-        if let Some(e) = self.failure() {
-            let req = Arc::new(Request::group(self.clone(), 1));
-            req.fail(e);
-            return Ok(Isend::Failed(req));
+        if self.failure().is_some() {
+            return Ok(Isend::Failed(self.new_request(1)));
         }
         let Some(m) = self.claim(tag, now) else {
             self.release_slot();
             return Ok(Isend::NotNow);
         };
         buf.truncate(usize::try_from(m.capacity).unwrap_or(usize::MAX));
+        // Not `new_request`: a failure that comes meanwhile fails it in the reactor.
         let req = Arc::new(Request::group(self.clone(), 1));
         self.queue.push(Command::Send {
             comm: self.clone(),

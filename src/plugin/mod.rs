@@ -686,25 +686,6 @@ fn register(
     Ok(r)
 }
 
-/// A request on `comm`, or `Ok(None)` when all its slots are busy. A comm that is closed
-/// is the caller's mistake and fails at once; a comm whose peer closed or failed still
-/// hands out the request, already failed, so that `test` reports the remote error, as
-/// NCCL's own transports do.
-fn new_request(comm: &Arc<CommShared>, count: usize) -> Result<Option<Arc<Request>>, Error> {
-    comm.queue.check()?;
-    if comm.is_closed() {
-        return Err(Error::InvalidArgument("comm is closed".into()));
-    }
-    if !comm.try_take_slot() {
-        return Ok(None);
-    }
-    let req = Arc::new(Request::group(comm.clone(), count));
-    if let Some(e) = comm.failure() {
-        req.fail(e);
-    }
-    Ok(Some(req))
-}
-
 /// Posts a send with `tag`, as NCCL's IB transport does (`ncclIbIsend`): the send takes
 /// the first free buffer with its tag in the peer's oldest posted receive that is not
 /// fully matched, and is cut to that buffer's size. `Ok(None)` ("call again") when there
@@ -745,9 +726,10 @@ pub fn irecv(
     for (buf, _, mr) in &subs {
         mr.check(comm, buf.addr(), buf.len())?;
     }
-    let Some(req) = new_request(comm, subs.len())? else {
+    if !comm.take_slot()? {
         return Ok(None);
-    };
+    }
+    let req = comm.new_request(subs.len());
     if req.is_finished() {
         return Ok(Some(req));
     }
