@@ -23,6 +23,7 @@ pub fn guard_code(
 ) -> NcclResult {
     // Before the body, which may take locks or wait for the reactor: neither is safe in
     // a forked child. One WARN per process; later calls fail with the same code quietly.
+    super::fork::watch();
     if let Err(e) = plugin::check_process() {
         return match plugin::first_fork_report() {
             true => error::report(name, &e),

@@ -22,6 +22,7 @@
 pub mod boundary;
 pub mod error;
 pub mod exports;
+pub mod fork;
 pub mod handle;
 pub mod logger;
 pub mod types;

@@ -8,7 +8,7 @@ pub mod net_handle;
 pub mod nics;
 
 use std::ffi::{CStr, CString};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -377,6 +377,18 @@ static GLOBAL: Mutex<Global> = Mutex::new(Global {
 /// in the child for good.
 static RUNTIME_PID: AtomicU32 = AtomicU32::new(0);
 
+/// Set in a child forked while a runtime ran (by the `pthread_atfork` child handler the
+/// C boundary registers): only then does [`check_process`] ask for the process id.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+/// The child side of a `fork`: a child of a process whose runtime runs is marked. Only
+/// atomics, as a handler running right after `fork` must.
+pub fn forked() {
+    if RUNTIME_PID.load(Ordering::Acquire) != 0 {
+        FORKED.store(true, Ordering::Release);
+    }
+}
+
 /// The last process that reported [`check_process`]'s error, for one WARN per process.
 static FORK_REPORTED: AtomicU32 = AtomicU32::new(0);
 
@@ -387,6 +399,10 @@ static FORK_REPORTED: AtomicU32 = AtomicU32::new(0);
 /// parent's). A child forked before the first `init` or after the last `finalize` starts
 /// its own runtime as any process does. The parent is not affected.
 pub fn check_process() -> Result<(), Error> {
+    // The common case costs one load: no fork happened under a running runtime.
+    if !FORKED.load(Ordering::Relaxed) {
+        return Ok(());
+    }
     let owner = RUNTIME_PID.load(Ordering::Acquire);
     let me = std::process::id();
     if owner == 0 || owner == me {
