@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use railover::conn::auth::Initiator;
 use railover::conn::wire::NicAddr;
-use railover::reactor::HANDSHAKES_TOTAL;
+use railover::reactor::HANDSHAKES_IDLE_TOTAL;
 use railover_testkit::driver::{connect_pair, Ctx, Listener, Request};
 
 const FLOOD: usize = 3000;
@@ -286,8 +286,10 @@ fn a_flood_of_idle_connections_is_bounded_and_leaves_nothing_behind() {
          before fds={fds0} rss={rss0} kB; after {settled}"
     );
     assert_eq!(pending, 0);
+    // Idle strangers within their cap, plus the few real handshakes, which are never
+    // dropped for them.
     assert!(
-        peak as usize <= HANDSHAKES_TOTAL,
+        peak as usize <= HANDSHAKES_IDLE_TOTAL + 16,
         "peak {peak} in handshake"
     );
     assert!(

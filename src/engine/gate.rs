@@ -1,14 +1,29 @@
-//! What strangers may cost: a cap on connections still in their handshake, and a rate
-//! limit on the log lines they cause. No sockets, no clock reads: `now` is an argument.
+//! What strangers may cost, and how a burst of real connects is let in: a bound on
+//! connections still in their handshake, and a rate limit on the log lines they cause.
+//! No sockets, no clock reads: `now` is an argument.
+//!
+//! A burst is told from a flood by what a connection has sent and how long it has had,
+//! not by how many there are. A connection that presented a Hello this listener can
+//! serve (vouched) is never dropped to make room; its handshake deadline bounds it. One
+//! that has sent nothing usable may be dropped for a newcomer only once it has had
+//! [`GRACE`] to do so. When nothing may be dropped, the reactor stops accepting and
+//! leaves the rest in the kernel's backlog until a handshake finishes: backpressure,
+//! at the pace handshakes complete, never a refusal of a real connect.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-/// Connections in their handshake that one listener may hold. A real handshake takes a
-/// round trip, so even a job-start burst of connects rarely has more than a few here.
-pub const PER_LISTENER: usize = 64;
-/// ... and all listeners together, far below any sane `ulimit -n`.
-pub const TOTAL: usize = 256;
+/// Connections that have not yet presented a usable Hello that one listener may hold.
+pub const IDLE_PER_LISTENER: usize = 128;
+/// ... and all listeners together.
+pub const IDLE_TOTAL: usize = 256;
+/// Connections in their handshake at once, vouched or not: a job's all-to-all connects
+/// thousands of comms at once. Each holds a descriptor and a small handshake buffer.
+pub const TOTAL: usize = 4096;
+/// How long a new connection has to present its Hello before it may be dropped for a
+/// newcomer. A connector writes its Hello with its first bytes; a busy one (thousands of
+/// connects at job start) may take a while to get to it.
+pub const GRACE: Duration = Duration::from_millis(250);
 /// How often the log may mention connections that were turned away.
 pub(super) const LOG_INTERVAL: Duration = Duration::from_secs(10);
 
@@ -16,6 +31,7 @@ pub(super) const LOG_INTERVAL: Duration = Duration::from_secs(10);
 struct Entry {
     lane: usize,
     listener: usize,
+    since: Instant,
     /// It sent a Hello this listener can serve (not yet proven).
     vouched: bool,
 }
@@ -23,55 +39,65 @@ struct Entry {
 /// Connections accepted and not yet authenticated, oldest first.
 #[derive(Debug)]
 pub(super) struct Gate {
-    per_listener: usize,
+    idle_per_listener: usize,
+    idle_total: usize,
     total: usize,
     next: u64,
     open: BTreeMap<u64, Entry>,
+    /// Not vouched: in all, and per listener.
+    idle: usize,
+    idle_of: BTreeMap<usize, usize>,
     peak: usize,
 }
 
 impl Gate {
-    pub fn new(per_listener: usize, total: usize) -> Gate {
+    pub fn new(idle_per_listener: usize, idle_total: usize, total: usize) -> Gate {
         Gate {
-            per_listener: per_listener.max(1),
+            idle_per_listener: idle_per_listener.max(1),
+            idle_total: idle_total.max(1),
             total: total.max(1),
             next: 0,
             open: BTreeMap::new(),
+            idle: 0,
+            idle_of: BTreeMap::new(),
             peak: 0,
         }
     }
 
-    /// Lane `lane` was accepted on `listener`. Returns its ticket and the lanes to drop
-    /// (with their tickets) to stay within the caps: the oldest first, those that have not presented a
-    /// usable Hello before those that have, so an idle flood cannot push out a real
-    /// handshake in flight. The newcomer itself is never among them.
-    pub fn admit(&mut self, lane: usize, listener: usize) -> (u64, Vec<(u64, usize)>) {
+    /// Whether a connection waiting on `listener` may be accepted at `now`, and the
+    /// connections to drop either way (with their tickets): idle ones past their grace,
+    /// the oldest first, as many as make room. Without room, leave the newcomer in the
+    /// backlog until a handshake ends.
+    pub fn room(&mut self, listener: usize, now: Instant) -> Room {
         let mut evict = Vec::new();
         loop {
-            let mine = self
-                .open
-                .values()
-                .filter(|e| e.listener == listener)
-                .count();
-            let scope = if mine >= self.per_listener {
+            let mine = self.idle_of.get(&listener).copied().unwrap_or(0);
+            let scope = if mine >= self.idle_per_listener {
                 Some(listener)
-            } else if self.open.len() >= self.total {
+            } else if self.idle >= self.idle_total || self.open.len() >= self.total {
                 None
             } else {
-                break;
+                return Room { evict, ok: true };
             };
-            let in_scope = |e: &&Entry| scope.map_or(true, |l| e.listener == l);
             let victim = self
                 .open
                 .iter()
-                .filter(|(_, e)| !e.vouched && in_scope(e))
-                .chain(self.open.iter().filter(|(_, e)| in_scope(e)))
-                .map(|(&t, e)| (t, e.lane))
-                .next();
-            let Some((t, lane)) = victim else { break };
-            self.open.remove(&t);
+                .find(|(_, e)| {
+                    !e.vouched
+                        && scope.map_or(true, |l| e.listener == l)
+                        && now.saturating_duration_since(e.since) >= GRACE
+                })
+                .map(|(&t, e)| (t, e.lane));
+            let Some((t, lane)) = victim else {
+                return Room { evict, ok: false };
+            };
+            self.remove(t);
             evict.push((t, lane));
         }
+    }
+
+    /// Lane `lane` was accepted on `listener` at `now` (after [`Gate::room`]): its ticket.
+    pub fn admit(&mut self, lane: usize, listener: usize, now: Instant) -> u64 {
         let t = self.next;
         self.next += 1;
         self.open.insert(
@@ -79,28 +105,60 @@ impl Gate {
             Entry {
                 lane,
                 listener,
+                since: now,
                 vouched: false,
             },
         );
+        self.idle += 1;
+        *self.idle_of.entry(listener).or_default() += 1;
         self.peak = self.peak.max(self.open.len());
-        (t, evict)
+        t
     }
 
     /// The connection presented a Hello this listener can serve.
     pub fn vouch(&mut self, ticket: u64) {
         if let Some(e) = self.open.get_mut(&ticket) {
-            e.vouched = true;
+            if !e.vouched {
+                e.vouched = true;
+                let l = e.listener;
+                self.forget_idle(l);
+            }
         }
     }
 
     /// The connection authenticated, was refused or is gone.
     pub fn leave(&mut self, ticket: u64) {
-        self.open.remove(&ticket);
+        self.remove(ticket);
     }
 
-    /// The oldest connection in its handshake (to free a descriptor when none is left).
-    pub fn oldest(&mut self) -> Option<(u64, usize)> {
-        self.open.pop_first().map(|(t, e)| (t, e.lane))
+    fn remove(&mut self, ticket: u64) {
+        if let Some(e) = self.open.remove(&ticket) {
+            if !e.vouched {
+                self.forget_idle(e.listener);
+            }
+        }
+    }
+
+    fn forget_idle(&mut self, listener: usize) {
+        self.idle -= 1;
+        if let Some(n) = self.idle_of.get_mut(&listener) {
+            *n -= 1;
+            if *n == 0 {
+                self.idle_of.remove(&listener);
+            }
+        }
+    }
+
+    /// The oldest connection that has not vouched for itself (to free a descriptor when
+    /// none is left), however young: a real connect waits in the backlog instead.
+    pub fn oldest_idle(&mut self) -> Option<(u64, usize)> {
+        let (t, lane) = self
+            .open
+            .iter()
+            .find(|(_, e)| !e.vouched)
+            .map(|(&t, e)| (t, e.lane))?;
+        self.remove(t);
+        Some((t, lane))
     }
 
     pub fn len(&self) -> usize {
@@ -111,6 +169,15 @@ impl Gate {
     pub fn peak(&self) -> usize {
         self.peak
     }
+}
+
+/// What [`Gate::room`] decided.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Room {
+    /// Connections the gate let go: drop them.
+    pub evict: Vec<(u64, usize)>,
+    /// Whether the newcomer may be accepted now.
+    pub ok: bool,
 }
 
 /// One log line for the first of a burst of events, then one summary per interval.
@@ -182,45 +249,106 @@ impl LogLimit {
 mod tests {
     use super::*;
 
-    fn lanes(v: (u64, Vec<(u64, usize)>)) -> Vec<usize> {
-        v.1.into_iter().map(|(_, l)| l).collect()
+    const MS: Duration = Duration::from_millis(1);
+
+    /// Asks for room on `listener` and admits `lane` when there is: the lanes dropped,
+    /// and the ticket (None: left in the backlog).
+    fn offer(
+        g: &mut Gate,
+        lane: usize,
+        listener: usize,
+        now: Instant,
+    ) -> (Vec<usize>, Option<u64>) {
+        let r = g.room(listener, now);
+        let dropped = r.evict.iter().map(|&(_, l)| l).collect();
+        (dropped, r.ok.then(|| g.admit(lane, listener, now)))
     }
 
     #[test]
-    fn the_oldest_idle_connection_goes_first_and_the_caps_hold() {
-        let mut g = Gate::new(3, 5);
+    fn an_idle_connection_past_its_grace_goes_first_and_a_young_one_waits() {
+        let t0 = Instant::now();
+        let late = t0 + GRACE;
+        let mut g = Gate::new(3, 5, 100);
         // Listener 0: lanes 10, 11, 12; lane 11 presented a Hello.
-        let t: Vec<u64> = (10..13).map(|l| g.admit(l, 0).0).collect();
+        let t: Vec<u64> = (10..13)
+            .map(|l| offer(&mut g, l, 0, t0).1.unwrap())
+            .collect();
         g.vouch(t[1]);
-        // Over the per-listener cap: the oldest idle one (10) goes.
-        assert_eq!(lanes(g.admit(13, 0)), vec![10]);
-        // Then 12, 13, 14 in turn: the vouched 11, though older, stays.
-        assert_eq!(lanes(g.admit(14, 0)), vec![12]);
-        assert_eq!(lanes(g.admit(15, 0)), vec![13]);
-        assert_eq!(lanes(g.admit(16, 0)), vec![14]);
-        assert_eq!(g.len(), 3);
-        // Another listener fills the total cap; its overflow takes from anyone, idle
-        // first: 15 (listener 0) is older than 20.
-        assert_eq!(lanes(g.admit(20, 1)), Vec::<usize>::new());
-        assert_eq!(lanes(g.admit(21, 1)), Vec::<usize>::new());
-        assert_eq!(g.len(), 5);
-        assert_eq!(lanes(g.admit(22, 1)), vec![15]);
-        assert_eq!(g.len(), 5);
-        assert_eq!(g.peak(), 5);
-        // When everyone is vouched, the oldest goes.
-        let mut g = Gate::new(2, 10);
-        let a = g.admit(1, 0).0;
-        let b = g.admit(2, 0).0;
+        // Two idle on listener 0, under its cap of 3: no one goes.
+        assert_eq!(offer(&mut g, 13, 0, t0), (vec![], Some(3)));
+        // At the cap, every idle one still young: the newcomer waits in the backlog.
+        assert_eq!(offer(&mut g, 14, 0, t0 + GRACE - MS), (vec![], None));
+        // Past their grace the oldest idle one (10) makes room; the vouched 11 stays.
+        assert_eq!(offer(&mut g, 14, 0, late).0, vec![10]);
+        assert_eq!(offer(&mut g, 15, 0, late).0, vec![12]);
+        assert_eq!(offer(&mut g, 16, 0, late).0, vec![13]);
+        // 14, 15 and 16 are young now: 17 waits.
+        assert_eq!(offer(&mut g, 17, 0, late), (vec![], None));
+        assert_eq!(g.len(), 4);
+        // Another listener fills the idle total (5); its overflow takes the oldest idle
+        // connection past its grace from anyone: 14 (listener 0).
+        let later = late + GRACE;
+        assert_eq!(offer(&mut g, 20, 1, later).0, Vec::<usize>::new());
+        assert_eq!(offer(&mut g, 21, 1, later).0, Vec::<usize>::new());
+        assert_eq!(offer(&mut g, 22, 1, later).0, vec![14]);
+        assert_eq!(g.peak(), 6);
+    }
+
+    #[test]
+    fn a_vouched_connection_is_never_dropped_and_the_total_applies_backpressure() {
+        let t0 = Instant::now();
+        let mut g = Gate::new(2, 2, 3);
+        let a = offer(&mut g, 1, 0, t0).1.unwrap();
+        let b = offer(&mut g, 2, 0, t0).1.unwrap();
         g.vouch(a);
         g.vouch(b);
-        assert_eq!(lanes(g.admit(3, 0)), vec![1]);
-        // Leaving frees room.
-        let mut g = Gate::new(1, 1);
-        let (t, _) = g.admit(1, 0);
-        g.leave(t);
-        assert_eq!(lanes(g.admit(2, 0)), Vec::<usize>::new());
-        assert_eq!(g.oldest().map(|(_, l)| l), Some(2));
-        assert_eq!(g.len(), 0);
+        // Vouching frees the idle caps, not the total.
+        let c = offer(&mut g, 3, 1, t0).1.unwrap();
+        g.vouch(c);
+        for late in [t0, t0 + 100 * GRACE] {
+            assert_eq!(offer(&mut g, 4, 0, late), (vec![], None), "full of vouched");
+        }
+        // One finishes: the next is let in.
+        g.leave(a);
+        assert!(offer(&mut g, 4, 0, t0).1.is_some());
+        // Out of descriptors, only an idle connection is given up, however young.
+        assert_eq!(g.oldest_idle().map(|(_, l)| l), Some(4));
+        assert_eq!(g.oldest_idle(), None, "the rest vouched");
+        assert_eq!(g.len(), 2);
+        // Vouching twice or leaving twice changes nothing.
+        g.vouch(b);
+        g.leave(a);
+        assert_eq!(g.len(), 2);
+        assert_eq!((g.idle, g.idle_of.len()), (0, 0));
+    }
+
+    #[test]
+    fn a_burst_of_4096_real_connects_is_admitted_without_a_drop() {
+        // Each connector's Hello arrives a little after its accept; the gate admits at
+        // that pace and drops nothing.
+        let t0 = Instant::now();
+        let mut g = Gate::new(IDLE_PER_LISTENER, IDLE_TOTAL, TOTAL);
+        let mut waiting: std::collections::VecDeque<u64> = Default::default();
+        let (mut admitted, mut step) = (0, 0u32);
+        while admitted < 4096 {
+            let now = t0 + step * MS;
+            step += 1;
+            // Hellos arrive for the connections accepted more than 2 ms ago.
+            while waiting.len() > 2 * 64 {
+                g.vouch(waiting.pop_front().unwrap());
+            }
+            for _ in 0..64 {
+                let r = g.room(admitted % 1024, now);
+                assert!(r.evict.is_empty(), "a real connect was dropped");
+                if !r.ok {
+                    break;
+                }
+                waiting.push_back(g.admit(admitted, admitted % 1024, now));
+                admitted += 1;
+            }
+            assert!(step < 10_000, "stuck at {admitted}");
+        }
+        assert!(g.len() <= TOTAL);
     }
 
     #[test]

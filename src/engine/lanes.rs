@@ -22,9 +22,21 @@ impl Engine {
         self.injected_down.get(nic).copied().unwrap_or(false)
     }
 
+    /// Whether the reactor may accept a connection waiting on its listener `listener`
+    /// now. Idle connections past their grace may be dropped to make room; without room
+    /// the connection stays in the kernel's backlog until a handshake ends
+    /// ([`gate`]'s rules).
+    pub fn may_accept(&mut self, listener: usize, now: Instant, io: &mut dyn Io) -> bool {
+        let room = self.gate.room(listener, now);
+        for (t, old) in room.evict {
+            self.evict(t, old, now, io);
+        }
+        room.ok
+    }
+
     /// Lane `k` (filed under [`Engine::next_lane`]) was accepted on the reactor's
     /// listener `listener` (NCCL's listen `id`, or `None` for a failover listener), on
-    /// local NIC `nic`. It enters the handshake caps, possibly evicting older lanes, and
+    /// local NIC `nic`, after [`Engine::may_accept`]. It enters the handshake gate, and
     /// its Hello is read at once.
     pub fn accepted(
         &mut self,
@@ -45,28 +57,26 @@ impl Engine {
             preauth_deadline(self.setup.completion_timeout)
         };
         self.add_lane(k, Role::Handshake { listener: id }, now, deadline);
-        let (ticket, evict) = self.gate.admit(k, listener);
+        let ticket = self.gate.admit(k, listener, now);
         let lane = &mut self.lanes[k];
         lane.nic = nic;
         lane.setting_up = setting_up;
         lane.m.listening();
         lane.ticket = Some(ticket);
-        for (t, old) in evict {
-            self.evict(t, old, now, io);
-        }
         let st = &self.stats;
         st.handshakes_pending
             .store(self.gate.len() as u64, Ordering::Relaxed);
         st.handshakes_peak
             .store(self.gate.peak() as u64, Ordering::Relaxed);
-        // A connector writes its Hello at once: reading it now tells a real handshake
-        // from an idle one before the next accept could push it out.
+        // A connector writes its Hello at once: reading it now vouches for a real
+        // handshake before the next accept asks the gate for room.
         self.service_lane(k, now, io);
     }
 
-    /// Out of descriptors: drops the oldest connection in its handshake, if any.
+    /// Out of descriptors: drops the oldest connection that has not presented a usable
+    /// Hello, if any.
     pub fn evict_oldest(&mut self, now: Instant, io: &mut dyn Io) -> bool {
-        let Some((t, old)) = self.gate.oldest() else {
+        let Some((t, old)) = self.gate.oldest_idle() else {
             return false;
         };
         self.evict(t, old, now, io);
@@ -88,7 +98,7 @@ impl Engine {
             .fetch_add(1, Ordering::Relaxed);
         self.drop_lane(k, io);
         self.turned_away(
-            "too many connections in their handshake; dropped the oldest",
+            "too many idle connections in their handshake; dropped the oldest idle one",
             now,
         );
     }

@@ -351,7 +351,7 @@ impl Engine {
             routes_dirty: false,
             peers: Vec::new(),
             recv_by_id: HashMap::new(),
-            gate: gate::Gate::new(gate::PER_LISTENER, gate::TOTAL),
+            gate: gate::Gate::new(gate::IDLE_PER_LISTENER, gate::IDLE_TOTAL, gate::TOTAL),
             turned_away: gate::LogLimit::new(gate::LOG_INTERVAL),
             next_tick: now,
             injected_down: vec![false; n],

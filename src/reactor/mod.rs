@@ -29,7 +29,7 @@ pub mod budget;
 #[cfg(test)]
 pub(crate) mod driven;
 
-pub use crate::engine::gate::{PER_LISTENER as HANDSHAKES_PER_LISTENER, TOTAL as HANDSHAKES_TOTAL};
+pub use crate::engine::gate::{IDLE_TOTAL as HANDSHAKES_IDLE_TOTAL, TOTAL as HANDSHAKES_TOTAL};
 pub use crate::engine::{LocalNic, ReactorStats, Setup};
 
 use std::io;
@@ -55,6 +55,9 @@ use budget::SpinBudget;
 /// Connections one listener accepts per reactor turn: between batches the reactor reads
 /// the Hellos that arrived, so a flood cannot evict a real handshake before it is seen.
 const ACCEPT_BATCH: usize = 32;
+/// How soon a listener whose connections wait in the backlog (the handshake gate was
+/// full) is tried again when no event comes first.
+const BACKLOG_RETRY: Duration = Duration::from_millis(5);
 
 /// The reactor thread's name (Linux keeps 15 characters: this fits whole in `ps`/`top`).
 pub const REACTOR_THREAD: &str = "rlvr-reactor";
@@ -263,6 +266,9 @@ struct Reactor<F: Fabric> {
     listeners: Slab<Listener<F>>,
     /// Listeners with connections to accept, served after the turn's lane events.
     accepting: Vec<usize>,
+    /// Listeners whose connections wait in the kernel's backlog until the handshake gate
+    /// has room: tried again every turn (at least every [`BACKLOG_RETRY`]).
+    backlogged: Vec<usize>,
     shutdown: bool,
     watcher: Option<LinkWatcher>,
 }
@@ -317,6 +323,7 @@ impl<F: Fabric> Reactor<F> {
             budget,
             listeners,
             accepting: Vec::new(),
+            backlogged: Vec::new(),
             shutdown: false,
             watcher: None,
         })
@@ -368,6 +375,8 @@ impl<F: Fabric> Reactor<F> {
             let mut timeout = self.budget.timeout(now, busy, self.next_wakeup());
             if again {
                 timeout = Some(Duration::ZERO);
+            } else if !self.backlogged.is_empty() {
+                timeout = Some(timeout.map_or(BACKLOG_RETRY, |t| t.min(BACKLOG_RETRY)));
             }
             if timeout != Some(Duration::ZERO) {
                 self.queue.parked.store(true, Ordering::SeqCst);
@@ -446,6 +455,7 @@ impl<F: Fabric> Reactor<F> {
         // After the lanes: a Hello that arrived meanwhile is read before a flood's
         // next batch of connections can push its lane out of the handshake caps.
         let mut accepting = std::mem::take(&mut self.accepting);
+        accepting.append(&mut self.backlogged);
         accepting.sort_unstable();
         accepting.dedup();
         for key in accepting {
@@ -526,6 +536,14 @@ impl<F: Fabric> Reactor<F> {
     /// again next turn.
     fn accept_all(&mut self, key: usize, now: Instant) {
         for _ in 0..ACCEPT_BATCH {
+            if !self.listeners.contains(key) {
+                return;
+            }
+            // Backpressure: a full handshake gate leaves the connection in the backlog.
+            if !self.engine.may_accept(key, now, &mut self.io) {
+                self.backlogged.push(key);
+                return;
+            }
             let Some(l) = self.listeners.get_mut(key) else {
                 return;
             };

@@ -10,6 +10,11 @@
 //! the even sharing of a NIC between its busy lanes ([`fair`]), and the kernel's link
 //! events ([`netlink`]; RoCE ports are netdevs as well).
 
+/// Connections the kernel holds for a listener until the reactor accepts them: the
+/// reactor accepts at the pace handshakes complete (see `engine::gate`), and a job's
+/// all-to-all connects thousands at once. The kernel caps it at `net.core.somaxconn`.
+pub const LISTEN_BACKLOG: i32 = 4096;
+
 pub mod fair;
 pub mod frames;
 pub mod memory;

@@ -174,7 +174,7 @@ fn listen(ip: IpAddr) -> io::Result<mio::net::TcpListener> {
     sock.set_reuse_address(true)?;
     sock.set_nonblocking(true)?;
     sock.bind(&SockAddr::from(SocketAddr::new(ip, 0)))?;
-    sock.listen(1024)?;
+    sock.listen(crate::transport::LISTEN_BACKLOG)?;
     Ok(mio::net::TcpListener::from_std(sock.into()))
 }
 

@@ -211,7 +211,7 @@ impl Fabric for VerbsFabric {
         sock.set_reuse_address(true)?;
         sock.set_nonblocking(true)?;
         sock.bind(&SockAddr::from(SocketAddr::new(ip, 0)))?;
-        sock.listen(1024)?;
+        sock.listen(crate::transport::LISTEN_BACKLOG)?;
         let l = mio::net::TcpListener::from_std(sock.into());
         let addr = l.local_addr()?;
         Ok((VerbsListen(l), addr))
