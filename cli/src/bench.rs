@@ -103,9 +103,9 @@ pub struct Args {
     /// Size factor between points: 2, 4, 8 or 16 [default: 2; with --quick 8]
     #[arg(long, value_name = "F", value_parser = step)]
     pub step: Option<usize>,
-    /// Comms (and raw sockets) used at once, 1 … 64 [default: 1; with --failover: the
-    /// rails]
-    #[arg(long, value_name = "C", value_parser = int_in(1, 64))]
+    /// Comms (and raw sockets) used at once, 1 … 64; with --failover 1 … 4096
+    /// [default: 1; with --failover: the rails]
+    #[arg(long, value_name = "C", value_parser = int_in(1, MAX_FAILOVER_COMMS))]
     pub comms: Option<usize>,
     /// Messages in flight per comm, 1 … 32
     #[arg(long, value_name = "K", default_value_t = 8, value_parser = int_in(1, 32))]
@@ -167,6 +167,11 @@ pub struct Args {
     #[arg(long, hide = true, value_name = "RAILS:NAMESPACE", value_parser = in_testbed)]
     pub in_testbed: Option<(usize, String)>,
 }
+
+/// Comms the size sweep opens at most: each holds its own buffers of up to 256 MiB.
+const MAX_SWEEP_COMMS: usize = 64;
+/// Comms `--failover` opens at most: as many as an all-to-all job opens per process.
+pub const MAX_FAILOVER_COMMS: usize = 4096;
 
 fn message_size(v: &str) -> Result<usize, String> {
     let n = crate::size::parse_within(v, 1, 1 << 30)?;
@@ -234,6 +239,12 @@ pub fn parse(a: Args) -> Result<Opts, String> {
         output: Output::from_flags(a.json, a.markdown),
         inside: a.in_testbed,
     };
+    if o.comms > MAX_SWEEP_COMMS {
+        return Err(format!(
+            "railover bench: --comms {} is above {MAX_SWEEP_COMMS} for the sweep (only --failover takes up to {MAX_FAILOVER_COMMS})",
+            o.comms
+        ));
+    }
     if o.min_bytes > o.max_bytes {
         return Err(format!(
             "railover bench: --min-bytes {} is above --max-bytes {}",
@@ -1345,6 +1356,10 @@ mod tests {
         );
         let e = parse_args("--comms").unwrap_err();
         assert!(e.contains("--comms") && e.contains("value"), "{e}");
+        let e = parse_args("--comms 65").unwrap_err();
+        assert!(e.contains("--comms 65") && e.contains("--failover"), "{e}");
+        let e = parse_args("--comms 4097").unwrap_err();
+        assert!(e.contains("1 … 4096"), "{e}");
         let e = parse_args("--frobnicate").unwrap_err();
         assert!(e.contains("--frobnicate"), "{e}");
     }

@@ -327,17 +327,32 @@ fn measure(o: &Opts) -> Result<Report, String> {
         up: Some(up),
         end,
     };
-    let windows = kept::windows(phases, exclude())?;
+    // RAILOVER_BENCH_LOGS=DIR keeps both peers' whole stderr, for a run to be examined.
+    if let Some(dir) = std::env::var_os("RAILOVER_BENCH_LOGS") {
+        let dir = PathBuf::from(dir);
+        for (p, name) in [(&recv, "recv"), (&send, "send")] {
+            let path = dir.join(format!("fault-peer-{name}.log"));
+            if let Err(e) = std::fs::write(&path, p.stderr_tail(usize::MAX)) {
+                note!("cannot keep {}: {e}", path.display());
+            }
+        }
+    }
+    let tails = || {
+        format!(
+            "{}\n--- fault-peer recv (last lines) ---\n{}\n--- fault-peer send (last lines) ---\n{}",
+            problems.join("; "),
+            recv.stderr_tail(15),
+            send.stderr_tail(15)
+        )
+    };
+    let windows = kept::windows(phases, exclude()).map_err(|e| format!("{e}: {}", tails()))?;
     let k = kept::kept(&riv, windows.before, windows.after, o.lockstep.is_some())
-        .ok_or("no traffic in the steady windows (see the peers' output)")?;
+        .ok_or_else(|| format!("no traffic in the steady windows: {}", tails()))?;
     let back = windows
         .back
         .and_then(|w| kept::kept(&riv, windows.before, w, o.lockstep.is_some()));
 
     let log = send.stderr_tail(usize::MAX);
-    if std::env::var_os("RAILOVER_BENCH_DEBUG").is_some() {
-        eprintln!("{log}");
-    }
     let first = |what: &str, base: u64| {
         let stamps: Vec<u128> = log
             .lines()

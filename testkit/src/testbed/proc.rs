@@ -8,10 +8,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Stderr lines kept per child (the newest).
+const KEPT_STDERR_LINES: usize = 50_000;
+
 #[derive(Debug, Default)]
 struct Shared {
     lines: Vec<String>,
-    stderr: Vec<String>,
+    stderr: std::collections::VecDeque<String>,
     eof: bool,
 }
 
@@ -50,11 +53,12 @@ impl Proc {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 let mut s = o.0.lock().unwrap();
-                // Keep the last few hundred lines for failure messages.
-                if s.stderr.len() >= 400 {
-                    s.stderr.remove(0);
+                // Keep the last lines for failure messages and the failover lines a
+                // bench reads: a storm of 4,096 comms logs one per comm and side.
+                if s.stderr.len() >= KEPT_STDERR_LINES {
+                    s.stderr.pop_front();
                 }
-                s.stderr.push(line);
+                s.stderr.push_back(line);
             }
         });
         Ok(Proc {
@@ -125,7 +129,8 @@ impl Proc {
     pub fn stderr_tail(&self, n: usize) -> String {
         let s = self.out.0.lock().unwrap();
         let from = s.stderr.len().saturating_sub(n);
-        s.stderr[from..].join("\n")
+        let tail: Vec<&str> = s.stderr.range(from..).map(String::as_str).collect();
+        tail.join("\n")
     }
 
     /// Polls for the exit until the deadline; `None` means still running.
