@@ -1,4 +1,4 @@
-//! The fault tier (DESIGN.md §5): two network namespaces joined by one shaped veth pair
+//! The fault tier (`docs/design.md` §6): two network namespaces joined by one shaped veth pair
 //! per rail, the plugin driven through its v12 table by `railover fault-peer` in each,
 //! and link faults injected while checksummed streams run. Needs root: every test is
 //! `#[ignore]`d and `scripts/fault-tier.sh` runs them with `--ignored` when it can (each
