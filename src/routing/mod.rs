@@ -166,7 +166,13 @@ impl CommSpec {
 /// Why a lane failed (an input to [`Router::handle_lane_failure`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum FailReason {
-    /// A posted request made no progress within the completion timeout (P1).
+    /// The lane stopped making progress (P1), as judged per lane: it received nothing
+    /// for the completion timeout, it browned out (delivering far below its best rate
+    /// with data waiting, for the completion timeout), a handshake, probe or close on
+    /// it passed its deadline, or the receiver sent a `Stalled` frame (it let the lane
+    /// go for a path failure the sender may not see itself, as in a one-way failure).
+    /// Also any other lane error that is not the NIC's own, such as a peer that closed
+    /// or reset the lane, or a protocol error (`conn::lane::Cause::error`).
     Timeout,
     /// An error completion, async port/device event or socket error.
     NicError,
