@@ -1,25 +1,31 @@
-//! railover: an NCCL network plugin that carries NCCL's inter-node traffic over TCP (and,
-//! later, RDMA verbs) and moves it to healthy NIC pairs when a link fails.
+//! railover: an NCCL network plugin that carries NCCL's inter-node traffic over TCP or
+//! RDMA verbs and moves it to healthy NIC pairs when a link fails. The design (promises
+//! P1–P9, threads, the lane protocol, the failure model, the test tiers) is
+//! `docs/design.md`; code comments cite its sections as `docs/design.md §N`.
 //!
-//! The layers, top-down (DESIGN.md §3). A module imports only the modules after it in
-//! this list; `tests/layers.rs` checks it.
+//! The layers, top-down (`docs/design.md` §2). A module imports only the modules after it
+//! in this list; `tests/layers.rs` checks it.
 //! * [`ffi`] — the exported `ncclNetPlugin_v8` … `_v12` tables, the exact `repr(C)` types,
 //!   the panic barrier and the one place errors become `ncclResult_t`.
 //! * [`plugin`] — the version-independent facade: contexts, devices, listen/connect/accept,
-//!   memory handles and requests.
-//! * [`reactor`] — the one proxy-progress thread: it owns every socket, `epoll` and the
-//!   timers' clock, and feeds readiness and commands to the engine; NCCL's threads only
-//!   queue commands to it.
+//!   memory handles and requests; it picks the fabric.
+//! * `sim` — the deterministic simulation (test builds only): two reactors driven by hand
+//!   over an in-memory network in virtual time. Nothing imports it.
+//! * [`reactor`] — the one I/O thread per process: it owns every socket, QP, `epoll` and
+//!   the timers' clock, and feeds readiness and commands to the engine; NCCL's threads
+//!   only queue commands to it.
 //! * [`engine`] — sans-IO: comms, lane machines, handshakes, failover orchestration,
 //!   pacing and metric sampling; it reaches sockets only through the reactor's `Io`.
 //! * [`handoff`] — what `plugin` and `reactor` share: requests whose atomic state `test`
 //!   reads, comms, pending connects and listens, the command queue.
 //! * [`transport`] — the `Fabric` seam the reactor drives lanes through (listen, connect,
-//!   move frames, progress, pacing, fence), implemented for TCP, and the user memory
-//!   fabrics read and write.
-//! * [`conn`] — sans-IO per-comm send/receive machines and the wire format.
+//!   move frames, progress, pacing, fence, seal), implemented for TCP (`transport::tcp`)
+//!   and RDMA verbs RC QPs (`transport::verbs`), and the user memory fabrics read and write.
+//! * [`conn`] — sans-IO per-comm send/receive machines, lanes' and paths' life across
+//!   failures, the handshake and the wire format.
 //! * [`telemetry`] — logging into NCCL's logger, Prometheus metrics.
-//! * [`routing`] — sans-IO route bookkeeping; the reactor publishes snapshots lock-free.
+//! * [`routing`] — sans-IO failover policy; the reactor publishes route snapshots
+//!   lock-free.
 //! * [`config`] — `RAILOVER_*` environment variables parsed into typed values.
 //! * [`topology`] — pure data about NICs, GPUs, PCI paths and rails.
 //!

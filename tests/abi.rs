@@ -1,6 +1,6 @@
 //! ABI conformance: `tests/abi/driver.c` loads the built `librailover.so` with `dlopen`
 //! in two processes and drives `ncclNetPlugin_vN` the way NCCL's proxy does (see the
-//! comment at the top of driver.c and `/work/shared/reference/nccl-net-abi.md` §1–§3).
+//! comment at the top of driver.c and `docs/design.md` §3.1 and §8.1).
 //! One test per exported version; each runs the driver once and requires exit status 0.
 //!
 //! The driver uses only the loopback interface (`RAILOVER_IFNAME=lo`). Set

@@ -7,7 +7,9 @@
 //! and prints `sizeof`, `alignof`, every member's `offsetof` and `sizeof`. This test
 //! compiles and runs it, then checks three sources against each other:
 //! the C compiler, `size_of`/`align_of`/`offset_of!` of `railover::ffi::types`, and the
-//! numbers written in the ABI reference (`/work/shared/reference/nccl-net-abi.md` §2).
+//! numbers written below, as gcc lays out NCCL's own headers on x86_64
+//! (`plugins/net/example/nccl/net_v8.h` … `net_v12.h` at NCCL 2.30.7; `docs/design.md`
+//! §8.1).
 
 #[path = "abi/support.rs"]
 mod support;
@@ -202,7 +204,8 @@ fn rust_layout() -> Layout {
     l
 }
 
-/// Expected struct sizes and member offsets, copied from the reference (§2.2–§2.4).
+/// Expected struct sizes and member offsets of NCCL's headers on x86_64 (`docs/design.md`
+/// §8.1): helper structs, properties structs and function tables.
 /// `(C type, None)` → sizeof; `(C type, Some(member))` → offsetof.
 fn reference_layout() -> BTreeMap<(String, Option<String>), usize> {
     let mut r = BTreeMap::new();
@@ -261,7 +264,7 @@ fn reference_layout() -> BTreeMap<(String, Option<String>), usize> {
         }
     }
 
-    // §2.3: offsets per version v8, v9, v10, v11, v12 (None = member absent).
+    // Properties structs: offsets per version v8, v9, v10, v11, v12 (None = member absent).
     #[rustfmt::skip]
     let props: [(&str, [Option<usize>; 5]); 19] = [
         ("name",                [Some(0),  Some(0),   Some(0),   Some(0),   Some(0)]),
@@ -297,7 +300,7 @@ fn reference_layout() -> BTreeMap<(String, Option<String>), usize> {
         }
     }
 
-    // §2.4: every slot is one pointer, in this order.
+    // Function tables: every slot is one pointer, in this order.
     const SLOTS: [&str; 22] = [
         "name",
         "init",

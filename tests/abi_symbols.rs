@@ -1,8 +1,8 @@
 //! What NCCL's loader sees in `librailover.so`, checked with binutils.
 //!
 //! * NCCL `dlsym`s `ncclNetPlugin_v12` … `_v8` and casts the result to `ncclNet_vN_t*`, so
-//!   each must be a *data object whose storage is the table itself* (reference §1.2), not a
-//!   function and not a pointer, and its size must be the table's size.
+//!   each must be a *data object whose storage is the table itself* (`docs/design.md`
+//!   §8.1), not a function and not a pointer, and its size must be the table's size.
 //! * The plugin must load on hosts without rdma-core: no undefined `ibv_*`, `rdma_*` or
 //!   `mlx5dv_*` symbol and no `DT_NEEDED` on their libraries (verbs are opened at run time).
 //!

@@ -1,4 +1,4 @@
-//! The library's modules import one way only (README, "How it is built"): a top-level
+//! The library's modules import one way only (`docs/design.md` §2): a top-level
 //! module of `src/` may name through `crate::` only the modules listed below it in
 //! [`LAYERS`]. And `unsafe` is allowed only in `src/ffi/` and a fabric's own
 //! `src/transport/*/sys.rs`, each operation in its own `unsafe` block. A text scan, so it needs no build of its own and fails on the

@@ -1,12 +1,13 @@
-//! The fault tier (DESIGN.md §5): two network namespaces joined by one shaped veth pair
+//! The fault tier (`docs/design.md` §6): two network namespaces joined by one shaped veth pair
 //! per rail, the plugin driven through its v12 table by `railover fault-peer` in each,
 //! and link faults injected while checksummed streams run. Needs root: every test is
 //! `#[ignore]`d and `scripts/fault-tier.sh` runs them with `--ignored` when it can (each
 //! also prints `SKIP: <why>` and returns if run without root).
 //!
 //! Scenarios that need the failover engine are named `failover_*`; they run only with
-//! RAILOVER_FAULT_EXPECT_FAILOVER=1 (the script filters them out otherwise, so they are
-//! not reported as passed; run by name they print `SKIP: needs the failover engine`).
+//! RAILOVER_FAULT_EXPECT_FAILOVER=1, which the script sets when it is unset (set to
+//! anything else, the script filters them out, so they are not reported as passed; run
+//! by hand without the variable, they print `SKIP: needs the failover engine`).
 //! The testbed self-checks and the killed-peer scenarios hold without it.
 
 mod testbed;

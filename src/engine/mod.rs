@@ -147,10 +147,13 @@ pub trait Io {
 
 /// How long our own connect may wait for the listener's `Welcome`.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long an accepted connection has to present a Hello once its fabric can carry
-/// frames. Real handshakes take a round trip or two: the reactor answers a Hello whether
-/// or not NCCL has called `accept`. A connector whose Hello names a secret of ours is
-/// then given [`HANDSHAKE_TIMEOUT`] to prove it, as our own connects are.
+/// The least time an accepted connection has to authenticate (its Hello and then its
+/// Proof), counted from when its fabric can carry frames; the deadline it gets is
+/// `preauth_deadline`: this or twice the completion timeout, whichever is longer. Real
+/// handshakes take a round trip or two: the reactor answers a Hello whether or not NCCL
+/// has called `accept`. A Hello that names a secret of ours earns no longer deadline
+/// (anyone may name one); it only means the handshake caps evict the connection after
+/// those that have sent no Hello.
 const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
 
 /// A message's buffer and the request NCCL tests: buffer `sub` of it (a grouped

@@ -8,7 +8,8 @@ pub enum Error {
     /// NCCL passed a NULL or unknown handle or pointer.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// The caller broke a rule of use (e.g. a send larger than its receive).
+    /// The caller broke a rule of use (e.g. a call that needs `init` before it, or
+    /// registering GPU memory on a NIC that does not report it in `ptrSupport`).
     #[error("{0}")]
     InvalidUsage(String),
     /// A state the plugin should never reach.

@@ -1,18 +1,20 @@
 //! Routing: the policy half of the failover engine. No sockets, no threads, no clock reads.
 //!
 //! [`Router`] decides which NIC pair each lane of each comm runs on. It keeps a health table
-//! of (local NIC, remote NIC) pairs, picks backup pairs when a lane fails (DESIGN P2: rail
-//! rule, distance limit, health probe), spreads a failed NIC's lanes by load (P3), and moves
-//! lanes back to their original pair once it has passed repeated probes, with a hold-down
-//! that grows for flapping links (P7). It never touches a file descriptor: the reactor feeds
-//! it inputs (`handle_*`), carries out its outputs (`poll_*`) and publishes [`Routes`]
-//! snapshots through a [`RoutePublisher`] for lock-free readers.
+//! of (local NIC, remote NIC) pairs, picks backup pairs when a lane fails (P2 of
+//! `docs/design.md` §1: rail rule, distance limit, health probe), spreads a failed NIC's
+//! lanes by load (P3), and moves lanes back to their original pair once it has passed
+//! repeated probes, with a hold-down that grows for flapping links (P7; §5.2 and §5.5).
+//! It never touches a file descriptor: the reactor feeds it inputs (`handle_*`), carries
+//! out its outputs (`poll_*`) and publishes [`Routes`] snapshots through a
+//! [`RoutePublisher`] for lock-free readers.
 //!
 //! # Time
 //!
-//! Time is an argument: every method that depends on time takes `now: Instant`, read once per
-//! reactor turn (STYLE §4.4). `now` must never go backwards between calls. Tests build a
-//! virtual clock as one base `Instant` plus offsets, so every deadline is exact.
+//! Time is an argument: every method that depends on time takes `now: Instant`, which the
+//! reactor reads once before and once after each poll and passes to every call of that
+//! half-turn (`docs/design.md` §3.4). `now` must never go backwards between calls. Tests
+//! build a virtual clock as one base `Instant` plus offsets, so every deadline is exact.
 //!
 //! # Call order
 //!
@@ -164,7 +166,13 @@ impl CommSpec {
 /// Why a lane failed (an input to [`Router::handle_lane_failure`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum FailReason {
-    /// A posted request made no progress within the completion timeout (P1).
+    /// The lane stopped making progress (P1), as judged per lane: it received nothing
+    /// for the completion timeout, it browned out (delivering far below its best rate
+    /// with data waiting, for the completion timeout), a handshake, probe or close on
+    /// it passed its deadline, or the receiver sent a `Stalled` frame (it let the lane
+    /// go for a path failure the sender may not see itself, as in a one-way failure).
+    /// Also any other lane error that is not the NIC's own, such as a peer that closed
+    /// or reset the lane, or a protocol error (`conn::lane::Cause::error`).
     Timeout,
     /// An error completion, async port/device event or socket error.
     NicError,
@@ -383,7 +391,8 @@ impl ReasonCounts {
     }
 }
 
-/// Plain counters kept by the router (STYLE §2.7); `telemetry` gives them metric names.
+/// Plain counters kept by the router; `telemetry` gives them metric names
+/// (`docs/design.md` §7.2).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Lanes moved to a backup pair, by the reason their pair failed.

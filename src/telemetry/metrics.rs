@@ -2,8 +2,8 @@
 //! data path reports, and [`Telemetry`], which records them through the `metrics` facade
 //! and serves them over HTTP (see [`exporter`](super::exporter)).
 //!
-//! Only this module knows the `railover_*` names and their labels (STYLE §2.7): `conn`,
-//! `routing` and the reactor keep plain counters, and the reactor hands them here in
+//! Only this module knows the `railover_*` names and their labels (`docs/design.md` §7.2):
+//! `conn`, `routing` and the reactor keep plain counters, and the reactor hands them here in
 //! batches — once per reporting interval (about 100 ms) or per turn, as deltas — never
 //! once per message. Each call costs a few hash lookups and small allocations.
 //!

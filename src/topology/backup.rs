@@ -1,5 +1,6 @@
-//! Pair eligibility: the static rules a backup NIC pair must pass (DESIGN.md P2), in one
-//! place for the router (at failure time) and `railover doctor` (what the router would do).
+//! Pair eligibility: the static rules a backup NIC pair must pass (P2, `docs/design.md`
+//! §5.2), in one place for the router (at failure time) and `railover doctor` (what the
+//! router would do).
 //!
 //! * **Rail rule** ([`RailRule`]). On a rail-optimised cluster a backup pair (local `x`,
 //!   remote `y`) must have `rail(x) == rail(y)`, both known, or traffic would cross the

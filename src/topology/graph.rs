@@ -1,4 +1,4 @@
-//! The PCIe tree NCCL builds, and path typing over it (`topology-facts.md` §1–§3).
+//! The PCIe tree NCCL builds, and path typing over it (`docs/design.md` §8.2).
 //!
 //! Nodes are CPUs (one per NUMA node), PCI switches (one node per switch: NCCL folds the
 //! downstream and upstream ports into one node named after the upstream port) and devices
@@ -157,7 +157,7 @@ impl Graph {
         out
     }
 
-    /// The type of the link from `child` up to its parent (`topology-facts.md` §2).
+    /// The type of the link from `child` up to its parent (`docs/design.md` §8.2).
     fn up_link_type(&self, child: NodeIdx) -> PathType {
         let parent = self.nodes[child].parent.expect("caller checked the parent");
         match (&self.nodes[child].kind, &self.nodes[parent].kind) {

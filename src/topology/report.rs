@@ -82,7 +82,7 @@ pub struct NicEntry {
 }
 
 /// Where a NIC's comms go if it fails. railover stripes each of them over every eligible
-/// survivor, so that the survivors end up equally loaded (DESIGN.md P3).
+/// survivor, so that the survivors end up equally loaded (P3, `docs/design.md` §1).
 ///
 /// `kept_fraction` is the share of its bandwidth a network-bound collective keeps, under
 /// the model of `railover sim`: equal NICs, equally loaded, paced by the busiest NIC. The

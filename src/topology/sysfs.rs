@@ -1,4 +1,4 @@
-//! Discovery from a sysfs tree, following NCCL's `xml.cc` (`topology-facts.md` §1).
+//! Discovery from a sysfs tree, following NCCL's `xml.cc` (`docs/design.md` §8.2).
 //!
 //! Reads, under the root given (normally `/sys`):
 //! * `class/infiniband/<dev>/`: `device` (the PCI device), `ports/<n>/{state,link_layer,

@@ -66,7 +66,7 @@ fn dgx_discovers_eight_nics_eight_gpus_in_pci_order() {
 fn dgx_paths() {
     let (_d, t) = dgx();
     let g0 = gpu(&t, "GPU0");
-    // Same switch: PIX although three bridge functions lie between (facts §2).
+    // Same switch: PIX although three bridge functions lie between (docs/design.md §8.2).
     pin(t.path(g0, nic(&t, "mlx5_0")), PathType::Pix, 2, 48.0);
     pin(t.path(g0, nic(&t, "mlx5_1")), PathType::Pix, 2, 48.0);
     // Other switch, same socket.

@@ -5,7 +5,7 @@
  *
  * Two processes (forked before dlopen, like two ranks on two "nodes") each
  * dlopen the plugin with RTLD_NOW|RTLD_LOCAL and dlsym ncclNetPlugin_v<N>,
- * then drive it the way NCCL's proxy does (reference §1-§3): init per
+ * then drive it the way NCCL's proxy does (docs/design.md §8.1): init per
  * communicator (v11+) or per process (v8-v10), non-blocking listen/connect/
  * accept polled in a loop, handles shipped out of band, up to 8 requests in
  * flight per comm with only the oldest one tested, NULL requests retried,

@@ -2,8 +2,8 @@
  * Prints the size, alignment and every member's offset and size of the NCCL
  * plugin structs (v8 ... v12) as a C compiler lays them out.
  * tests/abi_layout.rs compiles this at test time and compares every line with
- * size_of/align_of/offset_of! of railover::ffi::types and with the numbers in
- * the ABI reference.
+ * size_of/align_of/offset_of! of railover::ffi::types and with the numbers it
+ * holds from NCCL's headers (docs/design.md §8.1).
  *
  * Output, one record per line:
  *   struct <c type> <sizeof> <alignof>

@@ -2,7 +2,8 @@
  * The NCCL network-plugin ABI, v8 to v12, declared the way NCCL's own headers
  * (plugins/net/example/nccl/net_v8.h ... net_v12.h, err.h, common.h,
  * net_device.h) declare it: same type names, same member names, same order,
- * same C types. Written from /work/shared/reference/nccl-net-abi.md §2.
+ * same C types, as of NVIDIA/nccl commit 5067397c (NCCL 2.30.7); see
+ * docs/design.md §8.1.
  *
  * Shared by layout.c (prints every size and offset) and driver.c (loads the
  * plugin with dlopen and drives it as NCCL's proxy does). Nothing here may
