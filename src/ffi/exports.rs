@@ -52,6 +52,8 @@ unsafe extern "C" fn init_v11(
         };
         let _lifecycle = LIFECYCLE.lock();
         let c = plugin::init_context(tc)?;
+        // After the runtime started its logging: the raise is said once.
+        super::limits::raise_open_files();
         // SAFETY: `ctx` is NCCL's out-pointer for this call: NULL or writable.
         unsafe { write(ctx, CONTEXTS.insert(c), "ctx") }
     })
@@ -67,7 +69,9 @@ unsafe extern "C" fn init_v8(log: NcclDebugLogger) -> NcclResult {
     guard("init", || {
         pin_library();
         let _lifecycle = LIFECYCLE.lock();
-        plugin::init_legacy().map(|_| ())
+        let legacy = plugin::init_legacy();
+        super::limits::raise_open_files();
+        legacy.map(|_| ())
     })
 }
 

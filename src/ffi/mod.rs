@@ -24,5 +24,6 @@ pub mod error;
 pub mod exports;
 pub mod fork;
 pub mod handle;
+pub mod limits;
 pub mod logger;
 pub mod types;
