@@ -47,6 +47,11 @@ impl Progress {
         }
     }
 
+    /// Whether the samples since the last verdict or recovery were slow.
+    pub fn is_slow(&self) -> bool {
+        self.slow > 0
+    }
+
     /// The byte total of the last sample (0 before the first).
     pub fn last_total(&self) -> u64 {
         self.last.map_or(0, |(_, total)| total)

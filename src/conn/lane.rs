@@ -22,6 +22,17 @@ use crate::routing::FailReason;
 /// How long a lane that is done may keep flushing its last bytes.
 pub const LINGER: Duration = Duration::from_secs(2);
 
+/// How long a lane may stay silent while other lanes of its path (the same local NIC and
+/// peer NIC) are heard: the path works, and the lane's own flow is starved by congestion
+/// (a TCP flow among hundreds on a link can back off for seconds). Past this it fails
+/// anyway, as a lane stuck on a working path.
+pub const CONGESTED_SILENCE: u32 = 8;
+
+/// [`CONGESTED_SILENCE`] completion timeouts.
+pub fn congested_limit(timeout: Duration) -> Duration {
+    timeout * CONGESTED_SILENCE
+}
+
 /// How often a lane's delivery is sampled: a tenth of the completion timeout, within
 /// 5–100 ms, so a brown-out is judged within a tenth of the timeout.
 pub fn sample_interval(timeout: Duration) -> Duration {
@@ -150,6 +161,13 @@ pub struct LaneMachine {
     carrying: bool,
     last_rx: Instant,
     last_tx: Instant,
+    /// When anything last arrived over the lane's path (any lane between the same two
+    /// NICs), as the caller reports it.
+    path_rx: Option<Instant>,
+    /// Whether the path crawled in the last sample, as the caller reports it.
+    path_slow: bool,
+    /// Brown-out verdicts in a row excused because the path kept up.
+    excused: u32,
     /// Bytes waiting (queued or unacknowledged) at the last sample.
     waiting: u64,
     progress: Progress,
@@ -169,6 +187,9 @@ impl LaneMachine {
             carrying: false,
             last_rx: now,
             last_tx: now,
+            path_rx: None,
+            path_slow: true,
+            excused: 0,
             waiting: 0,
             progress: Progress::new(timeout, sample_interval(timeout)),
             out: VecDeque::new(),
@@ -202,6 +223,18 @@ impl LaneMachine {
     /// How long nothing has arrived.
     pub fn silent(&self, now: Instant) -> Duration {
         now.saturating_duration_since(self.last_rx)
+    }
+
+    /// Bytes arrived over the lane's path at `at` (on this lane or another between the
+    /// same two NICs). A silent lane on a path that is heard is congested, not cut: it
+    /// fails only after [`congested_limit`].
+    pub fn handle_path_rx(&mut self, at: Instant) {
+        self.path_rx = self.path_rx.max(Some(at));
+    }
+
+    /// When the lane or its path was last heard.
+    fn heard(&self) -> Instant {
+        self.path_rx.map_or(self.last_rx, |p| p.max(self.last_rx))
     }
 
     /// A frame arrived (handshake frames with their `body`). `probe_bytes`: a probe's
@@ -416,18 +449,36 @@ impl LaneMachine {
         if !self.carrying {
             return Sample { moved, backlogged };
         }
-        if let Verdict::Slow { rate, peak } = self.progress.observe(now, delivered, backlogged) {
-            let e = ConnError::Stalled(format!(
-                "brown-out: delivering {:.0} kB/s with data waiting, against {:.0} kB/s before",
-                rate / 1e3,
-                peak / 1e3
-            ));
-            self.fail(Cause {
-                brownout: Some(health::recovery_floor(peak)),
-                ..Cause::new(e, FailReason::Timeout)
-            });
+        match self.progress.observe(now, delivered, backlogged) {
+            // Its path as a whole keeps up: this lane's flow is starved by congestion,
+            // which moving it would not cure. Excused for a while.
+            Verdict::Slow { .. } if !self.path_slow && self.excused < CONGESTED_SILENCE => {
+                self.excused += 1;
+            }
+            Verdict::Slow { rate, peak } => {
+                let e = ConnError::Stalled(format!(
+                    "brown-out: delivering {:.0} kB/s with data waiting, against {:.0} kB/s before{}",
+                    rate / 1e3,
+                    peak / 1e3,
+                    if self.path_slow { "" } else { ", while its path kept up" }
+                ));
+                self.fail(Cause {
+                    brownout: Some(health::recovery_floor(peak)),
+                    ..Cause::new(e, FailReason::Timeout)
+                });
+            }
+            Verdict::Fine if !self.progress.is_slow() => self.excused = 0,
+            Verdict::Fine => {}
         }
         Sample { moved, backlogged }
+    }
+
+    /// Whether the lane's path as a whole (every lane between the same two NICs) crawled
+    /// in the last sample, with data waiting. A lane browning out on a path that keeps up
+    /// is congested, not failing: it fails only after [`CONGESTED_SILENCE`] verdicts in a
+    /// row. Without this report a lane is judged alone.
+    pub fn handle_path_slow(&mut self, slow: bool) {
+        self.path_slow = slow;
     }
 
     fn keepalive(&self) -> Duration {
@@ -453,9 +504,11 @@ impl LaneMachine {
         if self.failed.is_some() {
             return None;
         }
-        let live = self
-            .carrying
-            .then(|| (self.last_rx + self.timeout).min(self.last_tx + self.keepalive()));
+        let live = self.carrying.then(|| {
+            let silence =
+                (self.heard() + self.timeout).min(self.last_rx + congested_limit(self.timeout));
+            silence.min(self.last_tx + self.keepalive())
+        });
         [self.deadline, live].into_iter().flatten().min()
     }
 
@@ -475,8 +528,17 @@ impl LaneMachine {
             return;
         }
         let silent = self.silent(now);
-        if silent >= self.timeout {
-            let e = ConnError::Stalled(format!("nothing received for {} ms", silent.as_millis()));
+        let path_silent = now.saturating_duration_since(self.heard());
+        if silent >= self.timeout
+            && (path_silent >= self.timeout || silent >= congested_limit(self.timeout))
+        {
+            let e = ConnError::Stalled(match path_silent < self.timeout {
+                true => format!(
+                    "nothing received for {} ms while its path was heard",
+                    silent.as_millis()
+                ),
+                false => format!("nothing received for {} ms", silent.as_millis()),
+            });
             self.fail(Cause {
                 silent: Some(silent),
                 ..Cause::new(e, FailReason::Timeout)
@@ -550,6 +612,49 @@ mod tests {
     }
 
     #[test]
+    fn a_silent_lane_on_a_path_still_heard_is_congested_not_cut() {
+        let t0 = Instant::now();
+        let mut m = carrying(t0);
+        // Its neighbours on the same path keep being heard; the lane itself is not.
+        let mut now = t0;
+        while now < t0 + congested_limit(TIMEOUT) - 50 * MS {
+            now += 50 * MS;
+            m.handle_path_rx(now);
+            m.handle_timeout(now);
+            assert_eq!(m.poll_failure(), None, "failed at {:?}", now - t0);
+            let _ = kinds(&mut m);
+            m.handle_tx(now);
+        }
+        // Stuck on a working path past the limit: it fails, and says so.
+        m.handle_path_rx(t0 + congested_limit(TIMEOUT));
+        assert_eq!(m.poll_timeout(), Some(t0 + congested_limit(TIMEOUT)));
+        m.handle_timeout(t0 + congested_limit(TIMEOUT));
+        let cause = m.poll_failure().expect("stuck past the limit");
+        assert!(
+            cause.error.to_string().contains("while its path was heard"),
+            "{cause:?}"
+        );
+
+        // When the path falls silent too, the lane fails at the timeout as before.
+        let mut m = carrying(t0);
+        m.handle_path_rx(t0 + 300 * MS);
+        m.handle_timeout(t0 + 1299 * MS);
+        assert_eq!(m.poll_failure(), None, "the path was heard 999 ms ago");
+        let _ = kinds(&mut m);
+        m.handle_tx(t0 + 1299 * MS);
+        assert_eq!(m.poll_timeout(), Some(t0 + 1300 * MS));
+        m.handle_timeout(t0 + 1300 * MS);
+        let cause = m
+            .poll_failure()
+            .expect("the path is silent for the timeout");
+        assert_eq!(cause.silent, Some(1300 * MS));
+        assert!(
+            !cause.error.to_string().contains("path was heard"),
+            "{cause:?}"
+        );
+    }
+
+    #[test]
     fn keepalives_keep_a_slow_transfer_alive() {
         let t0 = Instant::now();
         let (mut a, mut b) = (carrying(t0), carrying(t0));
@@ -611,6 +716,61 @@ mod tests {
             "{floor}"
         );
         assert_eq!(cause.silent, None);
+    }
+
+    #[test]
+    fn a_lane_crawling_on_a_path_that_keeps_up_is_excused_for_a_while() {
+        let t0 = Instant::now();
+        let mut m = carrying(t0);
+        let step = 100 * MS;
+        let (mut now, mut delivered) = (t0, 0u64);
+        let mut sample = |m: &mut LaneMachine, bytes: u64, path_slow: bool| {
+            now += step;
+            delivered += bytes;
+            m.handle_rx(now);
+            m.handle_tx(now);
+            m.handle_timeout(now);
+            m.handle_path_slow(path_slow);
+            m.handle_sample(now, delivered, 8 << 20)
+        };
+        for _ in 0..5 {
+            sample(&mut m, 3_000_000, false);
+        }
+        // It crawls at 1 % while its neighbours on the path keep the path busy: each
+        // whole timeout of crawling is one verdict, excused up to the limit.
+        for i in 0..10 * CONGESTED_SILENCE {
+            sample(&mut m, 30_000, false);
+            assert_eq!(m.poll_failure(), None, "sample {i}");
+        }
+        // The next verdict fails it anyway: stuck on a working path.
+        for _ in 0..10 {
+            sample(&mut m, 30_000, false);
+        }
+        let cause = m.poll_failure().expect("excused no more");
+        assert!(
+            cause.error.to_string().contains("while its path kept up"),
+            "{cause:?}"
+        );
+
+        // When the path crawls too, the first verdict stands.
+        let mut m = carrying(t0);
+        let (mut now, mut delivered) = (t0, 0u64);
+        let mut sample = |m: &mut LaneMachine, bytes: u64, path_slow: bool| {
+            now += step;
+            delivered += bytes;
+            m.handle_rx(now);
+            m.handle_path_slow(path_slow);
+            m.handle_sample(now, delivered, 8 << 20)
+        };
+        for _ in 0..5 {
+            sample(&mut m, 3_000_000, false);
+        }
+        for _ in 0..9 {
+            sample(&mut m, 30_000, true);
+        }
+        assert_eq!(m.poll_failure(), None);
+        sample(&mut m, 30_000, true);
+        assert!(m.poll_failure().is_some(), "the path browned out with it");
     }
 
     #[test]

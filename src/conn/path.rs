@@ -117,6 +117,13 @@ pub struct Abandoned {
     pub path: bool,
 }
 
+/// How long a replacement lane may take from its dial to the receiver's `Welcome`: a few
+/// round trips (SYN, Hello, Challenge, Proof, Welcome) through a congested NIC, where a
+/// dropped SYN alone costs a second, during a storm of thousands of such handshakes.
+pub fn migration_limit(completion: Duration, probe: Duration) -> Duration {
+    (probe * 5).max(completion * 3)
+}
+
 /// How long a receiver whose lane died waits for the sender's replacement lane. When the
 /// receiver noticed first (its carrier, a socket error) the sender may only notice at its
 /// completion timeout, which started when the lane fell `silent`; when the receiver
@@ -299,15 +306,16 @@ impl PathMachine {
             let e = ConnError::Io("receive lane lost and not replaced".into());
             (grace, true, e)
         } else {
-            // The sender resets a lane it gives up on (a brown-out, silence), and that
-            // looks the same as a peer that went away: wait as long as a receiver that
-            // noticed first would, then fail with the peer's close.
+            // The sender resets a lane it gives up on (a brown-out, silence, a replacement
+            // whose handshake took too long), and that looks the same as a peer that went
+            // away: wait as long as a receiver that noticed first would, plus one more
+            // replacement's handshake, then fail with the peer's close.
             let grace = receiver_grace(
                 FailReason::NicError,
                 self.t.completion,
                 self.t.probe,
                 Duration::ZERO,
-            );
+            ) + migration_limit(self.t.completion, self.t.probe);
             (grace, false, error.clone())
         };
         let s = self.stranded.get_or_insert(Stranded {
@@ -673,15 +681,13 @@ mod tests {
             false,
             t0,
         );
-        assert_eq!(
-            loss,
-            Loss::Wait {
-                grace: 1700 * MS,
-                path: false
-            }
-        );
+        // As long as a receiver that noticed first, and one more replacement handshake.
+        let grace = 1700 * MS + migration_limit(T.completion, T.probe);
+        assert_eq!(grace, 4700 * MS);
+        assert_eq!(loss, Loss::Wait { grace, path: false });
+        assert_eq!(r.handle_timeout(t0 + grace - MS, true), None);
         // Not a path failure: no give-up window even with NICs up; the peer's close.
-        let gone = r.handle_timeout(t0 + 1700 * MS, true).unwrap();
+        let gone = r.handle_timeout(t0 + grace, true).unwrap();
         assert_eq!(gone.error, ConnError::PeerClosed);
         let bad = ConnError::Protocol("bad frame".into());
         assert_eq!(

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::conn::health;
-use crate::conn::lane::{sample_interval, Cause};
-use crate::conn::path::{Loss, Moved, Placed, Replaced};
+use crate::conn::lane::{congested_limit, sample_interval, Cause};
+use crate::conn::path::{migration_limit, Loss, Moved, Placed, Replaced};
 use crate::conn::wire::{Purpose, STALLED_MEMORY};
 use crate::routing::{CommId, CommSpec, End, Event, NicId, PeerId};
 use crate::routing::{FailReason, MoveReason};
@@ -587,16 +587,60 @@ impl Engine {
             .get(pair.remote.0 as usize)?
             .addr;
         let k = self.lanes.vacant_key();
-        if let Err(e) = io.connect(k, local, remote) {
-            tracing::debug!("railover: cannot open {pair}: {e}");
-            return None;
+        // Replacement lanes are paced per NIC (see `dials`); probes are not.
+        let paced = matches!(role, Role::Migrating { .. });
+        let queued = paced && !self.dials.may_dial(local);
+        if !queued {
+            if let Err(e) = io.connect(k, local, remote) {
+                tracing::debug!("railover: cannot open {pair}: {e}");
+                return None;
+            }
         }
-        self.add_lane(k, role, now, limit);
+        // A queued lane's handshake limit starts when it is dialled; until then only the
+        // bound on any connect holds.
+        self.add_lane(k, role, now, if queued { HANDSHAKE_TIMEOUT } else { limit });
         let lane = &mut self.lanes[k];
-        lane.nic = Some(pair.local.0 as usize);
+        lane.nic = Some(local);
+        lane.remote = Some(remote.ip());
         lane.m.connecting(auth, hello);
-        self.dirty.push(k);
+        if queued {
+            lane.queued = Some(Queued { to: remote, limit });
+            self.dials.wait(local, k);
+        } else {
+            if paced {
+                self.dials.dialled(local, k);
+            }
+            self.dirty.push(k);
+        }
         Some(k)
+    }
+
+    /// Dials the queued replacement lanes whose NIC has a handshake slot free again.
+    pub(super) fn dial_queued(&mut self, now: Instant, io: &mut dyn Io) {
+        if self.dials.is_idle() {
+            return;
+        }
+        let lanes = &self.lanes;
+        let due = self.dials.turn(|k| {
+            lanes
+                .get(k)
+                .is_some_and(|l| matches!(l.role, Role::Migrating { .. }))
+        });
+        for (nic, k) in due {
+            let Some(q) = self.lanes.get(k).and_then(|l| l.queued) else {
+                continue;
+            };
+            match io.connect(k, nic, q.to) {
+                Ok(()) => {
+                    let lane = &mut self.lanes[k];
+                    lane.queued = None;
+                    lane.m.expect_by(now + q.limit);
+                    self.arm(now + q.limit);
+                    self.dirty.push(k);
+                }
+                Err(e) => self.fail_lane(k, Cause::error(io_error(&e)), now, io),
+            }
+        }
     }
 
     fn start_probe(&mut self, pair: Pair, retry: u32, now: Instant, io: &mut dyn Io) {
@@ -663,9 +707,30 @@ impl Engine {
         }
     }
 
+    /// A probe of `pair` did not pass. It is evidence against the pair only if the pair's
+    /// own traffic is not evidence for it: a probe that lost to a storm of handshakes or
+    /// a congested link, on a path whose lanes the peer acknowledged within the
+    /// completion timeout, says nothing about the path (unless it browned out, when only
+    /// a probe at its floor counts).
     pub(super) fn probe_failed(&mut self, pair: Pair, now: Instant) {
+        if self.pair_delivering(pair, now) && !self.router.browned_out(pair) {
+            tracing::debug!("railover: probe of {pair} missed, but its lanes deliver: healthy");
+            self.router.handle_probe(pair, true, now);
+            return;
+        }
         self.metrics.probe_failed(pair.local.0 as usize);
         self.router.handle_probe(pair, false, now);
+    }
+
+    /// Whether the peer acknowledged bytes sent over `pair`'s path within the
+    /// completion timeout.
+    fn pair_delivering(&self, pair: Pair, now: Instant) -> bool {
+        let remote = (self.peers.get(pair.peer.0 as usize))
+            .and_then(|p| p.get(pair.remote.0 as usize))
+            .map(|n| n.addr.ip());
+        let delivered =
+            remote.and_then(|ip| self.paths.last_delivered((pair.local.0 as usize, ip)));
+        delivered.is_some_and(|t| now.saturating_duration_since(t) < self.setup.completion_timeout)
     }
 
     /// Carries out the router's move of one stripe of a comm: onto a lane the comm already
@@ -711,7 +776,7 @@ impl Engine {
         };
         let session = self.comms[c].session.clone();
         let hello = self.opener(Purpose::Migrate, &session, epoch);
-        let limit = (self.setup.probe_timeout * 5).max(Duration::from_secs(1));
+        let limit = migration_limit(self.setup.completion_timeout, self.setup.probe_timeout);
         let role = Role::Migrating { comm: c, mv };
         match hello.map(|h| self.connect_pair(mv.to, h, role, now, limit, io)) {
             Ok(Some(k)) => self.comms[c].path.handle_opening(k, mv.to, mv.lane, epoch),
@@ -802,6 +867,9 @@ impl Engine {
     /// fair shares), stranded receivers.
     pub(super) fn tick(&mut self, now: Instant, io: &mut dyn Io) {
         self.next_tick = now + sample_interval(self.setup.completion_timeout);
+        if let Some(horizon) = now.checked_sub(congested_limit(self.setup.completion_timeout)) {
+            self.paths.forget_before(horizon);
+        }
         self.expire(now, io);
         let mut dead = Vec::new();
         let mut shares: Vec<LaneSample> = Vec::new();
@@ -819,7 +887,14 @@ impl Engine {
             let p = io.progress(k);
             self.metrics.placed(lane.nic, &mut lane.placed, p.placed);
             let waiting = lane.writer.queued_bytes() + p.sent.saturating_sub(p.acked);
+            lane.m.handle_path_slow(self.paths.slow(lane.path()));
             let s = lane.m.handle_sample(now, p.acked, waiting);
+            if let Some(path) = lane.path() {
+                self.paths.sampled(path, s.moved, s.backlogged);
+                if s.moved > 0 {
+                    self.paths.delivered(path, now);
+                }
+            }
             if let Some(nic) = lane.nic {
                 shares.push(LaneSample {
                     key: k,
@@ -831,6 +906,7 @@ impl Engine {
             }
             dead.extend(lane.m.poll_failure().map(|c| (k, c)));
         }
+        self.paths.end_sample(now);
         self.pace(&shares, now, io);
         for (k, cause) in dead {
             self.lane_condemned(k, cause, now, io);

@@ -58,8 +58,10 @@ impl Engine {
         };
         self.add_lane(k, Role::Handshake { listener: id }, now, deadline);
         let ticket = self.gate.admit(k, listener, now);
+        let remote = io.peer(k);
         let lane = &mut self.lanes[k];
         lane.nic = nic;
+        lane.remote = remote;
         lane.setting_up = setting_up;
         lane.m.listening();
         lane.ticket = Some(ticket);
@@ -122,6 +124,8 @@ impl Engine {
             m: LaneMachine::new(self.setup.completion_timeout, now, limit),
             ticket: None,
             nic: None,
+            remote: None,
+            queued: None,
             setting_up: false,
             placed: LanePlaced::default(),
         });
@@ -164,6 +168,12 @@ impl Engine {
             let got = io.read(k, &mut lane.reader);
             if lane.reader.total_read() != before {
                 lane.m.handle_rx(now);
+                // A stranger's bytes say nothing about our peer's path.
+                if let (Some(path), false) =
+                    (lane.path(), matches!(lane.role, Role::Handshake { .. }))
+                {
+                    self.paths.heard(path, now);
+                }
             }
             if lane.setting_up && io.ready(k) {
                 // Set up: the peer now has the usual time to say who it is.

@@ -15,12 +15,14 @@
 //! * after feeding commands and readiness, the reactor calls [`Engine::drive`], which
 //!   carries out the router's decisions and flushes what the turn queued.
 
+mod dials;
 mod failover;
 pub mod gate;
 #[cfg(any(test, feature = "fuzz-harness"))]
 #[doc(hidden)]
 pub mod harness;
 mod lanes;
+mod paths;
 
 use std::collections::{BTreeSet, HashMap};
 use std::io;
@@ -129,6 +131,11 @@ pub trait Io {
     /// [`crate::transport::Fabric::write`] on lane `k`.
     fn write(&mut self, k: usize, writer: &mut FrameWriter) -> io::Result<()>;
     fn progress(&self, k: usize) -> LaneProgress;
+    /// [`crate::transport::Fabric::peer`] of lane `k`.
+    fn peer(&self, k: usize) -> Option<IpAddr> {
+        let _ = k;
+        None
+    }
     /// Whether lane `k` can carry frames yet ([`crate::transport::Fabric::ready`]).
     fn ready(&self, k: usize) -> bool;
     fn set_pacing(&mut self, k: usize, rate: Option<u64>) -> io::Result<()>;
@@ -254,6 +261,13 @@ impl Dial {
     }
 }
 
+/// Where a queued lane will be dialled, and its handshake's time limit from then.
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    to: SocketAddr,
+    limit: Duration,
+}
+
 #[derive(Debug)]
 struct Lane {
     reader: FrameReader,
@@ -265,6 +279,11 @@ struct Lane {
     ticket: Option<u64>,
     /// Local NIC index, when the lane's local address is one of ours.
     nic: Option<usize>,
+    /// The peer NIC's address, when the fabric knows it: with `nic`, the lane's path.
+    remote: Option<IpAddr>,
+    /// A replacement lane waiting for its turn to be dialled ([`dials`]): it has no
+    /// socket yet.
+    queued: Option<Queued>,
     /// Accepted while its fabric was still setting it up (a verbs QP being connected):
     /// the pre-authentication clock starts when it is ready.
     setting_up: bool,
@@ -273,6 +292,11 @@ struct Lane {
 }
 
 impl Lane {
+    /// The path the lane takes, when both ends are known.
+    fn path(&self) -> Option<paths::PathKey> {
+        Some((self.nic?, self.remote?))
+    }
+
     /// Moves the machine's control frames onto the writer; `true` if there were any.
     fn sync(&mut self) -> bool {
         let mut any = false;
@@ -309,6 +333,11 @@ pub struct Engine {
     recv_by_id: HashMap<CommId, usize>,
     /// Accepted connections that have not authenticated yet.
     gate: gate::Gate,
+    /// Replacement lanes in their handshake, and those waiting their turn.
+    dials: dials::Dials,
+    /// What each path (local NIC, peer NIC) has shown lately, to judge a lane's silence
+    /// and a failed probe against its neighbours.
+    paths: paths::Paths,
     /// Log lines about connections turned away, rate-limited.
     turned_away: gate::LogLimit,
     next_tick: Instant,
@@ -354,6 +383,8 @@ impl Engine {
             routes_dirty: false,
             peers: Vec::new(),
             recv_by_id: HashMap::new(),
+            paths: paths::Paths::default(),
+            dials: dials::Dials::default(),
             gate: gate::Gate::new(gate::IDLE_PER_LISTENER, gate::IDLE_TOTAL, gate::TOTAL),
             turned_away: gate::LogLimit::new(gate::LOG_INTERVAL),
             next_tick: now,
@@ -444,6 +475,7 @@ impl Engine {
     /// turn's output.
     pub fn drive(&mut self, now: Instant, io: &mut dyn Io) {
         self.drive_router(now, io);
+        self.dial_queued(now, io);
         self.retire_drained(now);
         self.flush_dirty(now, io);
     }
@@ -508,6 +540,7 @@ impl Engine {
         self.add_lane(k, Role::Connecting(d), now, deadline);
         let lane = &mut self.lanes[k];
         lane.nic = Some(nic);
+        lane.remote = Some(to.ip());
         lane.m.connecting(auth, hello);
         self.dirty.push(k);
     }
@@ -781,6 +814,10 @@ impl Engine {
             let Some(lane) = self.lanes.get_mut(k) else {
                 continue;
             };
+            if lane.queued.is_some() {
+                // No socket yet: its Hello goes out once it is dialled.
+                continue;
+            }
             lane.sync();
             if lane.writer.is_empty() {
                 if matches!(lane.role, Role::Closing) {
@@ -813,6 +850,10 @@ impl Engine {
         let mut failed = Vec::new();
         for (k, lane) in self.lanes.iter_mut() {
             if lane.m.poll_timeout().is_some_and(|d| d <= now) {
+                // Judged against its path: what its neighbours heard, up to now.
+                if let Some(at) = lane.path().and_then(|p| self.paths.last_heard(p)) {
+                    lane.m.handle_path_rx(at);
+                }
                 lane.m.handle_timeout(now);
                 if lane.sync() {
                     self.dirty.push(k);
@@ -831,7 +872,7 @@ impl Engine {
     }
 
     /// A lane timer may be due at `at`.
-    fn arm(&mut self, at: Instant) {
+    pub(super) fn arm(&mut self, at: Instant) {
         self.next_deadline = Some(self.next_deadline.map_or(at, |d| d.min(at)));
     }
 

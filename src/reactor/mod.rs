@@ -33,7 +33,7 @@ pub use crate::engine::gate::{IDLE_TOTAL as HANDSHAKES_IDLE_TOTAL, TOTAL as HAND
 pub use crate::engine::{LocalNic, ReactorStats, Setup};
 
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -206,6 +206,10 @@ impl<F: Fabric> engine::Io for Sockets<F> {
             Some(sock) => self.fabric.progress(sock),
             None => LaneProgress::default(),
         }
+    }
+
+    fn peer(&self, k: usize) -> Option<IpAddr> {
+        self.fabric.peer(self.lanes.get(k)?.as_ref()?)
     }
 
     fn ready(&self, k: usize) -> bool {

@@ -460,6 +460,14 @@ impl Router {
         self.pairs.entry(pair).or_default().probe_floor = Some(floor);
     }
 
+    /// Whether `pair` failed by browning out, so that only a probe at its floor shows it
+    /// healthy (traffic that merely trickles over it does not).
+    pub fn browned_out(&self, pair: Pair) -> bool {
+        self.pairs
+            .get(&pair)
+            .is_some_and(|ps| ps.probe_floor.is_some())
+    }
+
     /// Whether a probe whose payload crossed `pair` at `rate` (bytes/s) within its deadline
     /// shows the pair working: always, unless the pair failed by browning out; then the
     /// rate must reach the floor, which is returned as the error. Answer the probe with

@@ -287,6 +287,10 @@ impl Fabric for SimFabric {
         Ok(got.map(|(conn, nic)| (self.lane(conn, 1), Some(nic))))
     }
 
+    fn peer(&self, lane: &SimLane) -> Option<std::net::IpAddr> {
+        self.net.lock().peer_of(lane.conn, lane.end)
+    }
+
     fn connect(&mut self, nic: usize, to: SocketAddr) -> io::Result<SimLane> {
         let conn = self.net.lock().connect(self.node, nic, to)?;
         Ok(self.lane(conn, 0))

@@ -347,6 +347,13 @@ impl Net {
         }
     }
 
+    /// The address of the NIC at the other end of connection `c` from `end`.
+    pub(crate) fn peer_of(&self, c: usize, end: usize) -> Option<IpAddr> {
+        let conn = self.conns.get(c)?;
+        let other = 1 - end.min(1);
+        Some(ip_of(conn.node[other], conn.nic[other]))
+    }
+
     pub(crate) fn accept(&mut self, addr: SocketAddr) -> Option<(usize, usize)> {
         let l = self.listeners.get_mut(&addr)?;
         let nic = l.nic;

@@ -166,6 +166,14 @@ pub trait Fabric: Debug + Send + 'static {
     /// The lane's delivery progress; cheap enough to call every tick for every lane.
     fn progress(&self, lane: &Self::Lane) -> LaneProgress;
 
+    /// The address of the peer's NIC at the other end of `lane`, when the fabric knows
+    /// it: with the local NIC it names the path the lane takes, whose other lanes tell a
+    /// silent lane on a working path from a dead path.
+    fn peer(&self, lane: &Self::Lane) -> Option<std::net::IpAddr> {
+        let _ = lane;
+        None
+    }
+
     /// Caps the rate the lane sends at, in bytes/s (`None` lifts the cap). Optional: a
     /// fabric that cannot pace returns `ErrorKind::Unsupported`, and lanes then share a
     /// NIC as the hardware decides.

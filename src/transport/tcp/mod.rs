@@ -94,6 +94,10 @@ impl Fabric for TcpFabric {
         }
     }
 
+    fn peer(&self, lane: &TcpLane) -> Option<IpAddr> {
+        lane.stream.peer_addr().ok().map(|a| a.ip())
+    }
+
     fn connect(&mut self, nic: usize, to: SocketAddr) -> io::Result<TcpLane> {
         let stream = connect(self.ip(nic)?, to)?;
         Ok(TcpLane { stream, sent: 0 })

@@ -565,6 +565,11 @@ impl VerbsLane {
         self.ring.progress()
     }
 
+    /// The peer's address on its bootstrap connection: the peer NIC's.
+    pub fn peer(&self) -> Option<std::net::IpAddr> {
+        self.sock.peer_addr().ok().map(|a| a.ip())
+    }
+
     /// Of the bytes posted, payload bytes written in place (this lane's share of
     /// [`PLACED_BYTES`]).
     pub fn placed(&self) -> u64 {

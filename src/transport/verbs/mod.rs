@@ -317,6 +317,10 @@ impl Fabric for VerbsFabric {
         lane.has_unread()
     }
 
+    fn peer(&self, lane: &VerbsLane) -> Option<std::net::IpAddr> {
+        lane.peer()
+    }
+
     fn progress(&self, lane: &VerbsLane) -> LaneProgress {
         let (sent, acked) = lane.progress();
         LaneProgress {
