@@ -98,6 +98,8 @@ pub struct Carrier {
     pub stripes: Vec<LaneId>,
     /// The attempt that opened it.
     pub epoch: u64,
+    /// Receiver: when the sender's replacement lane arrived (None for the first lane).
+    pub since: Option<Instant>,
 }
 
 /// A receiver waiting for the sender's replacement lane.
@@ -177,6 +179,7 @@ impl PathMachine {
             pair: None,
             stripes: if sender { vec![LaneId(0)] } else { Vec::new() },
             epoch: 0,
+            since: None,
         };
         PathMachine {
             sender,
@@ -306,16 +309,21 @@ impl PathMachine {
             let e = ConnError::Io("receive lane lost and not replaced".into());
             (grace, true, e)
         } else {
-            // The sender resets a lane it gives up on (a brown-out, silence, a replacement
-            // whose handshake took too long), and that looks the same as a peer that went
-            // away: wait as long as a receiver that noticed first would, plus one more
-            // replacement's handshake, then fail with the peer's close.
+            // The sender resets a lane it gives up on (a brown-out, silence), and that
+            // looks the same as a peer that went away: wait as long as a receiver that
+            // noticed first would, then fail with the peer's close. A replacement lane
+            // closed within its handshake limit may be one the sender gave up before our
+            // Welcome reached it (a storm of handshakes on congested links): then the
+            // sender's next attempt gets that long again.
+            let limit = migration_limit(self.t.completion, self.t.probe);
+            let young = (carrier.as_ref().and_then(|c| c.since))
+                .is_some_and(|t| now.saturating_duration_since(t) < limit);
             let grace = receiver_grace(
                 FailReason::NicError,
                 self.t.completion,
                 self.t.probe,
                 Duration::ZERO,
-            ) + migration_limit(self.t.completion, self.t.probe);
+            ) + if young { limit } else { Duration::ZERO };
             (grace, false, error.clone())
         };
         let s = self.stranded.get_or_insert(Stranded {
@@ -428,6 +436,7 @@ impl PathMachine {
                 pair: Some(pair),
                 stripes: vec![stripe],
                 epoch,
+                since: None,
             },
         );
     }
@@ -522,6 +531,7 @@ impl PathMachine {
                 pair: None,
                 stripes: Vec::new(),
                 epoch,
+                since: Some(now),
             },
         );
         Ok(Replaced {
@@ -681,9 +691,8 @@ mod tests {
             false,
             t0,
         );
-        // As long as a receiver that noticed first, and one more replacement handshake.
-        let grace = 1700 * MS + migration_limit(T.completion, T.probe);
-        assert_eq!(grace, 4700 * MS);
+        // As long as a receiver that noticed first: a killed sender is noticed at once.
+        let grace = 1700 * MS;
         assert_eq!(loss, Loss::Wait { grace, path: false });
         assert_eq!(r.handle_timeout(t0 + grace - MS, true), None);
         // Not a path failure: no give-up window even with NICs up; the peer's close.
@@ -706,6 +715,50 @@ mod tests {
             "a comm the router does not know cannot move"
         );
         assert_eq!(lost(true, &ConnError::PeerClosed), Loss::Fail);
+    }
+
+    #[test]
+    fn a_replacement_closed_within_its_handshake_limit_gets_one_more_attempt() {
+        let t0 = Instant::now();
+        let limit = migration_limit(T.completion, T.probe);
+        let lost_after = |age: Duration| {
+            let mut r = PathMachine::new(false, T, 0);
+            assert!(
+                r.handle_lane_lost(
+                    0,
+                    &link_down(),
+                    FailReason::LinkDown,
+                    Duration::ZERO,
+                    false,
+                    t0
+                ) != Loss::Fail
+            );
+            r.handle_replacement(1, 1, t0).unwrap();
+            r.handle_lane_lost(
+                1,
+                &ConnError::PeerClosed,
+                FailReason::Timeout,
+                Duration::ZERO,
+                false,
+                t0 + age,
+            )
+        };
+        // Closed soon after it arrived: the sender may have given it up unanswered.
+        assert_eq!(
+            lost_after(limit - MS),
+            Loss::Wait {
+                grace: 1700 * MS + limit,
+                path: false
+            }
+        );
+        // An older lane closing is the sender going away: as long as any close.
+        assert_eq!(
+            lost_after(limit),
+            Loss::Wait {
+                grace: 1700 * MS,
+                path: false
+            }
+        );
     }
 
     fn pair(n: u32) -> Pair {
