@@ -4,12 +4,15 @@
 //! gate, and starving the probes that must tell healthy pairs from dead ones. So at most
 //! [`PER_NIC`] replacement lanes per local NIC are in their handshake at a time; the rest
 //! wait here, in order, without a socket, and their handshake deadline starts when they
-//! are dialled. Probes and NCCL's own connects are not paced. No sockets, no clock.
+//! are dialled. A lane that is its comm's only way back (the comm has no lane up and
+//! none in its handshake) goes before those of comms already on their way, so that
+//! every displaced comm resumes within a round or two of handshakes, and the rest of its
+//! stripes follow. Probes and NCCL's own connects are not paced. No sockets, no clock.
 
 use std::collections::{BTreeSet, VecDeque};
 
 /// Replacement lanes one local NIC has in their handshake at once.
-pub const PER_NIC: usize = 32;
+pub const PER_NIC: usize = 64;
 
 #[derive(Debug, Default)]
 pub(super) struct Dials {
@@ -41,22 +44,31 @@ impl Dials {
     }
 
     /// Forgets lanes that are through their handshake, failed or gone (`still(k)` false),
-    /// and returns the waiting lanes that may be dialled now, in order; they count as
-    /// dialled from here on.
-    pub fn turn(&mut self, still: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+    /// and returns the waiting lanes that may be dialled now: first, in order, those that
+    /// are their comm's only way back (`first(k, dialled)`, told the (NIC, lane) pairs
+    /// already in their handshake), then the rest in order. They count as dialled from here on.
+    pub fn turn(
+        &mut self,
+        still: impl Fn(usize) -> bool,
+        first: impl Fn(usize, &BTreeSet<(usize, usize)>) -> bool,
+    ) -> Vec<(usize, usize)> {
         self.dialing.retain(|&(_, k)| still(k));
         self.waiting.retain(|&(_, k)| still(k));
         let mut now = Vec::new();
-        let mut left = VecDeque::with_capacity(self.waiting.len());
-        while let Some((nic, k)) = self.waiting.pop_front() {
-            if self.in_handshake(nic) < PER_NIC {
-                self.dialing.insert((nic, k));
-                now.push((nic, k));
-            } else {
-                left.push_back((nic, k));
+        for urgent_pass in [true, false] {
+            let mut left = VecDeque::with_capacity(self.waiting.len());
+            while let Some((nic, k)) = self.waiting.pop_front() {
+                let room = self.in_handshake(nic) < PER_NIC;
+                let urgent = || first(k, &self.dialing);
+                if room && (!urgent_pass || urgent()) {
+                    self.dialing.insert((nic, k));
+                    now.push((nic, k));
+                } else {
+                    left.push_back((nic, k));
+                }
             }
+            self.waiting = left;
         }
-        self.waiting = left;
         now
     }
 
@@ -88,19 +100,50 @@ mod tests {
         for k in 100..110 {
             d.wait(0, k);
         }
+        let plain = |_, _: &BTreeSet<(usize, usize)>| false;
         // Nothing finished: nothing more is dialled.
         let all = |_| true;
-        assert_eq!(d.turn(all), vec![]);
+        assert_eq!(d.turn(all, plain), vec![]);
         assert_eq!(d.waiting(), 10);
         // Three handshakes end (lanes 0, 1, 2): the three oldest waiting go, in order.
         let done = |k: usize| k > 2;
-        assert_eq!(d.turn(done), vec![(0, 100), (0, 101), (0, 102)]);
+        assert_eq!(d.turn(done, plain), vec![(0, 100), (0, 101), (0, 102)]);
         assert_eq!(d.waiting(), 7);
         // A waiting lane that is gone (its comm failed) is dropped, not dialled.
         let gone = |k: usize| k > 2 && k != 103;
-        assert_eq!(d.turn(gone), vec![]);
+        assert_eq!(d.turn(gone, plain), vec![]);
         assert_eq!(d.waiting(), 6);
         // While lanes wait on NIC 0, a new one there queues behind them.
         assert!(!d.may_dial(0));
+    }
+
+    #[test]
+    fn a_comms_only_way_back_goes_before_the_stripes_of_comms_on_their_way() {
+        // Lanes 10 + 2c are comm c's on NIC 0; 11 + 2c, on NIC 1 (an even and an odd
+        // key per comm). NIC 0's slots are full; on NIC 1 one is free.
+        let mut d = Dials::default();
+        for k in 0..PER_NIC {
+            d.dialled(0, 1000 + k);
+        }
+        for k in 0..PER_NIC - 1 {
+            d.dialled(1, 2000 + k);
+        }
+        for c in 0..4 {
+            d.wait(0, 10 + 2 * c);
+            d.wait(1, 11 + 2 * c);
+        }
+        let comm = |k: usize| (k - 10) / 2;
+        // Comm 0's lane on NIC 0 waits, so on NIC 1 every comm's lane is its first way
+        // back: the oldest (comm 0's) goes.
+        let first = |k: usize, dialled: &BTreeSet<(usize, usize)>| {
+            !dialled
+                .iter()
+                .any(|&(_, d)| (10..100).contains(&d) && comm(d) == comm(k))
+        };
+        assert_eq!(d.turn(|_| true, first), vec![(1, 11)]);
+        // Two slots free on NIC 0: comm 0 already has a lane on its way (11), so comms 1
+        // and 2 go first, though comm 0's lane waited longer.
+        let done = |k: usize| k != 1000 && k != 1001;
+        assert_eq!(d.turn(done, first), vec![(0, 12), (0, 14)]);
     }
 }

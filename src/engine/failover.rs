@@ -620,12 +620,20 @@ impl Engine {
         if self.dials.is_idle() {
             return;
         }
-        let lanes = &self.lanes;
-        let due = self.dials.turn(|k| {
-            lanes
-                .get(k)
-                .is_some_and(|l| matches!(l.role, Role::Migrating { .. }))
-        });
+        let (lanes, comms) = (&self.lanes, &self.comms);
+        let comm_of = |k: usize| match lanes.get(k).map(|l| &l.role) {
+            Some(Role::Migrating { comm, .. }) => Some(*comm),
+            _ => None,
+        };
+        // A lane is its comm's only way back when the comm has no lane up and none of its
+        // lanes is in its handshake.
+        let first = |k: usize, dialled: &std::collections::BTreeSet<(usize, usize)>| {
+            comm_of(k).is_some_and(|c| {
+                !comms.get(c).is_some_and(|m| m.path.has_lane())
+                    && !dialled.iter().any(|&(_, d)| comm_of(d) == Some(c))
+            })
+        };
+        let due = self.dials.turn(|k| comm_of(k).is_some(), first);
         for (nic, k) in due {
             let Some(q) = self.lanes.get(k).and_then(|l| l.queued) else {
                 continue;
