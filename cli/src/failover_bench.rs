@@ -218,6 +218,10 @@ fn spawn(tb: &Testbed, side: Side, role: &str, o: &Opts) -> Result<Proc, String>
     if let (Some(k), "send") = (o.lockstep, role) {
         c.args(["--lockstep", &k.to_string()]);
     }
+    if role == "recv" {
+        // It keeps its comms until told: the sender's last acknowledgements arrive.
+        c.arg("--linger");
+    }
     // Only the testbed's rails; info for the failover and fail-back lines.
     c.env("RAILOVER_IFNAME", "rv")
         .env("RAILOVER_METRICS_PORT", "off")
@@ -299,6 +303,12 @@ fn measure(o: &Opts) -> Result<Report, String> {
     let seconds = o.steady + o.down + o.after;
     let bound = Duration::from_secs_f64(seconds + 3.0 * GRACE_S + 10.0);
     let mut recv = recv;
+    // Both ends say how it went before either closes.
+    for p in [&recv, &send] {
+        p.wait_line(bound, |l| is(l, |e| matches!(e, Event::Summary(_))));
+    }
+    recv.send(&fault_line::Command::Close.to_line());
+    recv.close_stdin();
     let recv_exit = recv.wait_exit(bound).and_then(|s| s.code());
     send.send(&fault_line::Command::Close.to_line());
     send.close_stdin();

@@ -47,6 +47,7 @@ struct Opts {
     ping_size: usize,
     /// Register data buffers as GPU memory where the device takes it.
     gpu: bool,
+    linger: bool,
 }
 
 /// Test machinery for `tests/fault.rs` and the demo, hence hidden from `railover --help`.
@@ -105,6 +106,11 @@ pub struct Args {
     /// the payloads can still be checked; the plugin must not touch it with the CPU)
     #[arg(long)]
     pub gpu: bool,
+    /// recv: after the summary, keep the comms open until `close` (or EOF) on stdin, at
+    /// most --grace seconds, as a job keeps its comms until both ends are done: the last
+    /// acknowledgements still reach the sender. Without it the receiver exits at once.
+    #[arg(long)]
+    pub linger: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -177,6 +183,7 @@ impl From<&Args> for Opts {
             rounds: a.rounds as u64,
             ping_size: a.ping_size,
             gpu: a.gpu,
+            linger: a.linger,
         }
     }
 }
@@ -786,6 +793,9 @@ fn receiver(o: &Opts) -> i32 {
         .count();
     tally.summary("recv", lanes.len(), ended, failed, stalled);
     let code = tally.exit_code(stalled);
+    if o.linger {
+        wait_for_close(Duration::from_secs_f64(o.grace));
+    }
     // Receives posted past END (and any stuck ones) stay posted: leave them to the
     // process exit rather than closing comms under outstanding requests.
     if lanes
@@ -799,6 +809,21 @@ fn receiver(o: &Opts) -> i32 {
         let _ = ctx.finalize();
     }
     code
+}
+
+/// Waits for `close` or the end of stdin, at most `limit`.
+fn wait_for_close(limit: Duration) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            match line.map(|l| Command::parse(l.trim())) {
+                Ok(Ok(Command::Close)) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let _ = tx.send(());
+    });
+    let _ = rx.recv_timeout(limit);
 }
 
 // ---- sender -----------------------------------------------------------------------

@@ -86,6 +86,10 @@ pub struct Flow {
 fn spawn(tb: &Testbed, side: Side, role: &str, o: &FlowOpts) -> Proc {
     let mut c = tb.command(side, EXE);
     c.arg("fault-peer").arg(role).args(o.args());
+    if role == "recv" {
+        // It keeps its comms until told: the sender's last acknowledgements arrive.
+        c.arg("--linger");
+    }
     // Only the testbed's interfaces (rv0, rv1, ...) become the plugin's NICs.
     c.env("RAILOVER_IFNAME", "rv");
     c.envs(o.env.iter().map(|(k, v)| (k, v)));
@@ -195,8 +199,15 @@ impl Flow {
     /// bounds); `None` for an end that hung.
     pub fn finish(mut self) -> (Report, Report) {
         let bound = Duration::from_secs_f64(self.opts.seconds + 3.0 * self.opts.grace + 10.0);
+        // Both ends say how it went before either closes, as a job's ranks finish their
+        // last collective before any of them tears down.
+        let summary = |l: &str| is(l, |e| matches!(e, Event::Summary(_)));
+        for p in [&self.recv, &self.send] {
+            p.wait_line(bound, summary);
+        }
+        self.recv.send(&Command::Close.to_line());
+        self.recv.close_stdin();
         let rs = self.recv.wait_exit(bound);
-        // The receiver is done with its comms: the sender may close.
         self.send.send(&Command::Close.to_line());
         self.send.close_stdin();
         let ss = self.send.wait_exit(bound);
