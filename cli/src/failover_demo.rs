@@ -1,8 +1,8 @@
-//! `railover demo`: the failover, live. Two plugin processes (`fault-peer`) stream 8
-//! comms of checksummed messages over four NICs, held in lockstep as one collective's
-//! channels (no comm more than 8 messages past the slowest); NIC 0 of the sending node is
-//! cut, then restored, and the table shows what each NIC carried and when traffic moved
-//! and moved back. The summary ends with what the slowest comm kept
+//! `railover demo`: the failover, live. Two plugin processes (`fault-peer`) stream 16
+//! comms (`--comms`, 1 … 256) of checksummed messages over four NICs, held in lockstep
+//! as one collective's channels (no comm more than 8 messages past the slowest); NIC 0 of
+//! the sending node is cut, then restored, and the table shows what each NIC carried and
+//! when traffic moved and moved back. The summary ends with what the slowest comm kept
 //! of its rate after the cut (a collective waits for its slowest channel, so that is what
 //! a job keeps) beside what the aggregate of the NIC counters kept, measured as
 //! `railover bench --failover` does ([`railover_testkit::kept`]).
@@ -98,8 +98,19 @@ const SAMPLE: Duration = Duration::from_millis(500);
 /// The sender's lockstep window: no comm posts more than this many messages past the
 /// slowest comm's completed count (as `railover bench --failover` by default).
 const LOCKSTEP: usize = 8;
-const PER_DEV: usize = 2;
-const COMMS: usize = PER_DEV * RAILS;
+const DEPTH: usize = 8;
+/// Bytes in flight per node at most (comms × depth × message size): a message size of
+/// this over the comms keeps each comm at about 24 messages a second or more on the
+/// shaped links whatever their number, so the slowest comm's progress over a steady
+/// window is counted in dozens of messages, not a handful.
+const IN_FLIGHT: usize = 32 << 20;
+
+/// The message size for `comms` comms: 256 KiB up to 16 comms, then halved as they
+/// double, down to 16 KiB.
+fn message_size(comms: usize) -> usize {
+    let s = (IN_FLIGHT / DEPTH / comms.max(1)).clamp(16 << 10, 256 << 10);
+    1 << (usize::BITS - 1 - s.leading_zeros())
+}
 
 /// When NIC 0 is cut and restored, seconds after traffic starts: late enough for a
 /// steady window before the cut, the restore late enough for one after failover settled
@@ -114,11 +125,13 @@ fn is(line: &str, pred: impl Fn(&Event) -> bool) -> bool {
     Event::parse(line).is_some_and(|e| pred(&e))
 }
 
-fn spawn(bed: &Bed, side: Side, role: &str, seconds: f64) -> std::io::Result<Proc> {
+fn spawn(bed: &Bed, side: Side, role: &str, seconds: f64, comms: usize) -> std::io::Result<Proc> {
     let mut c = bed.command(side)?;
     // Ticks with per-comm bytes, and lockstep, as the bench's fault-peers have them.
     c.args(["fault-peer", role])
-        .args(["--per-dev", &PER_DEV.to_string()])
+        .args(["--comms", &comms.to_string()])
+        .args(["--size", &message_size(comms).to_string()])
+        .args(["--depth", &DEPTH.to_string()])
         .args(["--seconds", &format!("{seconds}")])
         .args(["--tick-ms", &TICK_MS.to_string()]);
     if role == "send" {
@@ -144,7 +157,7 @@ struct Phase {
     mbit: [f64; RAILS],
 }
 
-pub fn run(seconds: f64, mode: Mode) -> i32 {
+pub fn run(seconds: f64, comms: usize, mode: Mode) -> i32 {
     let bed = match mode {
         Mode::Namespaces => {
             println!("railover demo: failover on a namespace testbed");
@@ -172,7 +185,7 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
     let names: Vec<String> = (0..RAILS).map(|i| bed.nic(i)).collect();
     let t = Duration::from_secs(30);
     let (recv, mut send) = match (|| -> Result<(Proc, Proc), String> {
-        let recv = spawn(&bed, Side::B, "recv", seconds).map_err(|e| e.to_string())?;
+        let recv = spawn(&bed, Side::B, "recv", seconds, comms).map_err(|e| e.to_string())?;
         recv.wait_line(t, |l| {
             is(l, |e| {
                 matches!(e, Event::Listening { .. } | Event::SetupFailed { .. })
@@ -180,7 +193,7 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
         })
         .filter(|l| is(l, |e| matches!(e, Event::Listening { .. })))
         .ok_or_else(|| format!("the receiver did not start:\n{}", recv.stderr_tail(10)))?;
-        let mut send = spawn(&bed, Side::A, "send", seconds).map_err(|e| e.to_string())?;
+        let mut send = spawn(&bed, Side::A, "send", seconds, comms).map_err(|e| e.to_string())?;
         for l in recv.lines() {
             if let Some(Event::Handle(h)) = Event::parse(&l) {
                 send.send(&fault_line::Command::Handle(h).to_line());
@@ -202,8 +215,14 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
             return 1;
         }
     };
+    let spread = match comms {
+        1 => format!("1 comm (on {})", names[0]),
+        c if c % RAILS == 0 => format!("{c} comms ({} per NIC)", c / RAILS),
+        c => format!("{c} comms (over the NICs in turn)"),
+    };
     println!(
-        "  {COMMS} comms ({PER_DEV} per rail), 512 KiB messages, 8 in flight each, every byte checked by node B;"
+        "  {spread}, {} messages, {DEPTH} in flight each, every byte checked by node B;",
+        crate::size::format(message_size(comms) as u64)
     );
     println!(
         "  in lockstep as one collective's channels: no comm more than {LOCKSTEP} messages past the slowest"
@@ -273,13 +292,14 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
                 phases[phase].mbit[i] += m;
             }
         }
-        // Log lines of moves, as they happen.
-        let log = send.stderr_tail(400);
+        // Log lines of moves, as they happen: the first of this sample and how many more.
+        let log = send.stderr_tail(usize::MAX);
         let moves: Vec<&str> = log
             .lines()
             .filter(|l| l.contains(" failover comm=") || l.contains(" failback comm="))
             .collect();
-        for l in &moves[shown.min(moves.len())..] {
+        let new = &moves[shown.min(moves.len())..];
+        if let Some(l) = new.first() {
             let what = l.split("railover: ").last().unwrap_or(l);
             let since = stamp(l).and_then(|t| {
                 let base = if l.contains("failback") {
@@ -296,6 +316,9 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
                 event.push_str("; ");
             }
             event.push_str(&format!("{what}{since}"));
+            if new.len() > 1 {
+                event.push_str(&format!(" (+{} more comms)", new.len() - 1));
+            }
         }
         shown = moves.len();
         let total: f64 = mbit.iter().sum();
@@ -317,8 +340,8 @@ pub fn run(seconds: f64, mode: Mode) -> i32 {
         .and_then(|s| s.code());
     let rs = Event::last_summary(&recv.lines());
     let ss = Event::last_summary(&send.lines());
-    let problems = check_intact(COMMS, [(&rs, recv_exit), (&ss, send_exit)]);
-    let log = send.stderr_tail(400);
+    let problems = check_intact(comms, [(&rs, recv_exit), (&ss, send_exit)]);
+    let log = send.stderr_tail(usize::MAX);
     let first = |what: &str, base: Option<u128>| {
         log.lines()
             .filter(|l| l.contains(what))
@@ -471,6 +494,21 @@ fn print_kept(m: &Measured, start_ms: u64, loopback: bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_shrink_as_comms_grow_past_sixteen() {
+        for (comms, kib) in [
+            (1, 256),
+            (4, 256),
+            (16, 256),
+            (17, 128),
+            (32, 128),
+            (64, 64),
+        ] {
+            assert_eq!(message_size(comms), kib << 10, "{comms} comms");
+        }
+        assert_eq!(message_size(crate::demo::MAX_COMMS), 16 << 10);
+    }
 
     #[test]
     fn the_schedule_leaves_steady_windows_to_measure_from_the_shortest_run() {
