@@ -475,7 +475,8 @@ fn print_kept(m: &Measured, start_ms: u64, loopback: bool) {
         mbit(k.after.aggregate)
     );
     if loopback {
-        println!("  (on loopback the CPU, not the NICs, bounds the rate: losing one costs little)");
+        println!("  (on loopback the CPU bounds the rate, not the NICs: these ratios follow the");
+        println!("  machine's load, and say little about the failover)");
     }
     if let Some(b) = &m.back {
         println!(
