@@ -178,7 +178,7 @@ fn message_size(v: &str) -> Result<usize, String> {
     usize::try_from(n).map_err(|e| e.to_string())
 }
 
-fn int_in(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
+pub(crate) fn int_in(lo: usize, hi: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
     move |v| match v.parse::<usize>() {
         Ok(n) if (lo..=hi).contains(&n) => Ok(n),
         _ => Err(format!("expected an integer in {lo} … {hi}")),

@@ -7,7 +7,16 @@ pub struct Args {
     /// and the heal need them)
     #[arg(long, value_name = "N", default_value = "15", value_parser = seconds, allow_negative_numbers = true)]
     pub seconds: f64,
+    /// Comms streaming at once, spread over the four NICs in turn and held in lockstep
+    /// (no comm more than 8 messages past the slowest), 1 … 256
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_COMMS, value_parser = crate::bench::int_in(1, MAX_COMMS))]
+    pub comms: usize,
 }
+
+/// Four per NIC: the cut NIC's four comms do not divide over the three survivors, so
+/// moving each whole would leave the slowest comm 4/6 of its rate; spread, (N−1)/N.
+pub const DEFAULT_COMMS: usize = 16;
+pub const MAX_COMMS: usize = 256;
 
 fn seconds(v: &str) -> Result<f64, String> {
     match v.parse::<f64>() {
@@ -17,14 +26,13 @@ fn seconds(v: &str) -> Result<f64, String> {
 }
 
 pub fn run(a: &Args) -> i32 {
-    let seconds = a.seconds;
+    use crate::failover_demo::Mode;
+    let seconds = a.seconds.max(12.0);
     match railover_testkit::testbed::unavailable() {
-        None => {
-            crate::failover_demo::run(seconds.max(12.0), crate::failover_demo::Mode::Namespaces)
-        }
+        None => crate::failover_demo::run(seconds, a.comms, Mode::Namespaces),
         Some(why) => {
             println!("railover demo: LOOPBACK VARIANT with in-process fault injection ({why})");
-            crate::failover_demo::run(seconds.max(12.0), crate::failover_demo::Mode::Loopback)
+            crate::failover_demo::run(seconds, a.comms, Mode::Loopback)
         }
     }
 }
@@ -34,12 +42,16 @@ mod tests {
     use crate::{Cli, Command};
     use clap::Parser;
 
-    fn seconds(argv: &[&str]) -> Result<f64, clap::Error> {
+    fn args(argv: &[&str]) -> Result<super::Args, clap::Error> {
         let argv = ["railover", "demo"].iter().chain(argv);
         match Cli::try_parse_from(argv)?.command {
-            Command::Demo(a) => Ok(a.seconds),
+            Command::Demo(a) => Ok(a),
             c => panic!("parsed as {c:?}"),
         }
+    }
+
+    fn seconds(argv: &[&str]) -> Result<f64, clap::Error> {
+        args(argv).map(|a| a.seconds)
     }
 
     #[test]
@@ -49,6 +61,22 @@ mod tests {
         for bad in ["0", "-1", "3601", "nan", "soon"] {
             let e = seconds(&["--seconds", bad]).unwrap_err().to_string();
             assert!(e.contains("--seconds") && e.contains("(0, 3600]"), "{e}");
+        }
+    }
+
+    #[test]
+    fn comms_default_to_four_per_nic_and_are_bounded() {
+        assert_eq!(args(&[]).unwrap().comms, 16);
+        assert_eq!(args(&["--comms", "1"]).unwrap().comms, 1);
+        assert_eq!(args(&["--comms", "256"]).unwrap().comms, 256);
+        for bad in ["0", "257", "many"] {
+            let e = args(&["--comms", bad]).unwrap_err();
+            assert_eq!(e.exit_code(), 2);
+            let e = e.to_string();
+            assert!(
+                e.contains("--comms") && e.contains(bad) && e.contains("1 … 256"),
+                "{e}"
+            );
         }
     }
 }

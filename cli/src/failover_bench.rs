@@ -25,7 +25,7 @@ use crate::sim::{lockstep_kept, Placement};
 use crate::size;
 
 /// Tick interval of both endpoints.
-const TICK_MS: u64 = 250;
+pub(crate) const TICK_MS: u64 = 250;
 /// The slowest comm in the time series: over this many ticks (1 s).
 const SMOOTH_TICKS: usize = 4;
 const GRACE_S: f64 = 5.0;
@@ -427,7 +427,7 @@ fn measure(o: &Opts) -> Result<Report, String> {
 }
 
 /// What the steady windows leave out, from the plugin's own knobs as it reads them.
-fn exclude() -> Exclude {
+pub(crate) fn exclude() -> Exclude {
     let timeout = env_ms("RAILOVER_COMPLETION_TIMEOUT_MS", 1000);
     let failback =
         env_ms("RAILOVER_FAILBACK_INTERVAL_MS", 1000) * env_ms("RAILOVER_FAILBACK_PROBES", 3);
@@ -442,7 +442,10 @@ fn exclude() -> Exclude {
 }
 
 /// Why the run was not exactly once (empty: it was), from each end's summary and exit.
-fn check_intact(comms: usize, ends: [(&Option<Summary>, Option<i32>); 2]) -> Vec<String> {
+pub(crate) fn check_intact(
+    comms: usize,
+    ends: [(&Option<Summary>, Option<i32>); 2],
+) -> Vec<String> {
     let mut v = Vec::new();
     let names = ["receiver", "sender"];
     for ((s, exit), name) in ends.iter().zip(names) {

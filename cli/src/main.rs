@@ -31,7 +31,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Live failover under checksummed traffic: per-NIC throughput, failover and
-    /// fail-back times, a summary table
+    /// fail-back times, a summary table, what the slowest comm and the aggregate kept
     ///
     /// As root: two network namespaces joined by four shaped links; traffic through the
     /// plugin, one link taken down and brought back. Without root: the same stream on

@@ -38,7 +38,7 @@ fn help_lists_the_user_commands_and_not_the_test_machinery() {
 #[test]
 fn every_user_command_has_help_with_its_options() {
     for (cmd, opts) in [
-        ("demo", &["--seconds"][..]),
+        ("demo", &["--seconds", "--comms"][..]),
         ("bench", &["--min-bytes", "--quick", "--json", "--markdown"]),
         ("doctor", &["--json", "--sysfs-root", "--topo-file"]),
         ("sim", &["--nics", "--size", "--json"]),
