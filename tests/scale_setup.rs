@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 use railover_testkit::driver::{pattern, Ctx, Request};
 
 const COMMS: usize = 1024;
+/// How long the child then holds every comm open and idle, to report what that costs.
+const IDLE: Duration = Duration::from_secs(3);
 const LEN: usize = 4096;
 /// Bound on the whole setup and exchange: seconds here, a generous margin for a loaded
 /// 2-core CI machine.
@@ -107,9 +109,25 @@ fn thousand_comms_child() {
         finish(sr, end);
         intact += usize::from(rb.bytes().unwrap() == &pattern(i as u64, LEN)[..]);
     }
+    // What the comms cost while open and idle: this process's CPU time over a window
+    // (reported, not judged: a timing).
+    let cpu = || {
+        let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+        let f: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .collect();
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+    };
+    let (c0, t0) = (cpu(), Instant::now());
+    std::thread::sleep(IDLE);
+    let ticks = 100.0; // USER_HZ on Linux
+    let idle_pct = (cpu() - c0) as f64 / ticks / t0.elapsed().as_secs_f64() * 100.0;
     let st = rt.stats();
     println!(
-        "scale comms={COMMS} intact={intact} setup_ms={} rejected={} evicted={} peak={} nofile_before={soft_before} nofile_after={}",
+        "scale comms={COMMS} intact={intact} setup_ms={} idle_cpu_pct={idle_pct:.1} rejected={} evicted={} peak={} nofile_before={soft_before} nofile_after={}",
         setup.as_millis(),
         st.rejected_connections.load(Ordering::Relaxed),
         st.evicted_handshakes.load(Ordering::Relaxed),

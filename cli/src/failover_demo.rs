@@ -134,9 +134,11 @@ fn spawn(bed: &Bed, side: Side, role: &str, seconds: f64, comms: usize) -> std::
         .args(["--depth", &DEPTH.to_string()])
         .args(["--seconds", &format!("{seconds}")])
         .args(["--tick-ms", &TICK_MS.to_string()]);
-    if role == "send" {
-        c.args(["--lockstep", &LOCKSTEP.to_string()]);
-    }
+    match role {
+        "send" => c.args(["--lockstep", &LOCKSTEP.to_string()]),
+        // It keeps its comms until told: the sender's last acknowledgements arrive.
+        _ => c.arg("--linger"),
+    };
     c.env("RAILOVER_LOG", "info")
         .env("RAILOVER_METRICS_PORT", "off");
     Proc::spawn(c, role)
@@ -327,9 +329,15 @@ pub fn run(seconds: f64, comms: usize, mode: Mode) -> i32 {
             mbit[0], mbit[1], mbit[2], mbit[3]
         );
     }
-    // Let both ends finish and report: node B first, as the sender keeps its comms open
-    // (for the receives node B has yet to test) until it is told to close.
+    // Let both ends finish and report before either closes, then node B first: each
+    // keeps its comms open until told, so no last acknowledgement is cut off.
+    let summary = |l: &str| matches!(Event::parse(l), Some(Event::Summary(_)));
+    for p in [&recv, &send] {
+        p.wait_line(Duration::from_secs(30), summary);
+    }
     let mut recv = recv;
+    recv.send(&fault_line::Command::Close.to_line());
+    recv.close_stdin();
     let recv_exit = recv
         .wait_exit(Duration::from_secs(30))
         .and_then(|s| s.code());

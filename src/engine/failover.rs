@@ -217,6 +217,7 @@ impl Engine {
         }
         self.fair.forget(k);
         self.leave_gate(k);
+        self.timers.forget(k);
         if let Some(lane) = self.lanes.try_remove(k) {
             self.last_look(lane, k, io);
             io.bury(k);
@@ -643,7 +644,7 @@ impl Engine {
                     let lane = &mut self.lanes[k];
                     lane.queued = None;
                     lane.m.expect_by(now + q.limit);
-                    self.arm(now + q.limit);
+                    self.arm(k, now + q.limit);
                     self.dirty.push(k);
                 }
                 Err(e) => self.fail_lane(k, Cause::error(io_error(&e)), now, io),

@@ -114,7 +114,8 @@ impl Engine {
     }
 
     pub(super) fn add_lane(&mut self, k: usize, role: Role, now: Instant, limit: Duration) {
-        self.arm(now + limit);
+        self.timers.forget(k);
+        self.arm(k, now + limit);
         let entry = self.lanes.vacant_entry();
         debug_assert_eq!(entry.key(), k, "a lane filed under another key");
         entry.insert(Lane {
@@ -134,6 +135,7 @@ impl Engine {
     pub(super) fn drop_lane(&mut self, k: usize, io: &mut dyn Io) {
         self.fair.forget(k);
         self.leave_gate(k);
+        self.timers.forget(k);
         if let Some(lane) = self.lanes.try_remove(k) {
             self.last_look(lane, k, io);
             io.close(k);
@@ -160,6 +162,12 @@ impl Engine {
     /// Lane `k` is readable (or was left with reading to do): reads everything it has,
     /// feeding the machines; then queues its output.
     pub fn service_lane(&mut self, k: usize, now: Instant, io: &mut dyn Io) {
+        self.read_lane(k, now, io);
+        // What it read may have given its machine a nearer deadline (a linger, a probe's).
+        self.rearm(k);
+    }
+
+    fn read_lane(&mut self, k: usize, now: Instant, io: &mut dyn Io) {
         loop {
             let Some(lane) = self.lanes.get_mut(k) else {
                 return;
@@ -180,7 +188,7 @@ impl Engine {
                 lane.setting_up = false;
                 let at = now + preauth_deadline(self.setup.completion_timeout);
                 lane.m.expect_by(at);
-                self.next_deadline = Some(self.next_deadline.map_or(at, |d| d.min(at)));
+                self.timers.arm(k, at);
             }
             match got {
                 Ok(Some(item)) => {
@@ -524,6 +532,7 @@ impl Engine {
         l.role = Role::Comm(c);
         l.m.carry();
         l.reader.enlarge();
+        self.rearm(k);
     }
 }
 

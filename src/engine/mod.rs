@@ -23,6 +23,7 @@ pub mod gate;
 pub mod harness;
 mod lanes;
 mod paths;
+mod timers;
 
 use std::collections::{BTreeSet, HashMap};
 use std::io;
@@ -323,7 +324,8 @@ pub struct Engine {
     dirty: Vec<usize>,
     /// Lanes that stopped on their per-call budget and must be served again.
     again: Vec<usize>,
-    next_deadline: Option<Instant>,
+    /// Every lane's next deadline, in one heap.
+    timers: timers::Timers,
     router: Router,
     routes: Arc<RoutePublisher>,
     routes_dirty: bool,
@@ -377,7 +379,7 @@ impl Engine {
             listeners: HashMap::new(),
             dirty: Vec::new(),
             again: Vec::new(),
-            next_deadline: None,
+            timers: timers::Timers::default(),
             router: Router::new(router_cfg),
             routes: Arc::new(RoutePublisher::new(routing::Routes::default())),
             routes_dirty: false,
@@ -433,7 +435,7 @@ impl Engine {
     /// The earliest time a timer (lane deadlines, the periodic tick, the router's) is due.
     pub fn poll_timeout(&self) -> Option<Instant> {
         [
-            self.next_deadline,
+            self.timers.next(),
             Some(self.next_tick),
             self.router.poll_timeout(),
             self.redials.iter().map(|&(at, _)| at).min(),
@@ -445,7 +447,7 @@ impl Engine {
 
     /// Runs every timer that is due at `now`.
     pub fn handle_timeout(&mut self, now: Instant, io: &mut dyn Io) {
-        if self.next_deadline.is_some_and(|d| d <= now) {
+        if self.timers.next().is_some_and(|d| d <= now) {
             self.expire(now, io);
         }
         if self.redials.iter().any(|&(at, _)| at <= now) {
@@ -759,7 +761,7 @@ impl Engine {
             lane.role = Role::Closing;
             lane.m.linger(now);
             self.dirty.push(k);
-            self.arm(now + LINGER);
+            self.arm(k, now + LINGER);
         }
     }
 
@@ -845,10 +847,14 @@ impl Engine {
     }
 
     /// Runs the lanes' timers that are due: handshakes, probes and migrations that took
-    /// too long, lingering lanes, silence and keepalives.
+    /// too long, lingering lanes, silence and keepalives. Only the lanes due are looked
+    /// at; each is armed again with its machine's next deadline.
     fn expire(&mut self, now: Instant, io: &mut dyn Io) {
         let mut failed = Vec::new();
-        for (k, lane) in self.lanes.iter_mut() {
+        while let Some(k) = self.timers.pop_due(now) {
+            let Some(lane) = self.lanes.get_mut(k) else {
+                continue;
+            };
             if lane.m.poll_timeout().is_some_and(|d| d <= now) {
                 // Judged against its path: what its neighbours heard, up to now.
                 if let Some(at) = lane.path().and_then(|p| self.paths.last_heard(p)) {
@@ -860,20 +866,25 @@ impl Engine {
                 }
                 failed.extend(lane.m.poll_failure().map(|c| (k, c)));
             }
+            if let Some(next) = lane.m.poll_timeout() {
+                self.timers.arm(k, next);
+            }
         }
         for (k, cause) in failed {
             self.lane_condemned(k, cause, now, io);
         }
-        self.next_deadline = self
-            .lanes
-            .iter()
-            .filter_map(|(_, l)| l.m.poll_timeout())
-            .min();
     }
 
-    /// A lane timer may be due at `at`.
-    pub(super) fn arm(&mut self, at: Instant) {
-        self.next_deadline = Some(self.next_deadline.map_or(at, |d| d.min(at)));
+    /// Lane `k` must be looked at by `at` (a deadline its machine was just given).
+    pub(super) fn arm(&mut self, k: usize, at: Instant) {
+        self.timers.arm(k, at);
+    }
+
+    /// Lane `k`'s machine may have a nearer deadline than the one it is armed for.
+    pub(super) fn rearm(&mut self, k: usize) {
+        if let Some(at) = self.lanes.get(k).and_then(|l| l.m.poll_timeout()) {
+            self.timers.arm(k, at);
+        }
     }
 
     /// Shutdown: closes every comm, hands the last acks to the sockets, then lets every
