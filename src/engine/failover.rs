@@ -142,6 +142,27 @@ impl Engine {
             }
             Role::Probe { pair, .. } => self.probe_failed(pair, now),
             Role::Migrating { comm: c, mv } => {
+                // A handshake that missed its limit on a path whose lanes the peer keeps
+                // acknowledging lost to congestion (a storm of handshakes behind full
+                // queues), not to the pair: its stripes are dialled again on the same
+                // pair rather than failing the pair under every comm on it.
+                let congested = matches!(error, ConnError::Io(_))
+                    && reason == FailReason::Timeout
+                    && self.pair_delivering(mv.to, now);
+                if congested {
+                    tracing::info!(
+                        "railover: comm {c}: new lane on {} missed its handshake limit on a path that delivers; dialling again",
+                        mv.to
+                    );
+                    let stripes = (self.comms.get_mut(c))
+                        .map(|comm| comm.path.handle_opening_failed(k))
+                        .unwrap_or_default();
+                    self.release_lane(k, cut, io);
+                    for lane in stripes {
+                        self.start_migration(Move { lane, ..mv }, now, io);
+                    }
+                    return;
+                }
                 tracing::warn!("railover: comm {c}: new lane on {} failed: {error}", mv.to);
                 if let Some(comm) = self.comms.get_mut(c) {
                     let stripes = comm.path.handle_opening_failed(k);
