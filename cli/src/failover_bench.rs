@@ -116,6 +116,10 @@ pub struct Report {
     /// `railover sim --lockstep`: whole-comm moves and striped.
     pub sim_whole: Option<f64>,
     pub sim_striped: Option<f64>,
+    /// From `go` until every comm was connected at both ends.
+    pub setup_ms: u64,
+    /// CPU time (user + system) of the receiver and the sender over the whole run.
+    pub cpu_s: [Option<f64>; 2],
     /// From the cut to the first failover line in node A's log.
     pub failover_ms: Option<u64>,
     pub failovers: usize,
@@ -248,6 +252,14 @@ fn wait_for(p: &Proc, what: &str, ok: impl Fn(&Event) -> bool) -> Result<(), Str
     }
 }
 
+/// CPU seconds (user + system) process `pid` has used, from /proc.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let f: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0) // USER_HZ
+}
+
 /// Sleeps until Unix-epoch ms `t`: the experiment's schedule, not synchronisation.
 fn sleep_until(t: u64) {
     let now = unix_ms() as u64;
@@ -286,10 +298,12 @@ fn measure(o: &Opts) -> Result<Report, String> {
             send.send(&fault_line::Command::Handle(h).to_line());
         }
     }
+    let go = std::time::Instant::now();
     send.send(&fault_line::Command::Go.to_line());
     for p in [&recv, &send] {
         wait_for(p, "connect", |e| matches!(e, Event::Connected { .. }))?;
     }
+    let setup_ms = go.elapsed().as_millis() as u64;
     let start = unix_ms() as u64;
     note!("  steady for {} s, then rail 0 down on node A", o.steady);
     sleep_until(start + (o.steady * 1000.0) as u64);
@@ -307,6 +321,14 @@ fn measure(o: &Opts) -> Result<Report, String> {
     for p in [&recv, &send] {
         p.wait_line(bound, |l| is(l, |e| matches!(e, Event::Summary(_))));
     }
+    // CPU each peer used over the run (both still open: their comms linger).
+    let cpu_s = [cpu_seconds(recv.pid()), cpu_seconds(send.pid())];
+    let secs = |c: Option<f64>| c.map_or("?".into(), |c| format!("{c:.1} s"));
+    note!(
+        "  setup {setup_ms} ms; CPU over the run: receiver {}, sender {}",
+        secs(cpu_s[0]),
+        secs(cpu_s[1])
+    );
     recv.send(&fault_line::Command::Close.to_line());
     recv.close_stdin();
     let recv_exit = recv.wait_exit(bound).and_then(|s| s.code());
@@ -411,6 +433,8 @@ fn measure(o: &Opts) -> Result<Report, String> {
         target_met: slowest >= target,
         sim_whole: lockstep_kept(o.rails as u32, o.comms as u32, Placement::Whole),
         sim_striped: lockstep_kept(o.rails as u32, o.comms as u32, Placement::Striped),
+        setup_ms,
+        cpu_s,
         failover_ms,
         failovers,
         failback_ms,
