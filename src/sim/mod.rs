@@ -111,9 +111,9 @@ struct Flow {
     /// The next send and the next group of receives NCCL posts.
     next_send: usize,
     next_group: usize,
-    /// Sends `isend` answered "not now", with when NCCL first tried each: it tries
-    /// them again, in order, on every turn.
-    waiting: VecDeque<(usize, Time)>,
+    /// Sends `isend` answered "not now", with when NCCL first tried each and the buffer
+    /// it holds for it: it tries them again, in order, on every turn.
+    waiting: VecDeque<(usize, Time, Arc<SimMem>)>,
     sends: VecDeque<Posted>,
     recvs: VecDeque<Posted>,
     /// NCCL's IB transport, given the same calls: where each send must go.
@@ -141,7 +141,7 @@ struct Flow {
 
 /// One run of one seed.
 struct Sim {
-    s: Scenario,
+    s: Arc<Scenario>,
     net: SharedNet,
     base: Instant,
     now: Time,
@@ -452,7 +452,8 @@ impl Sim {
     /// Posts comm `f`'s receives that are due, a group at a time, within the window;
     /// returns when the next one is due.
     fn post_receives(&mut self, f: usize) -> Option<Time> {
-        let plan = self.s.comms[f].clone();
+        let s = self.s.clone();
+        let plan = &s.comms[f];
         let groups = &plan.matching.groups;
         let to = 1 - plan.from;
         while self.flows[f].next_group < groups.len() && self.flows[f].recvs.len() < plan.window {
@@ -512,7 +513,8 @@ impl Sim {
     /// send it holds, in order, through the plugin's own `isend`; returns when the next
     /// one is due, or now when one was handed to the reactor.
     fn post_sends(&mut self, f: usize) -> Option<Time> {
-        let plan = self.s.comms[f].clone();
+        let s = self.s.clone();
+        let plan = &s.comms[f];
         let n = plan.sizes.len();
         let mut soon = None;
         let fl = &mut self.flows[f];
@@ -522,15 +524,17 @@ impl Sim {
                 soon = Some(due);
                 break;
             }
-            fl.waiting.push_back((fl.next_send, self.now));
+            let j = fl.next_send;
+            let len = plan.sizes[plan.matching.order[j]];
+            let mem = Arc::new(SimMem::new(message(f, j, len)));
+            fl.waiting.push_back((j, self.now, mem));
             fl.next_send += 1;
         }
         let at = self.base + self.now;
         for _ in 0..self.flows[f].waiting.len() {
-            let (j, since) = self.flows[f].waiting.pop_front().expect("counted");
+            let (j, since, mem) = self.flows[f].waiting.pop_front().expect("counted");
             let k = plan.matching.order[j];
             let (tag, len) = (plan.matching.tags[k], plan.sizes[k]);
-            let mem = Arc::new(SimMem::new(message(f, j, len)));
             let fl = &mut self.flows[f];
             let req = match fl.send.isend(mem.user_buf(), tag, at) {
                 Err(e) => {
@@ -539,7 +543,7 @@ impl Sim {
                     req
                 }
                 Ok(Isend::NotNow) => {
-                    fl.waiting.push_back((j, since));
+                    fl.waiting.push_back((j, since, mem));
                     self.not_now += 1;
                     continue;
                 }
@@ -725,8 +729,8 @@ impl Sim {
         let now = self.now;
         let fl = &self.flows[f];
         let stuck = (fl.waiting.iter())
-            .find(|&&(_, since)| now > since.max(self.last_fault) + HANG_BOUND)
-            .copied();
+            .find(|&&(_, since, _)| now > since.max(self.last_fault) + HANG_BOUND)
+            .map(|&(j, since, _)| (j, since));
         if let Some((j, since)) = stuck {
             let posted = self.flows[f].next_group;
             self.violate(format!(
@@ -927,7 +931,7 @@ pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
 
 /// Runs scenario `s` (a seed's, or one made by hand); `trace` prints what happens.
 pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
-    let s = s.clone();
+    let s = Arc::new(s.clone());
     let net = Arc::new(Mutex::new(Net::new(Wire::default(), &[s.nics, s.nics])));
     net.lock().trace = trace;
     let nodes: Vec<Option<Driven<SimFabric>>> = (0..2)
