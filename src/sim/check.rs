@@ -96,18 +96,25 @@ pub(crate) fn eligible(s: &Scenario) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Whether the schedule allows comm `c` to fail: its peer dies, every eligible pair
-/// loses its carrier at one end at once (the router gives up at once), or every eligible
-/// pair is faulted at once for [`DEAD_FOR`].
+/// Every NIC of every node healthy.
+pub(crate) fn clean(s: &Scenario) -> State {
+    vec![vec![NicState::default(); s.nics]; s.nodes]
+}
+
+/// Whether the schedule allows comm `c` to fail: one of its two nodes dies, every
+/// eligible pair loses its carrier at one end at once (the router gives up at once), or
+/// every eligible pair is faulted at once for [`DEAD_FOR`].
 pub(crate) fn may_fail(s: &Scenario, c: usize) -> bool {
-    let from = s.comms[c].from;
-    let to = 1 - from;
+    let (from, to) = (s.comms[c].from, s.comms[c].to);
     let pairs = eligible(s);
-    let mut st: State = vec![vec![NicState::default(); s.nics]; 2];
+    let mut st = clean(s);
     let mut dead_since: Option<Duration> = None;
     for (i, f) in s.faults.iter().enumerate() {
         if apply(&mut st, f.action) {
-            return true;
+            match f.action {
+                Action::Kill { node } if node != from && node != to => {}
+                _ => return true,
+            }
         }
         if s.faults.get(i + 1).is_some_and(|n| n.at == f.at) {
             continue; // judge the state once every fault of this instant is in
@@ -134,10 +141,10 @@ pub(crate) fn may_fail(s: &Scenario, c: usize) -> bool {
     dead_since.is_some()
 }
 
-/// When the last fault was healed, if the schedule ends with every NIC clean and both
-/// nodes alive.
+/// When the last fault was healed, if the schedule ends with every NIC clean and every
+/// node alive.
 pub(crate) fn healed_at(s: &Scenario) -> Option<Duration> {
-    let mut st: State = vec![vec![NicState::default(); s.nics]; 2];
+    let mut st = clean(s);
     for f in &s.faults {
         if apply(&mut st, f.action) {
             return None;

@@ -106,6 +106,7 @@ struct Posted {
 /// One send comm and its receive comm, as the two NCCL ranks drive them.
 struct Flow {
     from: usize,
+    to: usize,
     send: Arc<CommShared>,
     recv: Arc<CommShared>,
     /// The next send and the next group of receives NCCL posts.
@@ -279,7 +280,7 @@ impl Sim {
     fn connect(&mut self) -> Result<(), String> {
         let mut pending = Vec::new();
         for (i, c) in self.s.comms.clone().iter().enumerate() {
-            let (from, to) = (c.from, 1 - c.from);
+            let (from, to) = (c.from, c.to);
             let token = {
                 let mut t = [0u8; 16];
                 t[..8].copy_from_slice(&self.s.seed.to_le_bytes());
@@ -343,7 +344,7 @@ impl Sim {
             return Err("comms did not connect without faults".into());
         }
         for (l, _) in &pending {
-            let owner = 1 - self.s.comms[l.id as usize - 1].from;
+            let owner = self.s.comms[l.id as usize - 1].to;
             if let Some(d) = &self.nodes[owner] {
                 d.queue().push(Command::CloseListen { shared: l.clone() });
             }
@@ -354,14 +355,12 @@ impl Sim {
             self.note(|| {
                 format!(
                     "comm {i}: the reactors call it comm {} (node {}) and comm {} (node {})",
-                    send.key,
-                    c.from,
-                    recv.key,
-                    1 - c.from
+                    send.key, c.from, recv.key, c.to
                 )
             });
             self.flows.push(Flow {
                 from: c.from,
+                to: c.to,
                 nic_seen: send.nic(),
                 spread_seen: 1,
                 max_spread: 1,
@@ -429,7 +428,7 @@ impl Sim {
         for f in 0..self.flows.len() {
             self.harvest(f);
             let fl = &self.flows[f];
-            if !self.alive(fl.from) || !self.alive(1 - fl.from) {
+            if !self.alive(fl.from) || !self.alive(fl.to) {
                 continue;
             }
             let soon = [self.post_receives(f), self.post_sends(f)];
@@ -455,7 +454,7 @@ impl Sim {
         let s = self.s.clone();
         let plan = &s.comms[f];
         let groups = &plan.matching.groups;
-        let to = 1 - plan.from;
+        let to = plan.to;
         while self.flows[f].next_group < groups.len() && self.flows[f].recvs.len() < plan.window {
             let group = self.flows[f].next_group;
             let first = self.group_first(f, group);
@@ -602,10 +601,10 @@ impl Sim {
     fn harvest(&mut self, f: usize) {
         let now = self.now;
         for side in 0..2 {
-            let node = if side == 0 {
-                self.flows[f].from
+            let (node, peer) = if side == 0 {
+                (self.flows[f].from, self.flows[f].to)
             } else {
-                1 - self.flows[f].from
+                (self.flows[f].to, self.flows[f].from)
             };
             if !self.alive(node) {
                 continue;
@@ -635,7 +634,7 @@ impl Sim {
                             } else {
                                 &self.flows[f].send
                             };
-                            let peer = match (self.alive(1 - node), other.failure()) {
+                            let peer = match (self.alive(peer), other.failure()) {
                                 (false, _) => "its peer is dead".to_string(),
                                 (true, Some(e)) => format!("its peer comm failed: {e}"),
                                 (true, None) => "its peer comm is alive".to_string(),
@@ -696,7 +695,7 @@ impl Sim {
             let (node, comm) = if side == 0 {
                 (fl.from, &fl.send)
             } else {
-                (1 - fl.from, &fl.recv)
+                (fl.to, &fl.recv)
             };
             if fl.failed.is_some() || !self.alive(node) {
                 continue;
@@ -782,7 +781,7 @@ impl Sim {
     /// Whether NCCL's side has nothing left to wait for.
     fn settled(&self) -> bool {
         self.flows.iter().enumerate().all(|(f, fl)| {
-            let ended = !self.alive(fl.from) || !self.alive(1 - fl.from);
+            let ended = !self.alive(fl.from) || !self.alive(fl.to);
             let plan = &self.s.comms[f];
             let all_posted = (fl.next_send >= plan.sizes.len()
                 && fl.waiting.is_empty()
@@ -790,7 +789,7 @@ impl Sim {
                 || fl.failed.is_some()
                 || ended;
             let live_pending = |side: usize, q: &VecDeque<Posted>| {
-                let node = if side == 0 { fl.from } else { 1 - fl.from };
+                let node = if side == 0 { fl.from } else { fl.to };
                 self.alive(node) && !q.is_empty()
             };
             all_posted && !live_pending(0, &fl.sends) && !live_pending(1, &fl.recvs)
@@ -880,7 +879,7 @@ impl Sim {
         // NCCL closes its comms; each reactor confirms in its next turn.
         let mut closes = Vec::new();
         for fl in &self.flows {
-            for (node, comm) in [(fl.from, &fl.send), (1 - fl.from, &fl.recv)] {
+            for (node, comm) in [(fl.from, &fl.send), (fl.to, &fl.recv)] {
                 if let Some(d) = &self.nodes[node] {
                     let done = Arc::new(Done::default());
                     d.queue().push(Command::CloseComm {
@@ -906,7 +905,7 @@ impl Sim {
         }
         // At the end: every send the receiver acknowledged was received.
         for (f, fl) in self.flows.iter().enumerate() {
-            if !self.alive(1 - fl.from) {
+            if !self.alive(fl.to) {
                 continue;
             }
             for (k, filled) in fl.filled.iter().enumerate() {
@@ -932,9 +931,12 @@ pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
 /// Runs scenario `s` (a seed's, or one made by hand); `trace` prints what happens.
 pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
     let s = Arc::new(s.clone());
-    let net = Arc::new(Mutex::new(Net::new(Wire::default(), &[s.nics, s.nics])));
+    let net = Arc::new(Mutex::new(Net::new(
+        Wire::default(),
+        &vec![s.nics; s.nodes],
+    )));
     net.lock().trace = trace;
-    let nodes: Vec<Option<Driven<SimFabric>>> = (0..2)
+    let nodes: Vec<Option<Driven<SimFabric>>> = (0..s.nodes)
         .map(|n| {
             Driven::new(
                 setup(&s, n),
@@ -945,7 +947,7 @@ pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
         })
         .collect();
     let mut sim = Sim {
-        state: vec![vec![check::NicState::default(); s.nics]; 2],
+        state: check::clean(&s),
         s: s.clone(),
         net,
         base: Instant::now(),

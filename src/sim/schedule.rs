@@ -37,10 +37,11 @@ pub(crate) struct Fault {
     pub action: Action,
 }
 
-/// One send comm from `from` to the other node, on NIC `nic` at both ends.
+/// One send comm from node `from` to node `to`, on NIC `nic` at both ends.
 #[derive(Debug, Clone)]
 pub(crate) struct CommPlan {
     pub from: usize,
+    pub to: usize,
     pub nic: usize,
     pub sizes: Vec<usize>,
     /// Extra room in each receive buffer beyond the message.
@@ -130,6 +131,8 @@ impl Matching {
 pub(crate) struct Scenario {
     pub seed: u64,
     pub kind: &'static str,
+    /// Nodes (reactors), each with `nics` NICs, NIC `i` on rail `i`.
+    pub nodes: usize,
     pub nics: usize,
     /// The rail rule is `any` (else `same`: NIC `i` is on rail `i` on both nodes).
     pub rail_any: bool,
@@ -203,6 +206,7 @@ impl Scenario {
                     .collect();
                 comms.push(CommPlan {
                     from,
+                    to: 1 - from,
                     nic: g.below(nics),
                     matching: Matching::singles(sizes.len()),
                     sizes,
@@ -220,6 +224,7 @@ impl Scenario {
         let mut s = Scenario {
             seed,
             kind,
+            nodes: 2,
             nics,
             rail_any,
             comms,
@@ -512,9 +517,10 @@ impl fmt::Display for Scenario {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "seed {} ({}): 2 nodes x {} NICs, rail rule {}, {} fabric",
+            "seed {} ({}): {} nodes x {} NICs, rail rule {}, {} fabric",
             self.seed,
             self.kind,
+            self.nodes,
             self.nics,
             if self.rail_any { "any" } else { "same" },
             if self.reaping {
@@ -528,7 +534,7 @@ impl fmt::Display for Scenario {
                 f,
                 "  comm {i}: node {} -> node {} on NIC {}, window {}, every {} ms, sizes {:?}",
                 c.from,
-                1 - c.from,
+                c.to,
                 c.nic,
                 c.window,
                 c.gap.as_millis(),

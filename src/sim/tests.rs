@@ -252,10 +252,12 @@ fn dense(faults: Vec<(u64, Action)>) -> Scenario {
     Scenario {
         seed: 0,
         kind: "hand-made",
+        nodes: 2,
         nics: 2,
         rail_any: false,
         comms: vec![CommPlan {
             from: 0,
+            to: 1,
             nic: 0,
             sizes: vec![256 << 10; 60],
             slack: vec![0; 60],
