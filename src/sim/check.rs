@@ -38,6 +38,9 @@ pub(crate) struct NicState {
     pub hole_tx: bool,
     pub hole_rx: bool,
     pub slow: Option<u32>,
+    /// Its rail's switch is dark (no carrier) or silent (a black hole both ways).
+    pub switch_dark: bool,
+    pub switch_silent: bool,
 }
 
 impl NicState {
@@ -45,10 +48,15 @@ impl NicState {
         *self != NicState::default()
     }
 
+    /// No carrier: the NIC's own, or its switch's port gone dark.
+    pub(crate) fn carrier_lost(&self) -> bool {
+        self.carrier_down || self.switch_dark
+    }
+
     /// What the network makes of it: (transmit, receive).
     pub(crate) fn links(&self) -> (Link, Link) {
         let one = |hole: bool| {
-            if self.carrier_down || hole {
+            if self.carrier_lost() || self.switch_silent || hole {
                 Link::Down
             } else if let Some(f) = self.slow {
                 Link::Slow(f)
@@ -84,6 +92,15 @@ pub(crate) fn apply(st: &mut State, a: Action) -> bool {
         }
         Action::Slow { node, nic, factor } => st[node][nic].slow = factor,
         Action::Kill { .. } => return true,
+        Action::Switch { rail, up, silent } => {
+            for node in st.iter_mut() {
+                if silent {
+                    node[rail].switch_silent = !up;
+                } else {
+                    node[rail].switch_dark = !up;
+                }
+            }
+        }
     }
     false
 }
@@ -119,8 +136,8 @@ pub(crate) fn may_fail(s: &Scenario, c: usize) -> bool {
         if s.faults.get(i + 1).is_some_and(|n| n.at == f.at) {
             continue; // judge the state once every fault of this instant is in
         }
-        let cut_local = pairs.iter().all(|&(a, _)| st[from][a].carrier_down);
-        let cut_remote = pairs.iter().all(|&(_, b)| st[to][b].carrier_down);
+        let cut_local = pairs.iter().all(|&(a, _)| st[from][a].carrier_lost());
+        let cut_remote = pairs.iter().all(|&(_, b)| st[to][b].carrier_lost());
         if cut_local || cut_remote {
             return true;
         }

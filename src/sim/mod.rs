@@ -138,6 +138,8 @@ struct Flow {
     /// The pairs the sender runs over, as last seen, and the most it ever ran over.
     spread_seen: usize,
     max_spread: usize,
+    /// The sender left its original NIC, or spread beyond its one pair, at some point.
+    left_home: bool,
 }
 
 /// One run of one seed.
@@ -178,6 +180,10 @@ pub(crate) struct Report {
     pub violations: Vec<String>,
     /// The most pairs any comm's stripes ran over at once.
     pub max_spread: usize,
+    /// Per comm: its sender left its original NIC or pair at some point.
+    pub left_home: Vec<bool>,
+    /// Per comm: a request of it, or the comm itself, failed.
+    pub failed: Vec<bool>,
     /// Payloads written in place that landed, and that a fenced or closed receiver end
     /// stopped.
     pub landed: u64,
@@ -364,6 +370,7 @@ impl Sim {
                 nic_seen: send.nic(),
                 spread_seen: 1,
                 max_spread: 1,
+                left_home: false,
                 send,
                 recv,
                 next_send: 0,
@@ -404,18 +411,24 @@ impl Sim {
                 drop(self.nodes[node].take());
                 continue;
             }
-            let (node, nic) = match a {
-                Action::Carrier { node, nic, .. }
-                | Action::Hole { node, nic, .. }
-                | Action::Slow { node, nic, .. } => (node, nic),
+            // The NICs it touches, and whether their reactors hear of it.
+            let (nodes, nic, event) = match a {
+                Action::Carrier { node, nic, .. } => (node..node + 1, nic, true),
+                Action::Hole { node, nic, .. } | Action::Slow { node, nic, .. } => {
+                    (node..node + 1, nic, false)
+                }
+                Action::Switch { rail, silent, .. } => (0..self.s.nodes, rail, !silent),
                 Action::Kill { .. } => unreachable!(),
             };
-            let (tx, rx) = self.state[node][nic].links();
-            self.net.lock().set_link(node, nic, Some(tx), Some(rx));
-            if let Action::Carrier { up, .. } = a {
-                let at = self.base + self.now;
-                if let Some(d) = &mut self.nodes[node] {
-                    d.carrier(nic, up, at);
+            for node in nodes {
+                let st = self.state[node][nic];
+                let (tx, rx) = st.links();
+                self.net.lock().set_link(node, nic, Some(tx), Some(rx));
+                if event {
+                    let at = self.base + self.now;
+                    if let Some(d) = &mut self.nodes[node] {
+                        d.carrier(nic, !st.carrier_lost(), at);
+                    }
                 }
             }
         }
@@ -718,6 +731,7 @@ impl Sim {
             fl.nic_seen = nic;
             fl.spread_seen = spread;
             fl.max_spread = fl.max_spread.max(spread);
+            fl.left_home = true;
             self.note(|| format!("comm {f}: sender now on NIC {nic}, over {spread} pair(s)"));
         }
     }
@@ -988,6 +1002,8 @@ pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
         virtual_time: sim.now,
         failed_comms: sim.flows.iter().filter(|f| f.failed.is_some()).count(),
         max_spread: sim.flows.iter().map(|f| f.max_spread).max().unwrap_or(1),
+        left_home: sim.flows.iter().map(|f| f.left_home).collect(),
+        failed: sim.flows.iter().map(|f| f.failed.is_some()).collect(),
         violations: std::mem::take(&mut sim.violations),
     };
     report
