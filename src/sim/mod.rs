@@ -1,10 +1,20 @@
-//! The deterministic simulation tier: two real reactors ([`Driven`]) over an in-memory
-//! network ([`net`]) in virtual time, under seeded fault schedules ([`schedule`]), with
-//! the promises checked on every step and at the end ([`check`]).
+//! The deterministic simulation tier: real reactors ([`Driven`]), one per node, over an
+//! in-memory network ([`net`]) in virtual time, under seeded fault schedules
+//! ([`schedule`]), with the promises checked on every step and at the end ([`check`]).
+//!
+//! Every node has the same NICs, NIC `i` on rail `i`; each comm joins two nodes, one
+//! sending and one receiving, as two NCCL ranks drive it. A seed's family
+//! ([`schedule::Family`]) sets the scale: two nodes and a handful of comms under one of
+//! a dozen fault patterns (seeds below 1,000,000), four nodes all-to-all under a rail's
+//! switch failing, which takes NIC `i` of every node at once (from 1,000,000), or 256
+//! comms through a NIC cut (from 2,000,000). Faults act on one NIC of one node (carrier,
+//! black hole, brown-out), on one rail of every node (a switch gone dark or silent), or
+//! kill a node.
 //!
 //! A failure prints its seed, the schedule and the broken invariant;
-//! `RAILOVER_SIM_SEED=<n> cargo test --lib sim -- --nocapture` replays that seed with a
-//! trace of the network, the faults, the requests and the reactors' own log lines.
+//! `RAILOVER_SIM_SEED=<n> cargo test --lib sim -- --nocapture` replays that seed, of any
+//! family, with a trace of the network, the faults, the requests and the reactors' own
+//! log lines.
 
 mod check;
 mod fabric;
