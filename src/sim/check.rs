@@ -38,6 +38,9 @@ pub(crate) struct NicState {
     pub hole_tx: bool,
     pub hole_rx: bool,
     pub slow: Option<u32>,
+    /// Its rail's switch is dark (no carrier) or silent (a black hole both ways).
+    pub switch_dark: bool,
+    pub switch_silent: bool,
 }
 
 impl NicState {
@@ -45,10 +48,15 @@ impl NicState {
         *self != NicState::default()
     }
 
+    /// No carrier: the NIC's own, or its switch's port gone dark.
+    pub(crate) fn carrier_lost(&self) -> bool {
+        self.carrier_down || self.switch_dark
+    }
+
     /// What the network makes of it: (transmit, receive).
     pub(crate) fn links(&self) -> (Link, Link) {
         let one = |hole: bool| {
-            if self.carrier_down || hole {
+            if self.carrier_lost() || self.switch_silent || hole {
                 Link::Down
             } else if let Some(f) = self.slow {
                 Link::Slow(f)
@@ -84,6 +92,15 @@ pub(crate) fn apply(st: &mut State, a: Action) -> bool {
         }
         Action::Slow { node, nic, factor } => st[node][nic].slow = factor,
         Action::Kill { .. } => return true,
+        Action::Switch { rail, up, silent } => {
+            for node in st.iter_mut() {
+                if silent {
+                    node[rail].switch_silent = !up;
+                } else {
+                    node[rail].switch_dark = !up;
+                }
+            }
+        }
     }
     false
 }
@@ -96,24 +113,31 @@ pub(crate) fn eligible(s: &Scenario) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Whether the schedule allows comm `c` to fail: its peer dies, every eligible pair
-/// loses its carrier at one end at once (the router gives up at once), or every eligible
-/// pair is faulted at once for [`DEAD_FOR`].
+/// Every NIC of every node healthy.
+pub(crate) fn clean(s: &Scenario) -> State {
+    vec![vec![NicState::default(); s.nics]; s.nodes]
+}
+
+/// Whether the schedule allows comm `c` to fail: one of its two nodes dies, every
+/// eligible pair loses its carrier at one end at once (the router gives up at once), or
+/// every eligible pair is faulted at once for [`DEAD_FOR`].
 pub(crate) fn may_fail(s: &Scenario, c: usize) -> bool {
-    let from = s.comms[c].from;
-    let to = 1 - from;
+    let (from, to) = (s.comms[c].from, s.comms[c].to);
     let pairs = eligible(s);
-    let mut st: State = vec![vec![NicState::default(); s.nics]; 2];
+    let mut st = clean(s);
     let mut dead_since: Option<Duration> = None;
     for (i, f) in s.faults.iter().enumerate() {
         if apply(&mut st, f.action) {
-            return true;
+            match f.action {
+                Action::Kill { node } if node != from && node != to => {}
+                _ => return true,
+            }
         }
         if s.faults.get(i + 1).is_some_and(|n| n.at == f.at) {
             continue; // judge the state once every fault of this instant is in
         }
-        let cut_local = pairs.iter().all(|&(a, _)| st[from][a].carrier_down);
-        let cut_remote = pairs.iter().all(|&(_, b)| st[to][b].carrier_down);
+        let cut_local = pairs.iter().all(|&(a, _)| st[from][a].carrier_lost());
+        let cut_remote = pairs.iter().all(|&(_, b)| st[to][b].carrier_lost());
         if cut_local || cut_remote {
             return true;
         }
@@ -134,10 +158,10 @@ pub(crate) fn may_fail(s: &Scenario, c: usize) -> bool {
     dead_since.is_some()
 }
 
-/// When the last fault was healed, if the schedule ends with every NIC clean and both
-/// nodes alive.
+/// When the last fault was healed, if the schedule ends with every NIC clean and every
+/// node alive.
 pub(crate) fn healed_at(s: &Scenario) -> Option<Duration> {
-    let mut st: State = vec![vec![NicState::default(); s.nics]; 2];
+    let mut st = clean(s);
     for f in &s.faults {
         if apply(&mut st, f.action) {
             return None;

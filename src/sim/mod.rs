@@ -1,10 +1,20 @@
-//! The deterministic simulation tier: two real reactors ([`Driven`]) over an in-memory
-//! network ([`net`]) in virtual time, under seeded fault schedules ([`schedule`]), with
-//! the promises checked on every step and at the end ([`check`]).
+//! The deterministic simulation tier: real reactors ([`Driven`]), one per node, over an
+//! in-memory network ([`net`]) in virtual time, under seeded fault schedules
+//! ([`schedule`]), with the promises checked on every step and at the end ([`check`]).
+//!
+//! Every node has the same NICs, NIC `i` on rail `i`; each comm joins two nodes, one
+//! sending and one receiving, as two NCCL ranks drive it. A seed's family
+//! ([`schedule::Family`]) sets the scale: two nodes and a handful of comms under one of
+//! a dozen fault patterns (seeds below 1,000,000), four nodes all-to-all under a rail's
+//! switch failing, which takes NIC `i` of every node at once (from 1,000,000), or 256
+//! comms through a NIC cut (from 2,000,000). Faults act on one NIC of one node (carrier,
+//! black hole, brown-out), on one rail of every node (a switch gone dark or silent), or
+//! kill a node.
 //!
 //! A failure prints its seed, the schedule and the broken invariant;
-//! `RAILOVER_SIM_SEED=<n> cargo test --lib sim -- --nocapture` replays that seed with a
-//! trace of the network, the faults, the requests and the reactors' own log lines.
+//! `RAILOVER_SIM_SEED=<n> cargo test --lib sim -- --nocapture` replays that seed, of any
+//! family, with a trace of the network, the faults, the requests and the reactors' own
+//! log lines.
 
 mod check;
 mod fabric;
@@ -106,14 +116,15 @@ struct Posted {
 /// One send comm and its receive comm, as the two NCCL ranks drive them.
 struct Flow {
     from: usize,
+    to: usize,
     send: Arc<CommShared>,
     recv: Arc<CommShared>,
     /// The next send and the next group of receives NCCL posts.
     next_send: usize,
     next_group: usize,
-    /// Sends `isend` answered "not now", with when NCCL first tried each: it tries
-    /// them again, in order, on every turn.
-    waiting: VecDeque<(usize, Time)>,
+    /// Sends `isend` answered "not now", with when NCCL first tried each and the buffer
+    /// it holds for it: it tries them again, in order, on every turn.
+    waiting: VecDeque<(usize, Time, Arc<SimMem>)>,
     sends: VecDeque<Posted>,
     recvs: VecDeque<Posted>,
     /// NCCL's IB transport, given the same calls: where each send must go.
@@ -137,11 +148,13 @@ struct Flow {
     /// The pairs the sender runs over, as last seen, and the most it ever ran over.
     spread_seen: usize,
     max_spread: usize,
+    /// The sender left its original NIC, or spread beyond its one pair, at some point.
+    left_home: bool,
 }
 
 /// One run of one seed.
 struct Sim {
-    s: Scenario,
+    s: Arc<Scenario>,
     net: SharedNet,
     base: Instant,
     now: Time,
@@ -177,6 +190,10 @@ pub(crate) struct Report {
     pub violations: Vec<String>,
     /// The most pairs any comm's stripes ran over at once.
     pub max_spread: usize,
+    /// Per comm: its sender left its original NIC or pair at some point.
+    pub left_home: Vec<bool>,
+    /// Per comm: a request of it, or the comm itself, failed.
+    pub failed: Vec<bool>,
     /// Payloads written in place that landed, and that a fenced or closed receiver end
     /// stopped.
     pub landed: u64,
@@ -279,7 +296,7 @@ impl Sim {
     fn connect(&mut self) -> Result<(), String> {
         let mut pending = Vec::new();
         for (i, c) in self.s.comms.clone().iter().enumerate() {
-            let (from, to) = (c.from, 1 - c.from);
+            let (from, to) = (c.from, c.to);
             let token = {
                 let mut t = [0u8; 16];
                 t[..8].copy_from_slice(&self.s.seed.to_le_bytes());
@@ -343,7 +360,7 @@ impl Sim {
             return Err("comms did not connect without faults".into());
         }
         for (l, _) in &pending {
-            let owner = 1 - self.s.comms[l.id as usize - 1].from;
+            let owner = self.s.comms[l.id as usize - 1].to;
             if let Some(d) = &self.nodes[owner] {
                 d.queue().push(Command::CloseListen { shared: l.clone() });
             }
@@ -354,17 +371,16 @@ impl Sim {
             self.note(|| {
                 format!(
                     "comm {i}: the reactors call it comm {} (node {}) and comm {} (node {})",
-                    send.key,
-                    c.from,
-                    recv.key,
-                    1 - c.from
+                    send.key, c.from, recv.key, c.to
                 )
             });
             self.flows.push(Flow {
                 from: c.from,
+                to: c.to,
                 nic_seen: send.nic(),
                 spread_seen: 1,
                 max_spread: 1,
+                left_home: false,
                 send,
                 recv,
                 next_send: 0,
@@ -405,18 +421,24 @@ impl Sim {
                 drop(self.nodes[node].take());
                 continue;
             }
-            let (node, nic) = match a {
-                Action::Carrier { node, nic, .. }
-                | Action::Hole { node, nic, .. }
-                | Action::Slow { node, nic, .. } => (node, nic),
+            // The NICs it touches, and whether their reactors hear of it.
+            let (nodes, nic, event) = match a {
+                Action::Carrier { node, nic, .. } => (node..node + 1, nic, true),
+                Action::Hole { node, nic, .. } | Action::Slow { node, nic, .. } => {
+                    (node..node + 1, nic, false)
+                }
+                Action::Switch { rail, silent, .. } => (0..self.s.nodes, rail, !silent),
                 Action::Kill { .. } => unreachable!(),
             };
-            let (tx, rx) = self.state[node][nic].links();
-            self.net.lock().set_link(node, nic, Some(tx), Some(rx));
-            if let Action::Carrier { up, .. } = a {
-                let at = self.base + self.now;
-                if let Some(d) = &mut self.nodes[node] {
-                    d.carrier(nic, up, at);
+            for node in nodes {
+                let st = self.state[node][nic];
+                let (tx, rx) = st.links();
+                self.net.lock().set_link(node, nic, Some(tx), Some(rx));
+                if event {
+                    let at = self.base + self.now;
+                    if let Some(d) = &mut self.nodes[node] {
+                        d.carrier(nic, !st.carrier_lost(), at);
+                    }
                 }
             }
         }
@@ -429,7 +451,7 @@ impl Sim {
         for f in 0..self.flows.len() {
             self.harvest(f);
             let fl = &self.flows[f];
-            if !self.alive(fl.from) || !self.alive(1 - fl.from) {
+            if !self.alive(fl.from) || !self.alive(fl.to) {
                 continue;
             }
             let soon = [self.post_receives(f), self.post_sends(f)];
@@ -452,9 +474,10 @@ impl Sim {
     /// Posts comm `f`'s receives that are due, a group at a time, within the window;
     /// returns when the next one is due.
     fn post_receives(&mut self, f: usize) -> Option<Time> {
-        let plan = self.s.comms[f].clone();
+        let s = self.s.clone();
+        let plan = &s.comms[f];
         let groups = &plan.matching.groups;
-        let to = 1 - plan.from;
+        let to = plan.to;
         while self.flows[f].next_group < groups.len() && self.flows[f].recvs.len() < plan.window {
             let group = self.flows[f].next_group;
             let first = self.group_first(f, group);
@@ -512,7 +535,8 @@ impl Sim {
     /// send it holds, in order, through the plugin's own `isend`; returns when the next
     /// one is due, or now when one was handed to the reactor.
     fn post_sends(&mut self, f: usize) -> Option<Time> {
-        let plan = self.s.comms[f].clone();
+        let s = self.s.clone();
+        let plan = &s.comms[f];
         let n = plan.sizes.len();
         let mut soon = None;
         let fl = &mut self.flows[f];
@@ -522,15 +546,17 @@ impl Sim {
                 soon = Some(due);
                 break;
             }
-            fl.waiting.push_back((fl.next_send, self.now));
+            let j = fl.next_send;
+            let len = plan.sizes[plan.matching.order[j]];
+            let mem = Arc::new(SimMem::new(message(f, j, len)));
+            fl.waiting.push_back((j, self.now, mem));
             fl.next_send += 1;
         }
         let at = self.base + self.now;
         for _ in 0..self.flows[f].waiting.len() {
-            let (j, since) = self.flows[f].waiting.pop_front().expect("counted");
+            let (j, since, mem) = self.flows[f].waiting.pop_front().expect("counted");
             let k = plan.matching.order[j];
             let (tag, len) = (plan.matching.tags[k], plan.sizes[k]);
-            let mem = Arc::new(SimMem::new(message(f, j, len)));
             let fl = &mut self.flows[f];
             let req = match fl.send.isend(mem.user_buf(), tag, at) {
                 Err(e) => {
@@ -539,7 +565,7 @@ impl Sim {
                     req
                 }
                 Ok(Isend::NotNow) => {
-                    fl.waiting.push_back((j, since));
+                    fl.waiting.push_back((j, since, mem));
                     self.not_now += 1;
                     continue;
                 }
@@ -598,10 +624,10 @@ impl Sim {
     fn harvest(&mut self, f: usize) {
         let now = self.now;
         for side in 0..2 {
-            let node = if side == 0 {
-                self.flows[f].from
+            let (node, peer) = if side == 0 {
+                (self.flows[f].from, self.flows[f].to)
             } else {
-                1 - self.flows[f].from
+                (self.flows[f].to, self.flows[f].from)
             };
             if !self.alive(node) {
                 continue;
@@ -631,7 +657,7 @@ impl Sim {
                             } else {
                                 &self.flows[f].send
                             };
-                            let peer = match (self.alive(1 - node), other.failure()) {
+                            let peer = match (self.alive(peer), other.failure()) {
                                 (false, _) => "its peer is dead".to_string(),
                                 (true, Some(e)) => format!("its peer comm failed: {e}"),
                                 (true, None) => "its peer comm is alive".to_string(),
@@ -692,7 +718,7 @@ impl Sim {
             let (node, comm) = if side == 0 {
                 (fl.from, &fl.send)
             } else {
-                (1 - fl.from, &fl.recv)
+                (fl.to, &fl.recv)
             };
             if fl.failed.is_some() || !self.alive(node) {
                 continue;
@@ -715,6 +741,7 @@ impl Sim {
             fl.nic_seen = nic;
             fl.spread_seen = spread;
             fl.max_spread = fl.max_spread.max(spread);
+            fl.left_home = true;
             self.note(|| format!("comm {f}: sender now on NIC {nic}, over {spread} pair(s)"));
         }
     }
@@ -725,8 +752,8 @@ impl Sim {
         let now = self.now;
         let fl = &self.flows[f];
         let stuck = (fl.waiting.iter())
-            .find(|&&(_, since)| now > since.max(self.last_fault) + HANG_BOUND)
-            .copied();
+            .find(|&&(_, since, _)| now > since.max(self.last_fault) + HANG_BOUND)
+            .map(|&(j, since, _)| (j, since));
         if let Some((j, since)) = stuck {
             let posted = self.flows[f].next_group;
             self.violate(format!(
@@ -778,7 +805,7 @@ impl Sim {
     /// Whether NCCL's side has nothing left to wait for.
     fn settled(&self) -> bool {
         self.flows.iter().enumerate().all(|(f, fl)| {
-            let ended = !self.alive(fl.from) || !self.alive(1 - fl.from);
+            let ended = !self.alive(fl.from) || !self.alive(fl.to);
             let plan = &self.s.comms[f];
             let all_posted = (fl.next_send >= plan.sizes.len()
                 && fl.waiting.is_empty()
@@ -786,7 +813,7 @@ impl Sim {
                 || fl.failed.is_some()
                 || ended;
             let live_pending = |side: usize, q: &VecDeque<Posted>| {
-                let node = if side == 0 { fl.from } else { 1 - fl.from };
+                let node = if side == 0 { fl.from } else { fl.to };
                 self.alive(node) && !q.is_empty()
             };
             all_posted && !live_pending(0, &fl.sends) && !live_pending(1, &fl.recvs)
@@ -876,7 +903,7 @@ impl Sim {
         // NCCL closes its comms; each reactor confirms in its next turn.
         let mut closes = Vec::new();
         for fl in &self.flows {
-            for (node, comm) in [(fl.from, &fl.send), (1 - fl.from, &fl.recv)] {
+            for (node, comm) in [(fl.from, &fl.send), (fl.to, &fl.recv)] {
                 if let Some(d) = &self.nodes[node] {
                     let done = Arc::new(Done::default());
                     d.queue().push(Command::CloseComm {
@@ -902,7 +929,7 @@ impl Sim {
         }
         // At the end: every send the receiver acknowledged was received.
         for (f, fl) in self.flows.iter().enumerate() {
-            if !self.alive(1 - fl.from) {
+            if !self.alive(fl.to) {
                 continue;
             }
             for (k, filled) in fl.filled.iter().enumerate() {
@@ -927,10 +954,13 @@ pub(crate) fn run_seed(seed: u64, trace: bool) -> (Scenario, Report) {
 
 /// Runs scenario `s` (a seed's, or one made by hand); `trace` prints what happens.
 pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
-    let s = s.clone();
-    let net = Arc::new(Mutex::new(Net::new(Wire::default(), &[s.nics, s.nics])));
+    let s = Arc::new(s.clone());
+    let net = Arc::new(Mutex::new(Net::new(
+        Wire::default(),
+        &vec![s.nics; s.nodes],
+    )));
     net.lock().trace = trace;
-    let nodes: Vec<Option<Driven<SimFabric>>> = (0..2)
+    let nodes: Vec<Option<Driven<SimFabric>>> = (0..s.nodes)
         .map(|n| {
             Driven::new(
                 setup(&s, n),
@@ -941,7 +971,7 @@ pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
         })
         .collect();
     let mut sim = Sim {
-        state: vec![vec![check::NicState::default(); s.nics]; 2],
+        state: check::clean(&s),
         s: s.clone(),
         net,
         base: Instant::now(),
@@ -982,6 +1012,8 @@ pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
         virtual_time: sim.now,
         failed_comms: sim.flows.iter().filter(|f| f.failed.is_some()).count(),
         max_spread: sim.flows.iter().map(|f| f.max_spread).max().unwrap_or(1),
+        left_home: sim.flows.iter().map(|f| f.left_home).collect(),
+        failed: sim.flows.iter().map(|f| f.failed.is_some()).collect(),
         violations: std::mem::take(&mut sim.violations),
     };
     report

@@ -29,6 +29,11 @@ pub(crate) enum Action {
     },
     /// The node's process dies.
     Kill { node: usize },
+    /// The switch of rail `rail` fails (`up`: it is back): NIC `rail` of every node at
+    /// once. A dark switch drops every port's carrier, and each node's reactor hears of
+    /// it; a `silent` one keeps the links up and forwards nothing (a black hole both ways
+    /// on every node's NIC, no event).
+    Switch { rail: usize, up: bool, silent: bool },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -37,10 +42,11 @@ pub(crate) struct Fault {
     pub action: Action,
 }
 
-/// One send comm from `from` to the other node, on NIC `nic` at both ends.
+/// One send comm from node `from` to node `to`, on NIC `nic` at both ends.
 #[derive(Debug, Clone)]
 pub(crate) struct CommPlan {
     pub from: usize,
+    pub to: usize,
     pub nic: usize,
     pub sizes: Vec<usize>,
     /// Extra room in each receive buffer beyond the message.
@@ -130,6 +136,8 @@ impl Matching {
 pub(crate) struct Scenario {
     pub seed: u64,
     pub kind: &'static str,
+    /// Nodes (reactors), each with `nics` NICs, NIC `i` on rail `i`.
+    pub nodes: usize,
     pub nics: usize,
     /// The rail rule is `any` (else `same`: NIC `i` is on rail `i` on both nodes).
     pub rail_any: bool,
@@ -186,47 +194,83 @@ impl Gen {
     }
 }
 
+/// Seeds come in families of this many: seeds `FAMILY_SPAN..2 * FAMILY_SPAN` are
+/// [`Family::RailSwitch`]'s, the next span [`Family::ManyComms`]'s, and every other seed
+/// is [`Family::TwoNodes`]'s (so the seeds below `FAMILY_SPAN` have the schedules they
+/// had before there were families).
+pub(crate) const FAMILY_SPAN: u64 = 1_000_000;
+
+/// What a seed's scenario is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Family {
+    /// Two nodes, 2 to 8 comms, one of the fault patterns of `KINDS`.
+    TwoNodes,
+    /// Four nodes all-to-all, 1 to 3 comms per ordered pair, and a rail's switch failing
+    /// mid-run: NIC `i` of every node at once.
+    RailSwitch,
+    /// 256 comms (two nodes, or a ring of four in both directions) and one NIC cut.
+    ManyComms,
+}
+
+impl Family {
+    pub(crate) fn of(seed: u64) -> Family {
+        match seed / FAMILY_SPAN {
+            1 => Family::RailSwitch,
+            2 => Family::ManyComms,
+            _ => Family::TwoNodes,
+        }
+    }
+
+    /// The family's `n`th seed.
+    pub(crate) fn seed(self, n: u64) -> u64 {
+        match self {
+            Family::TwoNodes if n < FAMILY_SPAN => n,
+            Family::TwoNodes => n + 2 * FAMILY_SPAN,
+            Family::RailSwitch => FAMILY_SPAN + n % FAMILY_SPAN,
+            Family::ManyComms => 2 * FAMILY_SPAN + n % FAMILY_SPAN,
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Family::TwoNodes => "two nodes",
+            Family::RailSwitch => "rail switch",
+            Family::ManyComms => "many comms",
+        })
+    }
+}
+
+/// A comm from `from` to `to` with `lo` to `hi` messages, on a NIC of `nics`.
+fn comm(g: &mut Gen, from: usize, to: usize, nics: usize, lo: usize, hi: usize) -> CommPlan {
+    let n = g.range(lo, hi);
+    let sizes: Vec<usize> = (0..n).map(|_| g.size()).collect();
+    let slack = (0..n)
+        .map(|_| if g.chance(30) { g.range(1, 64) } else { 0 })
+        .collect();
+    CommPlan {
+        from,
+        to,
+        nic: g.below(nics),
+        matching: Matching::singles(sizes.len()),
+        sizes,
+        slack,
+        gap: g.ms(5, 300),
+        window: g.range(1, 4),
+    }
+}
+
 impl Scenario {
     pub(crate) fn generate(seed: u64) -> Scenario {
         let mut g = Gen {
             rng: SplitMix64::new(seed ^ 0x5157_u64.rotate_left(40)),
         };
-        let nics = g.range(2, 4);
-        let rail_any = g.chance(25);
-        let mut comms = Vec::new();
-        for from in 0..2 {
-            for _ in 0..g.range(1, 4) {
-                let n = g.range(2, 8);
-                let sizes: Vec<usize> = (0..n).map(|_| g.size()).collect();
-                let slack = (0..n)
-                    .map(|_| if g.chance(30) { g.range(1, 64) } else { 0 })
-                    .collect();
-                comms.push(CommPlan {
-                    from,
-                    nic: g.below(nics),
-                    matching: Matching::singles(sizes.len()),
-                    sizes,
-                    slack,
-                    gap: g.ms(5, 300),
-                    window: g.range(1, 4),
-                });
-            }
-        }
-        let kind = if g.chance(4) {
-            KINDS[0]
-        } else {
-            KINDS[g.range(1, KINDS.len() - 1)]
+        let mut s = match Family::of(seed) {
+            Family::TwoNodes => two_nodes(&mut g, seed),
+            Family::RailSwitch => rail_switch(&mut g, seed),
+            Family::ManyComms => many_comms(&mut g, seed),
         };
-        let mut s = Scenario {
-            seed,
-            kind,
-            nics,
-            rail_any,
-            comms,
-            faults: Vec::new(),
-            reaping: seed % 2 == 1,
-        };
-        s.faults = faults(&mut g, &s);
         s.faults.sort_by_key(|f| f.at);
         // Grouped receives on half the seeds (those with bit 1 set, independent of the
         // fabric's), from a generator of their own so the rest of the schedule is as
@@ -239,6 +283,108 @@ impl Scenario {
         }
         s
     }
+}
+
+fn two_nodes(g: &mut Gen, seed: u64) -> Scenario {
+    let nics = g.range(2, 4);
+    let rail_any = g.chance(25);
+    let mut comms = Vec::new();
+    for from in 0..2 {
+        for _ in 0..g.range(1, 4) {
+            comms.push(comm(g, from, 1 - from, nics, 2, 8));
+        }
+    }
+    let kind = if g.chance(4) {
+        KINDS[0]
+    } else {
+        KINDS[g.range(1, KINDS.len() - 1)]
+    };
+    let mut s = Scenario {
+        seed,
+        kind,
+        nodes: 2,
+        nics,
+        rail_any,
+        comms,
+        faults: Vec::new(),
+        reaping: seed % 2 == 1,
+    };
+    s.faults = faults(g, &s);
+    s
+}
+
+fn rail_switch(g: &mut Gen, seed: u64) -> Scenario {
+    let nodes = 4;
+    let nics = g.range(2, 4);
+    let rail_any = g.chance(25);
+    let mut comms = Vec::new();
+    for from in 0..nodes {
+        for to in (0..nodes).filter(|&to| to != from) {
+            for _ in 0..g.range(1, 3) {
+                comms.push(comm(g, from, to, nics, 2, 6));
+            }
+        }
+    }
+    let mut s = Scenario {
+        seed,
+        kind: "rail-switch",
+        nodes,
+        nics,
+        rail_any,
+        comms,
+        faults: Vec::new(),
+        reaping: seed % 2 == 1,
+    };
+    s.faults = switch_faults(g, &s);
+    s
+}
+
+fn many_comms(g: &mut Gen, seed: u64) -> Scenario {
+    let nics = g.range(2, 4);
+    let rail_any = g.chance(25);
+    let ring = g.chance(50);
+    // 256 comms either way: 128 each way between two nodes, or 32 each way between
+    // each pair of neighbours on a ring of four.
+    let (kind, nodes, per_pair) = if ring {
+        ("single-nic-cut, ring", 4, 32)
+    } else {
+        ("single-nic-cut", 2, 128)
+    };
+    let pairs: Vec<(usize, usize)> = if ring {
+        (0..nodes)
+            .flat_map(|n| [(n, (n + 1) % nodes), ((n + 1) % nodes, n)])
+            .collect()
+    } else {
+        vec![(0, 1), (1, 0)]
+    };
+    let mut comms = Vec::new();
+    for (from, to) in pairs {
+        for _ in 0..per_pair {
+            comms.push(comm(g, from, to, nics, 1, 4));
+        }
+    }
+    let mut s = Scenario {
+        seed,
+        kind,
+        nodes,
+        nics,
+        rail_any,
+        comms,
+        faults: Vec::new(),
+        reaping: seed % 2 == 1,
+    };
+    let mut f = Vec::new();
+    let node = g.below(nodes);
+    let nic = target(g, &s, node);
+    let at = g.ms(20, 1200);
+    let len = if g.chance(15) {
+        None
+    } else {
+        Some(g.ms(100, 2500))
+    };
+    outage(g, &mut f, at, len, node, nic);
+    s.faults = f;
+    s
 }
 
 /// A NIC a comm uses at `node` most of the time, else any.
@@ -471,6 +617,68 @@ fn faults(g: &mut Gen, s: &Scenario) -> Vec<Fault> {
     f
 }
 
+fn switch(f: &mut Vec<Fault>, at: Duration, len: Option<Duration>, rail: usize, silent: bool) {
+    f.push(Fault {
+        at,
+        action: Action::Switch {
+            rail,
+            up: false,
+            silent,
+        },
+    });
+    if let Some(len) = len {
+        f.push(Fault {
+            at: at + len,
+            action: Action::Switch {
+                rail,
+                up: true,
+                silent,
+            },
+        });
+    }
+}
+
+/// A rail's switch fails mid-run (for good now and then), dark or silent; sometimes
+/// another switch fails while it is out, one node's NIC on another rail fails, or the
+/// switch fails again soon after it came back.
+fn switch_faults(g: &mut Gen, s: &Scenario) -> Vec<Fault> {
+    let mut f = Vec::new();
+    let rail = target(g, s, 0);
+    let t1 = g.ms(20, 1500);
+    let silent = g.chance(30);
+    let len = if g.chance(15) {
+        None
+    } else {
+        Some(g.ms(100, 2500))
+    };
+    switch(&mut f, t1, len, rail, silent);
+    if g.chance(30) {
+        let other = (rail + g.range(1, s.nics - 1)) % s.nics;
+        match g.below(3) {
+            0 => {
+                let at = t1 + g.ms(0, 800);
+                let len = g.ms(100, 2000);
+                let silent = g.chance(30);
+                switch(&mut f, at, Some(len), other, silent);
+            }
+            1 => {
+                let node = g.below(s.nodes);
+                let at = t1 + g.ms(0, 800);
+                let len = g.ms(100, 1500);
+                outage(g, &mut f, at, Some(len), node, other);
+            }
+            _ => {
+                if let Some(len) = len {
+                    let again = t1 + len + g.ms(20, 400);
+                    let len = g.ms(50, 1000);
+                    switch(&mut f, again, Some(len), rail, silent);
+                }
+            }
+        }
+    }
+    f
+}
+
 impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
@@ -504,6 +712,17 @@ impl fmt::Display for Action {
                 None => write!(f, "n{node}e{nic} rate restored"),
             },
             Action::Kill { node } => write!(f, "node {node} killed"),
+            Action::Switch { rail, up, silent } => match (up, silent) {
+                (false, false) => write!(
+                    f,
+                    "rail {rail} switch dark (every node's e{rail} carrier down)"
+                ),
+                (false, true) => write!(
+                    f,
+                    "rail {rail} switch silent (every node's e{rail} black hole)"
+                ),
+                (true, _) => write!(f, "rail {rail} switch back"),
+            },
         }
     }
 }
@@ -512,9 +731,10 @@ impl fmt::Display for Scenario {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "seed {} ({}): 2 nodes x {} NICs, rail rule {}, {} fabric",
+            "seed {} ({}): {} nodes x {} NICs, rail rule {}, {} fabric",
             self.seed,
             self.kind,
+            self.nodes,
             self.nics,
             if self.rail_any { "any" } else { "same" },
             if self.reaping {
@@ -528,7 +748,7 @@ impl fmt::Display for Scenario {
                 f,
                 "  comm {i}: node {} -> node {} on NIC {}, window {}, every {} ms, sizes {:?}",
                 c.from,
-                1 - c.from,
+                c.to,
                 c.nic,
                 c.window,
                 c.gap.as_millis(),

@@ -1,15 +1,30 @@
 //! The seeded runs. Seeds are split over several tests so the harness runs them in
 //! parallel; `RAILOVER_SIM_SEED=<n>` replays one seed with a trace instead, and
-//! `RAILOVER_SIM_SEEDS=<n>` changes how many seeds a run covers.
+//! `RAILOVER_SIM_SEEDS=<n>` changes how many seeds a run covers. The bigger families
+//! (four nodes and a rail switch, 256 comms) cost far more per seed: a run covers few of
+//! them, and the ignored `soak` test ten times as many more.
 
 use std::time::Duration;
 
-use super::schedule::{Action, CommPlan, Fault, Matching, Scenario};
+use super::schedule::{Action, CommPlan, Family, Fault, Matching, Scenario};
 use super::{run_scenario, run_seed, run_seeds, Failure, Report};
 
-/// Seeds per `cargo test` run, over all the shards below.
+/// Two-node seeds per `cargo test` run, over all the shards below.
 const SEEDS: u64 = 10_000;
 const SHARDS: u64 = 8;
+
+/// Seeds of `family` a run covers: the two-node family's `RAILOVER_SIM_SEEDS` (10,000
+/// unless set), and one seed of a bigger family per so many of those (at least one), so
+/// that each bigger family takes about a sixth of a run: a rail-switch seed costs about
+/// seven two-node seeds, a 256-comm seed about 170.
+fn seeds_of(family: Family) -> u64 {
+    let two_nodes = env_u64("RAILOVER_SIM_SEEDS").unwrap_or(SEEDS);
+    match family {
+        Family::TwoNodes => two_nodes,
+        Family::RailSwitch => two_nodes.div_ceil(25),
+        Family::ManyComms => two_nodes.div_ceil(625),
+    }
+}
 
 /// Defects of the plugin (not of the simulation) that the simulation found and that are
 /// not fixed yet: a name and the texts its broken invariants contain. A seed whose every
@@ -41,11 +56,29 @@ fn shard(k: u64) {
     if env_u64("RAILOVER_SIM_SEED").is_some() {
         return; // the replay test runs alone
     }
-    let total = env_u64("RAILOVER_SIM_SEEDS").unwrap_or(SEEDS);
-    let failures = run_seeds((0..total).filter(|s| s % SHARDS == k));
+    let total = seeds_of(Family::TwoNodes);
+    let failures = run_seeds(
+        (0..total)
+            .filter(|s| s % SHARDS == k)
+            .map(|n| Family::TwoNodes.seed(n)),
+    );
+    judge(&failures, &format!("shard {k}"));
+}
+
+/// Runs the bigger family's first seeds.
+fn family(family: Family) {
+    if env_u64("RAILOVER_SIM_SEED").is_some() {
+        return;
+    }
+    let failures = run_seeds((0..seeds_of(family)).map(|n| family.seed(n)));
+    judge(&failures, &format!("{family}"));
+}
+
+/// Fails on a failure that is not a known one.
+fn judge(failures: &[Failure], what: &str) {
     let mut fresh = Vec::new();
     let mut counts: Vec<(&str, usize)> = KNOWN_FAILURES.iter().map(|(n, _)| (*n, 0)).collect();
-    for f in &failures {
+    for f in failures {
         match known(f) {
             Some(name) => {
                 eprintln!("seed {}: known failure {name}: {}", f.seed, f.broke[0]);
@@ -60,7 +93,7 @@ fn shard(k: u64) {
             )),
         }
     }
-    eprintln!("shard {k}: known failures by defect: {counts:?}");
+    eprintln!("{what}: known failures by defect: {counts:?}");
     assert!(
         fresh.is_empty(),
         "{} seed(s) broke an invariant; replay one with RAILOVER_SIM_SEED=<seed> cargo test --lib sim -- --nocapture\n{}",
@@ -100,6 +133,103 @@ fn seeds_6() {
 #[test]
 fn seeds_7() {
     shard(7);
+}
+
+/// Four nodes all-to-all, a rail's switch failing mid-run: NIC `i` of every node at once.
+#[test]
+fn rail_switch_seeds() {
+    family(Family::RailSwitch);
+}
+
+/// 256 comms, one NIC cut.
+#[test]
+fn many_comms_seeds() {
+    family(Family::ManyComms);
+}
+
+/// A rail's switch going dark takes NIC `i` of all four nodes at once, and every reactor
+/// hears of it: every comm on that rail, in each of the twelve directions, leaves it
+/// (the run checks that none fails while another rail lives, and that each is back
+/// home once the switch is).
+#[test]
+fn a_dark_rail_switch_moves_every_comm_on_its_rail() {
+    if env_u64("RAILOVER_SIM_SEED").is_some() {
+        return;
+    }
+    let quiet = tracing::subscriber::NoSubscriber::default();
+    let (mut seeds, mut moved) = (0, 0);
+    for n in 0..40 {
+        let s = Scenario::generate(Family::RailSwitch.seed(n));
+        let Some(Action::Switch {
+            rail,
+            silent: false,
+            ..
+        }) = s.faults.first().map(|f| f.action)
+        else {
+            continue;
+        };
+        let r = tracing::subscriber::with_default(quiet, || run_scenario(&s, false));
+        assert!(
+            r.violations.is_empty(),
+            "seed {} broke: {:?}",
+            s.seed,
+            r.violations
+        );
+        let on_rail: Vec<usize> = (0..s.comms.len())
+            .filter(|&c| s.comms[c].nic == rail)
+            .collect();
+        let stayed: Vec<usize> = (on_rail.iter().copied())
+            .filter(|&c| !r.left_home[c] && !r.failed[c])
+            .collect();
+        assert!(
+            stayed.is_empty(),
+            "seed {}: comms {stayed:?} stayed on rail {rail} through its switch's failure\n{s}",
+            s.seed
+        );
+        seeds += 1;
+        moved += on_rail.iter().filter(|&&c| r.left_home[c]).count();
+    }
+    eprintln!("{seeds} of 40 seeds took a rail's switch dark; {moved} comms left it");
+    assert!(seeds >= 15 && moved >= 60, "{seeds} seeds, {moved} comms");
+}
+
+/// The bigger families' next seeds, ten times as many as a run covers, on every core:
+/// `cargo test --lib sim::tests::soak -- --ignored --nocapture`.
+#[test]
+#[ignore = "ten times a run's seeds of the bigger families: minutes on every core"]
+fn soak() {
+    if env_u64("RAILOVER_SIM_SEED").is_some() {
+        return;
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+    for family in [Family::RailSwitch, Family::ManyComms] {
+        let n = seeds_of(family);
+        let started = std::time::Instant::now();
+        let failures: Vec<Failure> = std::thread::scope(|scope| {
+            let runs: Vec<_> = (0..threads)
+                .map(|t| {
+                    scope.spawn(move || {
+                        run_seeds(
+                            (n..11 * n)
+                                .filter(|i| i % threads == t)
+                                .map(|i| family.seed(i)),
+                        )
+                    })
+                })
+                .collect();
+            runs.into_iter()
+                .flat_map(|r| r.join().expect("a soak thread ends"))
+                .collect()
+        });
+        eprintln!(
+            "{family}: {} seeds ({} to {}) in {:?}",
+            10 * n,
+            family.seed(n),
+            family.seed(11 * n - 1),
+            started.elapsed()
+        );
+        judge(&failures, &format!("{family} (soak)"));
+    }
 }
 
 /// Seeds that broke an invariant when one of two fixed router bugs was put back (of
@@ -252,10 +382,12 @@ fn dense(faults: Vec<(u64, Action)>) -> Scenario {
     Scenario {
         seed: 0,
         kind: "hand-made",
+        nodes: 2,
         nics: 2,
         rail_any: false,
         comms: vec![CommPlan {
             from: 0,
+            to: 1,
             nic: 0,
             sizes: vec![256 << 10; 60],
             slack: vec![0; 60],
