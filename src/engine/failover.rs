@@ -603,11 +603,7 @@ impl Engine {
         io: &mut dyn Io,
     ) -> Option<usize> {
         let local = pair.local.0 as usize;
-        let remote = self
-            .peers
-            .get(pair.peer.0 as usize)?
-            .get(pair.remote.0 as usize)?
-            .addr;
+        let remote = self.remote_addr(pair)?;
         let k = self.lanes.vacant_key();
         // Replacement lanes are paced per NIC (see `dials`); probes are not.
         let paced = matches!(role, Role::Migrating { .. });
@@ -665,7 +661,7 @@ impl Engine {
                     let lane = &mut self.lanes[k];
                     lane.queued = None;
                     lane.m.expect_by(now + q.limit);
-                    self.arm(k, now + q.limit);
+                    self.rearm(k);
                     self.dirty.push(k);
                 }
                 Err(e) => self.fail_lane(k, Cause::error(io_error(&e)), now, io),
@@ -755,11 +751,8 @@ impl Engine {
     /// Whether the peer acknowledged bytes sent over `pair`'s path within the
     /// completion timeout.
     fn pair_delivering(&self, pair: Pair, now: Instant) -> bool {
-        let remote = (self.peers.get(pair.peer.0 as usize))
-            .and_then(|p| p.get(pair.remote.0 as usize))
-            .map(|n| n.addr.ip());
-        let delivered =
-            remote.and_then(|ip| self.paths.last_delivered((pair.local.0 as usize, ip)));
+        let delivered = (self.remote_addr(pair))
+            .and_then(|a| self.paths.last_delivered((pair.local.0 as usize, a.ip())));
         delivered.is_some_and(|t| now.saturating_duration_since(t) < self.setup.completion_timeout)
     }
 
@@ -1026,15 +1019,20 @@ impl Engine {
             .nics
             .get(p.local.0 as usize)
             .map_or_else(|| format!("nic{}", p.local.0), |n| n.name.clone());
-        let remote = self
-            .peers
-            .get(p.peer.0 as usize)
-            .and_then(|r| r.get(p.remote.0 as usize))
-            .map_or_else(
-                || format!("peer{}/nic{}", p.peer.0, p.remote.0),
-                |r| r.addr.ip().to_string(),
-            );
+        let remote = self.remote_addr(p).map_or_else(
+            || format!("peer{}/nic{}", p.peer.0, p.remote.0),
+            |a| a.ip().to_string(),
+        );
         (local, remote)
+    }
+
+    /// Where pair `p`'s peer NIC listens, as its handshake told us.
+    fn remote_addr(&self, p: Pair) -> Option<SocketAddr> {
+        let nic = self
+            .peers
+            .get(p.peer.0 as usize)?
+            .get(p.remote.0 as usize)?;
+        Some(nic.addr)
     }
 
     /// Fault injection: NIC `i` is cut or restored. A cut fails its lanes through the one

@@ -115,7 +115,6 @@ impl Engine {
 
     pub(super) fn add_lane(&mut self, k: usize, role: Role, now: Instant, limit: Duration) {
         self.timers.forget(k);
-        self.arm(k, now + limit);
         let entry = self.lanes.vacant_entry();
         debug_assert_eq!(entry.key(), k, "a lane filed under another key");
         entry.insert(Lane {
@@ -130,6 +129,7 @@ impl Engine {
             setting_up: false,
             placed: LanePlaced::default(),
         });
+        self.rearm(k);
     }
 
     pub(super) fn drop_lane(&mut self, k: usize, io: &mut dyn Io) {
@@ -184,11 +184,11 @@ impl Engine {
                 }
             }
             if lane.setting_up && io.ready(k) {
-                // Set up: the peer now has the usual time to say who it is.
+                // Set up: the peer now has the usual time to say who it is (armed when
+                // the read is done, see `service_lane`).
                 lane.setting_up = false;
-                let at = now + preauth_deadline(self.setup.completion_timeout);
-                lane.m.expect_by(at);
-                self.timers.arm(k, at);
+                lane.m
+                    .expect_by(now + preauth_deadline(self.setup.completion_timeout));
             }
             match got {
                 Ok(Some(item)) => {

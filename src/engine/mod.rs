@@ -36,7 +36,7 @@ use slab::Slab;
 
 use crate::conn::auth::{self, CommId, Initiator, Session};
 use crate::conn::comm::CommMachine;
-use crate::conn::lane::{io_error, Cause, LaneMachine, LINGER};
+use crate::conn::lane::{io_error, Cause, LaneMachine};
 use crate::conn::path::PathMachine;
 use crate::conn::wire::{Group, Header, Kind, NicAddr, CTS_IN_PLACE};
 use crate::conn::ConnError;
@@ -761,7 +761,7 @@ impl Engine {
             lane.role = Role::Closing;
             lane.m.linger(now);
             self.dirty.push(k);
-            self.arm(k, now + LINGER);
+            self.rearm(k);
         }
     }
 
@@ -875,12 +875,8 @@ impl Engine {
         }
     }
 
-    /// Lane `k` must be looked at by `at` (a deadline its machine was just given).
-    pub(super) fn arm(&mut self, k: usize, at: Instant) {
-        self.timers.arm(k, at);
-    }
-
-    /// Lane `k`'s machine may have a nearer deadline than the one it is armed for.
+    /// Lane `k`'s machine may have a nearer deadline than the one it is armed for (it was
+    /// just given one, or what it read brought one nearer).
     pub(super) fn rearm(&mut self, k: usize) {
         if let Some(at) = self.lanes.get(k).and_then(|l| l.m.poll_timeout()) {
             self.timers.arm(k, at);
