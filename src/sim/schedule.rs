@@ -262,6 +262,28 @@ fn comm(g: &mut Gen, from: usize, to: usize, nics: usize, lo: usize, hi: usize) 
 }
 
 impl Scenario {
+    /// A scenario of `comms` over `nodes` nodes of `nics` NICs, faults still to come; the
+    /// fabric reaps as verbs lanes do on odd seeds.
+    fn new(
+        seed: u64,
+        kind: &'static str,
+        nodes: usize,
+        nics: usize,
+        rail_any: bool,
+        comms: Vec<CommPlan>,
+    ) -> Scenario {
+        Scenario {
+            seed,
+            kind,
+            nodes,
+            nics,
+            rail_any,
+            comms,
+            faults: Vec::new(),
+            reaping: seed % 2 == 1,
+        }
+    }
+
     pub(crate) fn generate(seed: u64) -> Scenario {
         let mut g = Gen {
             rng: SplitMix64::new(seed ^ 0x5157_u64.rotate_left(40)),
@@ -299,16 +321,7 @@ fn two_nodes(g: &mut Gen, seed: u64) -> Scenario {
     } else {
         KINDS[g.range(1, KINDS.len() - 1)]
     };
-    let mut s = Scenario {
-        seed,
-        kind,
-        nodes: 2,
-        nics,
-        rail_any,
-        comms,
-        faults: Vec::new(),
-        reaping: seed % 2 == 1,
-    };
+    let mut s = Scenario::new(seed, kind, 2, nics, rail_any, comms);
     s.faults = faults(g, &s);
     s
 }
@@ -325,16 +338,7 @@ fn rail_switch(g: &mut Gen, seed: u64) -> Scenario {
             }
         }
     }
-    let mut s = Scenario {
-        seed,
-        kind: "rail-switch",
-        nodes,
-        nics,
-        rail_any,
-        comms,
-        faults: Vec::new(),
-        reaping: seed % 2 == 1,
-    };
+    let mut s = Scenario::new(seed, "rail-switch", nodes, nics, rail_any, comms);
     s.faults = switch_faults(g, &s);
     s
 }
@@ -363,16 +367,7 @@ fn many_comms(g: &mut Gen, seed: u64) -> Scenario {
             comms.push(comm(g, from, to, nics, 1, 4));
         }
     }
-    let mut s = Scenario {
-        seed,
-        kind,
-        nodes,
-        nics,
-        rail_any,
-        comms,
-        faults: Vec::new(),
-        reaping: seed % 2 == 1,
-    };
+    let mut s = Scenario::new(seed, kind, nodes, nics, rail_any, comms);
     let mut f = Vec::new();
     let node = g.below(nodes);
     let nic = target(g, &s, node);
