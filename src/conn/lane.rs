@@ -22,10 +22,12 @@ use crate::routing::FailReason;
 /// How long a lane that is done may keep flushing its last bytes.
 pub const LINGER: Duration = Duration::from_secs(2);
 
-/// How long a lane may stay silent while other lanes of its path (the same local NIC and
-/// peer NIC) are heard: the path works, and the lane's own flow is starved by congestion
-/// (a TCP flow among hundreds on a link can back off for seconds). Past this it fails
-/// anyway, as a lane stuck on a working path.
+/// How long a lane that is owed an answer (it has data waiting) may stay silent while
+/// other lanes of its path (the same local NIC and peer NIC) are heard: the path works,
+/// and the lane's own flow is starved by congestion (a TCP flow among hundreds on a link
+/// can back off for seconds). Past this it fails anyway, as a lane stuck on a working
+/// path. A lane with nothing waiting is not judged by its own silence: thousands of idle
+/// lanes share their paths' keepalives (see [`LaneMachine::handle_keeper`]).
 pub const CONGESTED_SILENCE: u32 = 8;
 
 /// [`CONGESTED_SILENCE`] completion timeouts.
@@ -170,6 +172,22 @@ pub struct LaneMachine {
     excused: u32,
     /// Bytes waiting (queued or unacknowledged) at the last sample.
     waiting: u64,
+    /// Since when samples have found bytes waiting without a break: the lane is owed an
+    /// answer, and its own silence counts from here.
+    owed_since: Option<Instant>,
+    /// It sends its path's keepalives (or, with no path known, its own). One lane per
+    /// path does, so idle lanes cost nothing.
+    keeper: bool,
+    /// Until when it keeps itself alive anyway: a lane that moved data lately sends its
+    /// own keepalives for [`congested_limit`] after. On a congested path the keeper may
+    /// be a flow stuck in backoff, and the lanes of a collective waiting for its
+    /// laggards are idle for a moment, not for good: their keepalives are what the peer
+    /// hears of the path then.
+    busy_until: Option<Instant>,
+    /// Bytes of keepalives it wrote, in all, and the most delivered bytes besides them a
+    /// sample has seen: its own keepalives do not make a lane busy.
+    keepalive_bytes: u64,
+    delivered_data: u64,
     progress: Progress,
     out: VecDeque<Vec<u8>>,
     failed: Option<Cause>,
@@ -191,6 +209,11 @@ impl LaneMachine {
             path_slow: true,
             excused: 0,
             waiting: 0,
+            owed_since: None,
+            keeper: true,
+            busy_until: None,
+            keepalive_bytes: 0,
+            delivered_data: 0,
             progress: Progress::new(timeout, sample_interval(timeout)),
             out: VecDeque::new(),
             failed: None,
@@ -230,6 +253,13 @@ impl LaneMachine {
     /// fails only after [`congested_limit`].
     pub fn handle_path_rx(&mut self, at: Instant) {
         self.path_rx = self.path_rx.max(Some(at));
+    }
+
+    /// Whether this lane sends its path's keepalives (the default: a lane whose path is
+    /// not known keeps itself alive). The caller picks one lane per path; the others rely
+    /// on it, as their peers rely on its peer's.
+    pub fn handle_keeper(&mut self, keeper: bool) {
+        self.keeper = keeper;
     }
 
     /// When the lane or its path was last heard.
@@ -446,6 +476,14 @@ impl LaneMachine {
         let moved = delivered.saturating_sub(self.progress.last_total());
         let backlogged = health::backlogged(self.waiting, moved, waiting);
         self.waiting = waiting;
+        self.owed_since = (waiting > 0).then(|| self.owed_since.unwrap_or(now));
+        // Busy: it delivered more than its keepalives, or more than one waits.
+        let data = delivered.saturating_sub(self.keepalive_bytes);
+        let moved_data = data.saturating_sub(self.delivered_data);
+        self.delivered_data = self.delivered_data.max(data);
+        if moved_data > 0 || waiting > wire::HEADER_LEN as u64 {
+            self.busy_until = Some(now + congested_limit(self.timeout));
+        }
         if !self.carrying {
             return Sample { moved, backlogged };
         }
@@ -505,15 +543,29 @@ impl LaneMachine {
             return None;
         }
         let live = self.carrying.then(|| {
-            let silence =
-                (self.heard() + self.timeout).min(self.last_rx + congested_limit(self.timeout));
-            silence.min(self.last_tx + self.keepalive())
+            let silence = self.heard() + self.timeout;
+            let owed = self.owed_from().map(|t| t + congested_limit(self.timeout));
+            let keepalive = Some(self.last_tx + self.keepalive()).filter(|&t| self.keeps_alive(t));
+            [Some(silence), owed, keepalive].into_iter().flatten().min()
         });
-        [self.deadline, live].into_iter().flatten().min()
+        [self.deadline, live.flatten()].into_iter().flatten().min()
     }
 
-    /// Fails an overdue handshake, probe or linger; fails a lane that heard nothing for
-    /// the completion timeout; sends a keepalive after a quarter of it without traffic.
+    /// Whether it sends keepalives at `at`: its path's keeper, or busy lately.
+    fn keeps_alive(&self, at: Instant) -> bool {
+        self.keeper || self.busy_until.is_some_and(|b| at < b)
+    }
+
+    /// Since when the lane has been owed an answer and heard nothing: the later of its
+    /// last bytes in and the first sample that found its data waiting.
+    fn owed_from(&self) -> Option<Instant> {
+        self.owed_since.map(|t| t.max(self.last_rx))
+    }
+
+    /// Fails an overdue handshake, probe or linger; fails a lane whose path heard nothing
+    /// for the completion timeout, or that was owed an answer and heard none for
+    /// [`congested_limit`] while its path was heard; the path's keeper, and a lane busy
+    /// lately, sends a keepalive after a quarter of the timeout without traffic.
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.failed.is_some() {
             return;
@@ -529,13 +581,14 @@ impl LaneMachine {
         }
         let silent = self.silent(now);
         let path_silent = now.saturating_duration_since(self.heard());
-        if silent >= self.timeout
-            && (path_silent >= self.timeout || silent >= congested_limit(self.timeout))
-        {
+        let owed_silent = self
+            .owed_from()
+            .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+        if path_silent >= self.timeout || owed_silent >= congested_limit(self.timeout) {
             let e = ConnError::Stalled(match path_silent < self.timeout {
                 true => format!(
-                    "nothing received for {} ms while its path was heard",
-                    silent.as_millis()
+                    "nothing received for {} ms with data waiting, while its path was heard",
+                    owed_silent.as_millis()
                 ),
                 false => format!("nothing received for {} ms", silent.as_millis()),
             });
@@ -545,9 +598,13 @@ impl LaneMachine {
             });
             return;
         }
-        if now.saturating_duration_since(self.last_tx) >= self.keepalive() && self.out.is_empty() {
+        if self.keeps_alive(now)
+            && now.saturating_duration_since(self.last_tx) >= self.keepalive()
+            && self.out.is_empty()
+        {
             self.out
                 .push_back(Header::new(Kind::Keepalive, 0, 0).encode().to_vec());
+            self.keepalive_bytes += wire::HEADER_LEN as u64;
             self.last_tx = now;
         }
     }
@@ -615,7 +672,9 @@ mod tests {
     fn a_silent_lane_on_a_path_still_heard_is_congested_not_cut() {
         let t0 = Instant::now();
         let mut m = carrying(t0);
-        // Its neighbours on the same path keep being heard; the lane itself is not.
+        // It has data waiting from the start; its neighbours on the same path keep being
+        // heard, the lane itself is not.
+        m.handle_sample(t0, 0, 4096);
         let mut now = t0;
         while now < t0 + congested_limit(TIMEOUT) - 50 * MS {
             now += 50 * MS;
@@ -630,6 +689,7 @@ mod tests {
         assert_eq!(m.poll_timeout(), Some(t0 + congested_limit(TIMEOUT)));
         m.handle_timeout(t0 + congested_limit(TIMEOUT));
         let cause = m.poll_failure().expect("stuck past the limit");
+        assert_eq!(cause.silent, Some(congested_limit(TIMEOUT)));
         assert!(
             cause.error.to_string().contains("while its path was heard"),
             "{cause:?}"
@@ -651,6 +711,122 @@ mod tests {
         assert!(
             !cause.error.to_string().contains("path was heard"),
             "{cause:?}"
+        );
+    }
+
+    #[test]
+    fn an_idle_lane_relies_on_its_paths_keeper_and_is_judged_once_owed() {
+        let t0 = Instant::now();
+        let mut m = carrying(t0);
+        m.handle_keeper(false);
+        // Nothing waiting, nothing heard on the lane itself, its path heard through its
+        // keeper: neither a keepalive nor a verdict, for far longer than any limit, and
+        // looked at once per timeout, not per keepalive.
+        let mut now = t0;
+        let mut looks = 0;
+        while now < t0 + 3 * congested_limit(TIMEOUT) {
+            now = m.poll_timeout().expect("a carrying lane has a deadline");
+            looks += 1;
+            m.handle_path_rx(now - 100 * MS);
+            m.handle_timeout(now);
+            assert_eq!(m.poll_failure(), None, "failed at {:?}", now - t0);
+            assert!(
+                kinds(&mut m).is_empty(),
+                "a keepalive from a lane that is not the keeper"
+            );
+        }
+        assert!(looks <= 3 * 8 * 2, "{looks} looks in 24 timeouts");
+        // Data waits from here on and nothing comes back: stuck on a working path, it
+        // fails a congested limit later, not at once for its long idle silence.
+        let owed = now;
+        m.handle_sample(owed, 0, 4096);
+        m.handle_path_rx(owed + TIMEOUT - MS);
+        m.handle_timeout(owed + TIMEOUT);
+        assert_eq!(m.poll_failure(), None);
+        m.handle_path_rx(owed + congested_limit(TIMEOUT) - MS);
+        m.handle_timeout(owed + congested_limit(TIMEOUT) - MS);
+        assert_eq!(m.poll_failure(), None);
+        m.handle_timeout(owed + congested_limit(TIMEOUT));
+        let cause = m.poll_failure().expect("owed an answer past the limit");
+        assert!(
+            cause.error.to_string().contains("with data waiting"),
+            "{cause:?}"
+        );
+
+        // Its path falling silent fails it at the timeout, keeper or not.
+        let mut m = carrying(t0);
+        m.handle_keeper(false);
+        m.handle_path_rx(t0 + 500 * MS);
+        assert_eq!(m.poll_timeout(), Some(t0 + 1500 * MS));
+        m.handle_timeout(t0 + 1500 * MS);
+        assert!(
+            m.poll_failure().is_some(),
+            "its path was silent for the timeout"
+        );
+
+        // Made the keeper again (the old one left), it sends the path's keepalives.
+        let mut m = carrying(t0);
+        m.handle_keeper(false);
+        m.handle_path_rx(t0 + 200 * MS);
+        m.handle_timeout(t0 + 300 * MS);
+        assert!(kinds(&mut m).is_empty());
+        m.handle_keeper(true);
+        assert_eq!(m.poll_timeout(), Some(t0 + 250 * MS), "overdue: at once");
+        m.handle_timeout(t0 + 300 * MS);
+        assert_eq!(kinds(&mut m), [Kind::Keepalive]);
+    }
+
+    #[test]
+    fn a_lane_busy_lately_keeps_itself_alive_for_a_while_then_leaves_it_to_the_keeper() {
+        let t0 = Instant::now();
+        let mut m = carrying(t0);
+        m.handle_keeper(false);
+        // It moved data at t0 and has nothing waiting since.
+        m.handle_sample(t0, 4096, 0);
+        let mut now = t0;
+        let mut sent = Vec::new();
+        while now < t0 + 2 * congested_limit(TIMEOUT) {
+            now += 50 * MS;
+            m.handle_path_rx(now);
+            m.handle_timeout(now);
+            assert_eq!(m.poll_failure(), None);
+            if !kinds(&mut m).is_empty() {
+                m.handle_tx(now);
+                sent.push(now - t0);
+            }
+        }
+        assert_eq!(
+            sent.len(),
+            31,
+            "every quarter timeout while busy lately: {sent:?}"
+        );
+        assert!(
+            sent.iter().all(|&t| t < congested_limit(TIMEOUT)),
+            "{sent:?}"
+        );
+
+        // Its own keepalives, delivered and sampled, do not keep it busy.
+        let mut m = carrying(t0);
+        m.handle_keeper(false);
+        m.handle_sample(t0, 4096, 0);
+        let (mut now, mut delivered, mut last) = (t0, 4096u64, t0);
+        while now < t0 + 3 * congested_limit(TIMEOUT) {
+            now += 100 * MS;
+            m.handle_path_rx(now);
+            m.handle_timeout(now);
+            for _ in kinds(&mut m) {
+                m.handle_tx(now);
+                // In flight at this sample, delivered by the next.
+                m.handle_sample(now, delivered, wire::HEADER_LEN as u64);
+                delivered += wire::HEADER_LEN as u64;
+                last = now;
+            }
+            m.handle_sample(now, delivered, 0);
+        }
+        assert!(
+            last < t0 + congested_limit(TIMEOUT),
+            "keepalives kept it busy: the last at {:?}",
+            last - t0
         );
     }
 

@@ -236,6 +236,7 @@ impl Engine {
             self.drop_lane(k, io);
             return;
         }
+        self.leave_path(k);
         self.fair.forget(k);
         self.leave_gate(k);
         self.timers.forget(k);
@@ -896,9 +897,17 @@ impl Engine {
         self.expire(now, io);
         let mut dead = Vec::new();
         let mut shares: Vec<LaneSample> = Vec::new();
-        for (k, lane) in self.lanes.iter_mut() {
+        // Only lanes that wrote or had bytes waiting: an idle lane has nothing to show
+        // (its first sample after it writes again sees nothing backlogged, as it would
+        // have here). A paced lane stays, so its cap is released in turn.
+        let mut sampling = std::mem::take(&mut self.sampling);
+        sampling.retain(|&k| {
+            let Some(lane) = self.lanes.get_mut(k) else {
+                return false;
+            };
             let Role::Comm(c) = lane.role else {
-                continue;
+                lane.sampling = false;
+                return false;
             };
             // A lane's pacing share is the stripes it carries of its comm.
             let weight = (self.comms.get(c))
@@ -928,7 +937,10 @@ impl Engine {
                 });
             }
             dead.extend(lane.m.poll_failure().map(|c| (k, c)));
-        }
+            lane.sampling = s.moved > 0 || waiting > 0 || self.fair.cap(k).is_some();
+            lane.sampling
+        });
+        self.sampling = sampling;
         self.paths.end_sample(now);
         self.pace(&shares, now, io);
         for (k, cause) in dead {

@@ -128,11 +128,14 @@ impl Engine {
             queued: None,
             setting_up: false,
             placed: LanePlaced::default(),
+            joined: false,
+            sampling: false,
         });
         self.rearm(k);
     }
 
     pub(super) fn drop_lane(&mut self, k: usize, io: &mut dyn Io) {
+        self.leave_path(k);
         self.fair.forget(k);
         self.leave_gate(k);
         self.timers.forget(k);
@@ -526,13 +529,37 @@ impl Engine {
         shared
     }
 
-    /// Lane `k` now carries comm `c`.
+    /// Lane `k` now carries comm `c`, and joins its path's lanes: it keeps the path
+    /// alive if it is the first.
     pub(super) fn carry(&mut self, k: usize, c: usize) {
         let l = &mut self.lanes[k];
         l.role = Role::Comm(c);
         l.m.carry();
         l.reader.enlarge();
+        if let (Some(path), false) = (l.path(), l.joined) {
+            l.joined = true;
+            let keeper = self.paths.join(path, k);
+            l.m.handle_keeper(keeper);
+        }
         self.rearm(k);
+    }
+
+    /// Lane `k` carries its comm no more (it closes, fails or lingers): another lane of
+    /// its path takes over the keepalives if it was the keeper.
+    pub(super) fn leave_path(&mut self, k: usize) {
+        let Some(l) = self.lanes.get_mut(k).filter(|l| l.joined) else {
+            return;
+        };
+        l.joined = false;
+        let Some(path) = l.path() else {
+            return;
+        };
+        if let Some(next) = self.paths.leave(path, k) {
+            if let Some(n) = self.lanes.get_mut(next) {
+                n.m.handle_keeper(true);
+            }
+            self.rearm(next);
+        }
     }
 }
 

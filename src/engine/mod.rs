@@ -290,6 +290,11 @@ struct Lane {
     setting_up: bool,
     /// Its fabric's count of payload bytes written in place, at the last look.
     placed: LanePlaced,
+    /// It is one of its path's carrying lanes ([`paths::Paths::join`]).
+    joined: bool,
+    /// It is in the engine's `sampling` list: it wrote since its delivery was last
+    /// sampled, or still had bytes waiting then.
+    sampling: bool,
 }
 
 impl Lane {
@@ -324,6 +329,9 @@ pub struct Engine {
     dirty: Vec<usize>,
     /// Lanes that stopped on their per-call budget and must be served again.
     again: Vec<usize>,
+    /// The lanes whose delivery the next tick samples: those that wrote or had bytes
+    /// waiting. An idle lane costs no look and no `TIOCOUTQ` until it writes again.
+    sampling: Vec<usize>,
     /// Every lane's next deadline, in one heap.
     timers: timers::Timers,
     router: Router,
@@ -379,6 +387,7 @@ impl Engine {
             listeners: HashMap::new(),
             dirty: Vec::new(),
             again: Vec::new(),
+            sampling: Vec::new(),
             timers: timers::Timers::default(),
             router: Router::new(router_cfg),
             routes: Arc::new(RoutePublisher::new(routing::Routes::default())),
@@ -757,6 +766,7 @@ impl Engine {
     /// Lane `k` carries nothing more: it closes once its last bytes are out, or at the
     /// linger deadline.
     fn linger(&mut self, k: usize, now: Instant) {
+        self.leave_path(k);
         if let Some(lane) = self.lanes.get_mut(k) {
             lane.role = Role::Closing;
             lane.m.linger(now);
@@ -831,6 +841,9 @@ impl Engine {
             let res = io.write(k, &mut lane.writer);
             if lane.writer.total_written() != before {
                 lane.m.handle_tx(now);
+                if !std::mem::replace(&mut lane.sampling, true) {
+                    self.sampling.push(k);
+                }
             }
             match res {
                 Ok(()) => {

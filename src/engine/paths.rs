@@ -12,8 +12,13 @@
 //! the path's lanes moved, and a path whose total keeps up with its own best (within
 //! [`health::SLOW_FACTOR`]) is congested where a lane crawls, not failing.
 //!
-//! No clock reads: `now` is an argument. Entries older than the caller's horizon are
-//! forgotten on [`Paths::forget_before`], so the map holds only paths in use.
+//! Keepalives are per path too: of the lanes carrying comms over a path, one (its
+//! *keeper*, the first to join) sends them, and the rest are judged by what the path
+//! hears. Thousands of idle comms then cost a keepalive per path, not per lane.
+//!
+//! No clock reads: `now` is an argument. Entries older than the caller's horizon and
+//! with no lane are forgotten on [`Paths::forget_before`], so the map holds only paths
+//! in use.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -24,7 +29,7 @@ use crate::conn::health;
 /// A local NIC index and the peer NIC's address.
 pub(super) type PathKey = (usize, IpAddr);
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct Seen {
     heard: Option<Instant>,
     delivered: Option<Instant>,
@@ -35,6 +40,9 @@ struct Seen {
     /// sample fell below that by [`health::SLOW_FACTOR`] with data waiting.
     peak: f64,
     slow: bool,
+    /// The lanes carrying comms over the path, in the order they joined: the first is
+    /// its keeper.
+    lanes: Vec<usize>,
 }
 
 #[derive(Debug, Default)]
@@ -45,6 +53,22 @@ pub(super) struct Paths {
 }
 
 impl Paths {
+    /// Lane `k` carries a comm over `path` from now on. Whether it is the path's keeper
+    /// (the only lane of the path that sends keepalives).
+    pub fn join(&mut self, path: PathKey, k: usize) -> bool {
+        let lanes = &mut self.seen.entry(path).or_default().lanes;
+        lanes.push(k);
+        lanes.len() == 1
+    }
+
+    /// Lane `k` left `path`. When it was the keeper and others remain: the new keeper.
+    pub fn leave(&mut self, path: PathKey, k: usize) -> Option<usize> {
+        let lanes = &mut self.seen.get_mut(&path)?.lanes;
+        let i = lanes.iter().position(|&l| l == k)?;
+        lanes.remove(i);
+        (i == 0).then(|| lanes.first().copied()).flatten()
+    }
+
     /// Bytes arrived over `path` at `now`.
     pub fn heard(&mut self, path: PathKey, now: Instant) {
         self.seen.entry(path).or_default().heard = Some(now);
@@ -98,13 +122,14 @@ impl Paths {
         self.seen.get(&path)?.delivered
     }
 
-    /// Forgets paths that showed nothing since `horizon`.
+    /// Forgets paths that carry no lane and showed nothing since `horizon`.
     pub fn forget_before(&mut self, horizon: Instant) {
         self.seen.retain(|_, s| {
-            [s.heard, s.delivered]
-                .into_iter()
-                .flatten()
-                .any(|t| t >= horizon)
+            !s.lanes.is_empty()
+                || [s.heard, s.delivered]
+                    .into_iter()
+                    .flatten()
+                    .any(|t| t >= horizon)
         });
     }
 
@@ -137,6 +162,28 @@ mod tests {
         assert_eq!(p.len(), 1);
         assert_eq!(p.last_delivered(b), None);
         assert_eq!(p.last_heard(a), Some(t0 + s));
+    }
+
+    #[test]
+    fn one_lane_per_path_keeps_it_alive_and_another_takes_over_when_it_leaves() {
+        let t0 = Instant::now();
+        let ip = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2));
+        let (a, b): (PathKey, PathKey) = ((0, ip), (1, ip));
+        let mut p = Paths::default();
+        assert!(p.join(a, 7), "the first lane of a path keeps it");
+        assert!(!p.join(a, 8));
+        assert!(!p.join(a, 9));
+        assert!(p.join(b, 10), "each path has its own keeper");
+        assert_eq!(p.leave(a, 8), None, "not the keeper: nothing changes");
+        assert_eq!(p.leave(a, 7), Some(9), "the next in line keeps it");
+        assert_eq!(p.leave(a, 7), None, "gone already");
+        // A path with lanes is remembered however long it has been quiet.
+        p.forget_before(t0);
+        assert_eq!(p.len(), 2);
+        assert_eq!(p.leave(a, 9), None, "the last lane left");
+        p.forget_before(t0);
+        assert_eq!(p.len(), 1);
+        assert!(p.join(a, 11), "a path left empty is kept by its next lane");
     }
 
     #[test]
