@@ -7,6 +7,7 @@
 pub mod net_handle;
 pub mod nics;
 
+use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -491,7 +492,7 @@ pub fn finalize(ctx: &Context) -> Result<bool, Error> {
     };
     if let Some(rt) = stop {
         // Attempts NCCL started and never collected would otherwise outlive the plugin.
-        PENDING.lock().clear();
+        *PENDING.lock() = None;
         rt.reactor.shutdown();
         rt.telemetry.shutdown();
         tracing::info!("railover: finalised, reactor stopped");
@@ -564,12 +565,14 @@ pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<Lis
     Ok(shared)
 }
 
-/// Pending connects, keyed by the id `connect` writes into NCCL's copy of the handle.
-static PENDING: Mutex<Vec<(u64, Arc<PendingConnect>)>> = Mutex::new(Vec::new());
+/// Pending connects, keyed by the id `connect` writes into NCCL's copy of the handle. A
+/// map: at communicator init an all-to-all job has thousands pending, each polled by
+/// NCCL until it completes, so a lookup must not cost a scan of them all.
+static PENDING: Mutex<Option<HashMap<u64, Arc<PendingConnect>>>> = Mutex::new(None);
 
 /// Connection attempts started and not yet collected by a final `connect` call.
 pub fn pending_connects() -> usize {
-    PENDING.lock().len()
+    PENDING.lock().as_ref().map_or(0, HashMap::len)
 }
 
 /// Non-blocking connect: `Ok(None)` means "call again". NCCL passes the same handle
@@ -582,16 +585,17 @@ pub fn connect(
     let mut h = NetHandle::decode(handle)?;
     if h.connect_id != 0 {
         let mut pending = PENDING.lock();
-        let Some(i) = pending.iter().position(|(id, _)| *id == h.connect_id) else {
+        let map = pending.get_or_insert_with(HashMap::new);
+        let Some(p) = map.get(&h.connect_id) else {
             return Err(Error::InvalidArgument(
                 "handle refers to an unknown connection attempt".into(),
             ));
         };
-        let outcome = pending[i].1.result.lock().take();
+        let outcome = p.result.lock().take();
         return match outcome {
             None => Ok(None),
             Some(r) => {
-                pending.swap_remove(i);
+                map.remove(&h.connect_id);
                 r.map(Some)
             }
         };
@@ -602,7 +606,10 @@ pub fn connect(
     h.connect_id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     *handle = h.encode();
     let pending = Arc::new(PendingConnect::default());
-    PENDING.lock().push((h.connect_id, pending.clone()));
+    PENDING
+        .lock()
+        .get_or_insert_with(HashMap::new)
+        .insert(h.connect_id, pending.clone());
     rt.reactor.queue.push(Command::Connect {
         nic: dev as usize,
         to: h.addr,
