@@ -2,16 +2,22 @@
 //! same moment over loopback, in a process started with a soft open-file limit of 1,024
 //! (the usual default, far too few): the plugin raises the limit, the receiver's
 //! handshake gate admits every connect (no drop, no refusal, no redial), and every comm
-//! then carries a checked message.
+//! then carries a checked message. It then reports what the open, idle comms cost: CPU
+//! and resident memory per comm (both ends live in this one process).
+//!
+//! `RAILOVER_SCALE_COMMS=4096 cargo test --release --test scale_setup -- --nocapture`
+//! runs it at an all-to-all job's count.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use railover::conn::lane::congested_limit;
 use railover_testkit::driver::{pattern, Ctx, Request};
 
-const COMMS: usize = 1024;
+/// Comms by default (`RAILOVER_SCALE_COMMS` sets another count, 1 … 8192).
+const DEFAULT_COMMS: usize = 1024;
 /// How long the child then holds every comm open and idle, to report what that costs.
 const IDLE: Duration = Duration::from_secs(3);
 const LEN: usize = 4096;
@@ -36,6 +42,28 @@ fn field(line: &str, key: &str) -> u64 {
         .unwrap()
 }
 
+fn comms() -> usize {
+    match std::env::var("RAILOVER_SCALE_COMMS") {
+        Err(_) => DEFAULT_COMMS,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=8192).contains(&n) => n,
+            _ => panic!("RAILOVER_SCALE_COMMS={v:?}: expected a count in 1 … 8192"),
+        },
+    }
+}
+
+/// This process's resident memory, KiB (`statm` counts 4 KiB pages).
+fn rss_kib() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+    statm
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        * 4
+}
+
 fn finish(req: &mut Request, end: Instant) -> usize {
     loop {
         if let Some(n) = req.test().expect("request failed") {
@@ -55,23 +83,25 @@ fn thousand_comms_child() {
         return;
     }
     std::env::set_var("RAILOVER_IFNAME", "lo");
+    let comms = comms();
     let soft_before = soft_nofile();
+    let rss0 = rss_kib();
     let start = Instant::now();
     let end = start + LIMIT;
     let ctx = Ctx::init().expect("init");
     let rt = railover::plugin::runtime().unwrap();
-    let mut listeners = Vec::with_capacity(COMMS);
-    for _ in 0..COMMS {
+    let mut listeners = Vec::with_capacity(comms);
+    for _ in 0..comms {
         listeners.push(ctx.listen(0).expect("listen"));
     }
     // Every connect and accept in flight at once, as NCCL's init of an all-to-all.
     let (mut sends, mut recvs): (Vec<_>, Vec<_>) = (
-        (0..COMMS).map(|_| None).collect(),
-        (0..COMMS).map(|_| None).collect(),
+        (0..comms).map(|_| None).collect(),
+        (0..comms).map(|_| None).collect(),
     );
-    let mut left = 2 * COMMS;
+    let mut left = 2 * comms;
     while left > 0 {
-        for i in 0..COMMS {
+        for i in 0..comms {
             let (handle, listener) = &mut listeners[i];
             if sends[i].is_none() {
                 sends[i] = ctx.connect(0, handle).expect("connect failed");
@@ -92,7 +122,7 @@ fn thousand_comms_child() {
     let sends: Vec<_> = sends.into_iter().map(Option::unwrap).collect();
     let recvs: Vec<_> = recvs.into_iter().map(Option::unwrap).collect();
     // One checked message on every comm.
-    let mut posted = Vec::with_capacity(COMMS);
+    let mut posted = Vec::with_capacity(comms);
     for (i, (s, r)) in sends.iter().zip(&recvs).enumerate() {
         let mut sb = s.register(LEN).unwrap();
         sb.bytes_mut()
@@ -121,13 +151,20 @@ fn thousand_comms_child() {
             .collect();
         f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
     };
+    // A lane that moved data keeps itself alive for a while after (see
+    // `conn::lane::CONGESTED_SILENCE`); idle means past that, when only each path's
+    // keeper sends keepalives.
+    let busy = congested_limit(railover::config::Config::default().completion_timeout);
+    std::thread::sleep(busy + Duration::from_millis(500));
     let (c0, t0) = (cpu(), Instant::now());
     std::thread::sleep(IDLE);
     let ticks = 100.0; // USER_HZ on Linux
     let idle_pct = (cpu() - c0) as f64 / ticks / t0.elapsed().as_secs_f64() * 100.0;
+    // Both ends of every comm, with its buffers registered: per comm.
+    let rss_per_comm = rss_kib().saturating_sub(rss0) / comms as u64;
     let st = rt.stats();
     println!(
-        "scale comms={COMMS} intact={intact} setup_ms={} idle_cpu_pct={idle_pct:.1} rejected={} evicted={} peak={} nofile_before={soft_before} nofile_after={}",
+        "scale comms={comms} intact={intact} setup_ms={} idle_cpu_pct={idle_pct:.2} rss_kib_per_comm={rss_per_comm} rejected={} evicted={} peak={} nofile_before={soft_before} nofile_after={}",
         setup.as_millis(),
         st.rejected_connections.load(Ordering::Relaxed),
         st.evicted_handshakes.load(Ordering::Relaxed),
@@ -139,6 +176,7 @@ fn thousand_comms_child() {
 #[test]
 fn a_thousand_comms_connect_at_once_and_none_is_refused() {
     let exe = std::env::current_exe().unwrap();
+    let comms = comms();
     // A soft limit of 1,024 (the usual default); the hard one stays as it is.
     let out = Command::new("sh")
         .arg("-c")
@@ -177,19 +215,19 @@ fn a_thousand_comms_connect_at_once_and_none_is_refused() {
     .parse()
     .unwrap_or(u64::MAX);
     assert_eq!(field(&line, "nofile_before"), 1024);
-    if hard <= 4 * COMMS as u64 {
-        eprintln!("skipped: the hard open-file limit ({hard}) is too low for {COMMS} comms");
+    if hard <= 4 * comms as u64 {
+        eprintln!("skipped: the hard open-file limit ({hard}) is too low for {comms} comms");
         return;
     }
     assert!(
-        field(&line, "nofile_after") > 4 * COMMS as u64,
+        field(&line, "nofile_after") > 4 * comms as u64,
         "the open-file limit was not raised: {line}"
     );
     assert!(
         log.contains("raised the open-file limit from 1024"),
         "no log line says the limit was raised:\n{log}"
     );
-    assert_eq!(field(&line, "intact"), COMMS as u64, "{line}");
+    assert_eq!(field(&line, "intact"), comms as u64, "{line}");
     assert_eq!(
         field(&line, "rejected"),
         0,

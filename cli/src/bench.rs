@@ -120,7 +120,7 @@ pub struct Args {
     #[arg(long, value_name = "MBIT", value_parser = int_in(1, 100_000))]
     pub rate: Option<usize>,
     /// Window of the idle-cost measurement, seconds in 0.5 … 600 [default: 10; with
-    /// --quick 2]
+    /// --quick 2; with --failover 5, after the traffic]
     #[arg(long, value_name = "S", value_parser = idle_seconds)]
     pub idle_seconds: Option<Duration>,
     /// A short smoke run: fewer sizes and bytes, 2 s idle window (options given
@@ -136,7 +136,7 @@ pub struct Args {
     /// As root, instead of the sweep: comms over --rails tc-shaped links between two
     /// namespaces, rail 0 cut on one node and restored; what the slowest comm (the pace
     /// of a collective) and the aggregate keep, per-NIC time series
-    #[arg(long, conflicts_with_all = ["min_bytes", "max_bytes", "step", "reps", "testbed", "idle_seconds", "quick", "in_testbed"])]
+    #[arg(long, conflicts_with_all = ["min_bytes", "max_bytes", "step", "reps", "testbed", "quick", "in_testbed"])]
     pub failover: bool,
     /// --failover: rails (one veth pair, one NIC per node each), 2 … 8
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = int_in(2, 8), requires = "failover")]

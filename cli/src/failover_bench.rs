@@ -20,6 +20,8 @@ use railover_testkit::testbed::proc::Proc;
 use railover_testkit::testbed::{unix_ms, Side, Testbed};
 use serde::Serialize;
 
+use railover::conn::lane::{congested_limit, LINGER};
+
 use crate::bench::{Machine, Output};
 use crate::sim::{lockstep_kept, Placement};
 use crate::size;
@@ -35,6 +37,10 @@ pub const NATIVE: f64 = 0.5;
 /// P3's bound on what the slowest comm keeps, as a share of (N−1)/N: reported, not
 /// judged by the exit status (the fault tier asserts it).
 pub const TARGET_SHARE: f64 = 0.85;
+/// The text report lists each comm's rate up to this many comms.
+const PER_COMM_SHOWN: usize = 64;
+/// The default idle window after the traffic.
+const IDLE: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Opts {
@@ -50,6 +56,8 @@ pub struct Opts {
     pub after: f64,
     pub output: Output,
     pub plot: Option<PathBuf>,
+    /// After the traffic, every comm open and idle for this long: what they cost then.
+    pub idle: Duration,
 }
 
 impl From<&crate::bench::Args> for Opts {
@@ -66,6 +74,7 @@ impl From<&crate::bench::Args> for Opts {
             after: a.after,
             output: Output::from_flags(a.json, a.markdown),
             plot: a.plot.clone(),
+            idle: a.idle_seconds.unwrap_or(IDLE),
         }
     }
 }
@@ -120,6 +129,13 @@ pub struct Report {
     pub setup_ms: u64,
     /// CPU time (user + system) of the receiver and the sender over the whole run.
     pub cpu_s: [Option<f64>; 2],
+    /// After the traffic, every comm open and idle: the receiver's and the sender's CPU
+    /// as a share of one core, over `idle_s`.
+    pub idle_s: f64,
+    pub idle_cpu_pct: [Option<f64>; 2],
+    /// Resident memory each peer gained from just before the comms connected to the idle
+    /// window, per comm, KiB (the receiver's listening comms came before: not counted).
+    pub rss_kib_per_comm: [Option<f64>; 2],
     /// From the cut to the first failover line in node A's log.
     pub failover_ms: Option<u64>,
     pub failovers: usize,
@@ -260,6 +276,13 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     Some(ticks as f64 / 100.0) // USER_HZ
 }
 
+/// Resident memory of process `pid`, KiB, from /proc (`statm` counts 4 KiB pages).
+fn rss_kib(pid: u32) -> Option<u64> {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4)
+}
+
 /// Sleeps until Unix-epoch ms `t`: the experiment's schedule, not synchronisation.
 fn sleep_until(t: u64) {
     let now = unix_ms() as u64;
@@ -298,6 +321,7 @@ fn measure(o: &Opts) -> Result<Report, String> {
             send.send(&fault_line::Command::Handle(h).to_line());
         }
     }
+    let rss0 = [rss_kib(recv.pid()), rss_kib(send.pid())];
     let go = std::time::Instant::now();
     send.send(&fault_line::Command::Go.to_line());
     for p in [&recv, &send] {
@@ -328,6 +352,28 @@ fn measure(o: &Opts) -> Result<Report, String> {
         "  setup {setup_ms} ms; CPU over the run: receiver {}, sender {}",
         secs(cpu_s[0]),
         secs(cpu_s[1])
+    );
+    // Then every comm open and idle: what holding them costs, once the lanes that
+    // failed back have lingered out and those that moved data no longer keep themselves
+    // alive (only each path's keeper does).
+    let timeout = Duration::from_millis(env_ms("RAILOVER_COMPLETION_TIMEOUT_MS", 1000));
+    std::thread::sleep(congested_limit(timeout).max(LINGER) + Duration::from_millis(500));
+    let idle_from = [cpu_seconds(recv.pid()), cpu_seconds(send.pid())];
+    let t_idle = std::time::Instant::now();
+    std::thread::sleep(o.idle);
+    let idle_s = t_idle.elapsed().as_secs_f64();
+    let idle_to = [cpu_seconds(recv.pid()), cpu_seconds(send.pid())];
+    let idle_cpu_pct: [Option<f64>; 2] =
+        std::array::from_fn(|i| Some((idle_to[i]? - idle_from[i]?) / idle_s.max(1e-3) * 100.0));
+    let rss1 = [rss_kib(recv.pid()), rss_kib(send.pid())];
+    let rss_kib_per_comm: [Option<f64>; 2] =
+        std::array::from_fn(|i| Some((rss1[i]? as f64 - rss0[i]? as f64) / o.comms as f64));
+    let pct = |c: Option<f64>| c.map_or("?".into(), |c| format!("{c:.2}%"));
+    note!(
+        "  idle {idle_s:.1} s with {} comms open: CPU receiver {}, sender {} of a core",
+        o.comms,
+        pct(idle_cpu_pct[0]),
+        pct(idle_cpu_pct[1])
     );
     recv.send(&fault_line::Command::Close.to_line());
     recv.close_stdin();
@@ -435,6 +481,9 @@ fn measure(o: &Opts) -> Result<Report, String> {
         sim_striped: lockstep_kept(o.rails as u32, o.comms as u32, Placement::Striped),
         setup_ms,
         cpu_s,
+        idle_s,
+        idle_cpu_pct,
+        rss_kib_per_comm,
         failover_ms,
         failovers,
         failback_ms,
@@ -584,11 +633,13 @@ pub fn text(r: &Report) -> String {
             .collect::<Vec<_>>()
             .join(" ")
     };
-    s += &format!(
-        "per comm: before [{}], after failover [{}]\n",
-        per(&r.kept.before.per_comm),
-        per(&r.kept.after.per_comm)
-    );
+    if r.comms <= PER_COMM_SHOWN {
+        s += &format!(
+            "per comm: before [{}], after failover [{}]\n",
+            per(&r.kept.before.per_comm),
+            per(&r.kept.after.per_comm)
+        );
+    }
     s += &format!(
         "kept by the slowest comm: {:.2}; ideal (N-1)/N {:.2}; NCCL native {:.2}; sim: whole-comm moves {}, striped {}\n",
         r.kept.slowest,
@@ -608,6 +659,17 @@ pub fn text(r: &Report) -> String {
         r.failovers,
         ms(r.failback_ms),
         r.failbacks
+    );
+    let both = |v: [Option<f64>; 2], f: &dyn Fn(f64) -> String| {
+        v.map(|x| x.map_or("?".into(), f)).join(" / ")
+    };
+    s += &format!(
+        "setup {} ms; CPU over the run {} s; idle with every comm open ({:.0} s): {} of a core; memory per comm {} KiB (receiver / sender)\n",
+        r.setup_ms,
+        both(r.cpu_s, &|c| format!("{c:.1}")),
+        r.idle_s,
+        both(r.idle_cpu_pct, &|c| format!("{c:.2}%")),
+        both(r.rss_kib_per_comm, &|c| format!("{c:.0}")),
     );
     s += &if r.intact {
         format!(
