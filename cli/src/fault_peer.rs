@@ -15,12 +15,13 @@ use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use railover::engine::ReactorStats;
 use railover::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
 use railover::transport::frames;
 use railover::transport::verbs::lane;
 use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
 use railover_testkit::fault_line::{Command, Event, Handle, Link, Op, Summary, HANDLE_LEN};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 const MAGIC: u32 = 0x5246_5031;
 const HDR: usize = 32;
@@ -331,9 +332,16 @@ impl Tally {
     }
 
     fn summary(&self, role: &str, comms: usize, ended: usize, failed: usize, stalled: usize) {
+        let rt = railover::plugin::runtime().ok();
         // The router's probe tally, from the route snapshot the plugin publishes.
-        let probes_failed = railover::plugin::runtime()
+        let probes_failed = rt
+            .as_ref()
             .map_or(0, |rt| rt.reactor.routes.load().stats.probes_failed);
+        // What the listeners' admission gate did, from the reactor's counters.
+        let gate = |c: fn(&ReactorStats) -> &AtomicU64| {
+            rt.as_ref()
+                .map_or(0, |rt| c(&rt.reactor.stats).load(Ordering::Relaxed))
+        };
         let n = |x: usize| x as u64;
         say(&Event::Summary(Summary {
             role: role.into(),
@@ -349,6 +357,10 @@ impl Tally {
             first_error: self.first_error,
             last_error: self.last_error,
             probes_failed,
+            rejected_connections: gate(|s| &s.rejected_connections),
+            refused_handshakes: gate(|s| &s.refused_handshakes),
+            evicted_handshakes: gate(|s| &s.evicted_handshakes),
+            handshakes_peak: gate(|s| &s.handshakes_peak),
             placed_bytes: lane::PLACED_BYTES.load(Ordering::Relaxed),
             registrations: lane::USER_REGISTRATIONS.load(Ordering::Relaxed),
             streamed_in: frames::STREAMED_IN.load(Ordering::Relaxed),
