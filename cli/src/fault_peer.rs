@@ -15,12 +15,13 @@ use std::io::{BufRead, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use railover::engine::ReactorStats;
 use railover::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
 use railover::transport::frames;
 use railover::transport::verbs::lane;
 use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
 use railover_testkit::fault_line::{Command, Event, Handle, Link, Op, Summary, HANDLE_LEN};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 const MAGIC: u32 = 0x5246_5031;
 const HDR: usize = 32;
@@ -37,6 +38,10 @@ struct Opts {
     lockstep: Option<u64>,
     /// Devices that get comms; `None`: all.
     devs: Option<Vec<usize>>,
+    /// Receiver: the number of its first comm.
+    first_comm: u32,
+    /// Sender: messages per comm before its END; `None`: as many as `seconds` allow.
+    messages: Option<u64>,
     size: usize,
     depth: usize,
     seconds: f64,
@@ -73,6 +78,14 @@ pub struct Args {
     /// recv: only these devices get comms, e.g. 0,2 [default: all]
     #[arg(long, value_name = "LIST", value_parser = dev_list)]
     pub devs: Option<Devs>,
+    /// recv: number the comms from N in the handles and the messages, so that several
+    /// receivers serving one sender give no two comms the same number
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub first_comm: u32,
+    /// send: N messages per comm, then its END, instead of sending until --seconds
+    /// (which still bounds it)
+    #[arg(long, value_name = "N", value_parser = at_least(1))]
+    pub messages: Option<usize>,
     /// recv/send: message size, at least 32 bytes; K, M, G are powers of 1024, KB, MB, GB
     /// of 1000
     #[arg(long, value_name = "BYTES", default_value = "512K", value_parser = message_size)]
@@ -173,6 +186,8 @@ impl From<&Args> for Opts {
             comms: a.comms,
             lockstep: a.lockstep.map(|k| k as u64),
             devs: a.devs.clone().map(|d| d.0),
+            first_comm: a.first_comm,
+            messages: a.messages.map(|n| n as u64),
             size: a.size,
             depth: a.depth,
             seconds: a.seconds,
@@ -331,9 +346,16 @@ impl Tally {
     }
 
     fn summary(&self, role: &str, comms: usize, ended: usize, failed: usize, stalled: usize) {
+        let rt = railover::plugin::runtime().ok();
         // The router's probe tally, from the route snapshot the plugin publishes.
-        let probes_failed = railover::plugin::runtime()
+        let probes_failed = rt
+            .as_ref()
             .map_or(0, |rt| rt.reactor.routes.load().stats.probes_failed);
+        // What the listeners' admission gate did, from the reactor's counters.
+        let gate = |c: fn(&ReactorStats) -> &AtomicU64| {
+            rt.as_ref()
+                .map_or(0, |rt| c(&rt.reactor.stats).load(Ordering::Relaxed))
+        };
         let n = |x: usize| x as u64;
         say(&Event::Summary(Summary {
             role: role.into(),
@@ -349,6 +371,10 @@ impl Tally {
             first_error: self.first_error,
             last_error: self.last_error,
             probes_failed,
+            rejected_connections: gate(|s| &s.rejected_connections),
+            refused_handshakes: gate(|s| &s.refused_handshakes),
+            evicted_handshakes: gate(|s| &s.evicted_handshakes),
+            handshakes_peak: gate(|s| &s.handshakes_peak),
             placed_bytes: lane::PLACED_BYTES.load(Ordering::Relaxed),
             registrations: lane::USER_REGISTRATIONS.load(Ordering::Relaxed),
             streamed_in: frames::STREAMED_IN.load(Ordering::Relaxed),
@@ -567,14 +593,14 @@ fn settled(state: State, slots: &[Slot]) -> bool {
     state == State::Ended || (state == State::Failed && slots.iter().all(|s| s.req.is_none()))
 }
 
-/// A comm and the device it is on.
-type OnDev<C> = (C, i32);
+/// A comm, the device it is on, and its number (its handle's, which its messages carry).
+type OnDev<C> = (C, i32, u32);
 /// What an endpoint's setup made: the plugin, its comms, the device names.
 type Setup<C> = (Ctx, Vec<OnDev<C>>, Vec<String>);
 
 /// The memory type comm `i`'s buffers on `dev` are registered as (`--gpu`: GPU memory
 /// where the device's `ptrSupport` has it, as NCCL chooses), said on stderr.
-fn memory_of(ctx: &Ctx, o: &Opts, i: usize, dev: i32) -> c_int {
+fn memory_of(ctx: &Ctx, o: &Opts, i: u32, dev: i32) -> c_int {
     if !o.gpu {
         return NCCL_PTR_HOST;
     }
@@ -610,6 +636,8 @@ fn describe_devices(ctx: &Ctx) -> Result<Vec<String>, Code> {
 // ---- receiver ---------------------------------------------------------------------
 
 struct RecvLane {
+    /// The comm's number: its handle's, and the one its messages carry.
+    id: u32,
     comm: RecvComm,
     slots: Vec<Slot>,
     posted: u64,
@@ -633,14 +661,22 @@ fn receiver(o: &Opts) -> i32 {
             return Err(format!("--devs names device {d} of {ndev}"));
         }
         let m = o.comms.unwrap_or(o.per_dev * devs.len());
+        if u64::from(o.first_comm) + m as u64 > 1 << 32 {
+            return Err(format!(
+                "comms {} to {} do not all fit a message header's 32 bits",
+                o.first_comm,
+                u64::from(o.first_comm) + m as u64 - 1
+            ));
+        }
         let mut listeners = Vec::new();
         for i in 0..m {
             let dev = devs[i % devs.len()] as i32;
             let (h, l) = ctx
                 .listen(dev)
                 .map_err(|e| format!("listen dev {dev}: {e}"))?;
-            say(&Event::Handle(Handle::new(i, dev, &h)));
-            listeners.push((l, dev));
+            let id = o.first_comm as usize + i;
+            say(&Event::Handle(Handle::new(id, dev, &h)));
+            listeners.push((l, dev, id as u32));
         }
         say(&Event::Listening { comms: m });
         let end = Instant::now() + Duration::from_secs(30);
@@ -649,9 +685,9 @@ fn receiver(o: &Opts) -> i32 {
             if Instant::now() > end {
                 return Err("accept timed out".into());
             }
-            for (c, (l, dev)) in comms.iter_mut().zip(&listeners) {
+            for (c, (l, dev, id)) in comms.iter_mut().zip(&listeners) {
                 if c.is_none() {
-                    *c = (l.accept().map_err(|e| format!("accept: {e}"))?).map(|c| (c, *dev));
+                    *c = (l.accept().map_err(|e| format!("accept: {e}"))?).map(|c| (c, *dev, *id));
                 }
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -666,8 +702,8 @@ fn receiver(o: &Opts) -> i32 {
         }
     };
     let mut lanes = Vec::new();
-    for (i, (comm, dev)) in comms.into_iter().enumerate() {
-        let ptr = memory_of(&ctx, o, i, dev);
+    for (comm, dev, id) in comms {
+        let ptr = memory_of(&ctx, o, id, dev);
         let slots = (0..o.depth)
             .map(|_| {
                 comm.register_as(o.size, ptr)
@@ -676,6 +712,7 @@ fn receiver(o: &Opts) -> i32 {
             .collect::<Result<Vec<_>, _>>();
         match slots {
             Ok(slots) => lanes.push(RecvLane {
+                id,
                 comm,
                 slots,
                 posted: 0,
@@ -702,6 +739,7 @@ fn receiver(o: &Opts) -> i32 {
     loop {
         let mut progress = false;
         for (i, lane) in lanes.iter_mut().enumerate() {
+            let id = lane.id as usize;
             // Test: the oldest while healthy, every outstanding one once failed.
             for k in 0..depth {
                 let seq = lane.done + k;
@@ -722,7 +760,7 @@ fn receiver(o: &Opts) -> i32 {
                             continue;
                         }
                         let bytes = slot.buf.bytes().expect("completed buffer is free");
-                        match verify(&bytes[..n.min(bytes.len())], i as u32, s) {
+                        match verify(&bytes[..n.min(bytes.len())], lane.id, s) {
                             Verdict::Data => {
                                 tally.msgs += 1;
                                 tally.bytes += n as u64;
@@ -732,11 +770,11 @@ fn receiver(o: &Opts) -> i32 {
                                 lane.state = State::Ended;
                                 say(&Event::End {
                                     t: unix_ms(),
-                                    comm: i,
+                                    comm: id,
                                     msgs: s,
                                 });
                             }
-                            Verdict::Bad(kind, detail) => tally.bad(i, kind, &detail),
+                            Verdict::Bad(kind, detail) => tally.bad(id, kind, &detail),
                         }
                         if lane.state == State::Running {
                             lane.done += 1;
@@ -746,7 +784,7 @@ fn receiver(o: &Opts) -> i32 {
                         slot.req = None;
                         progress = true;
                         if lane.state != State::Ended {
-                            tally.error(i, Op::Test, s, c);
+                            tally.error(id, Op::Test, s, c);
                             lane.state = State::Failed;
                         }
                     }
@@ -764,7 +802,7 @@ fn receiver(o: &Opts) -> i32 {
                     }
                     Ok(None) => break,
                     Err(c) => {
-                        tally.error(i, Op::Irecv, seq, c);
+                        tally.error(id, Op::Irecv, seq, c);
                         lane.state = State::Failed;
                     }
                 }
@@ -829,6 +867,8 @@ fn wait_for_close(limit: Duration) {
 // ---- sender -----------------------------------------------------------------------
 
 struct SendLane {
+    /// The comm's number, from its handle: the receiver checks it in every message.
+    id: u32,
     comm: SendComm,
     slots: Vec<Slot>,
     posted: u64,
@@ -849,16 +889,17 @@ fn may_post(posted: u64, done: u64, depth: u64, limit: Option<u64>) -> bool {
     posted < done + depth && limit.map_or(true, |l| posted < l)
 }
 
-/// The handles on stdin up to `go`, as (comm, dev, bytes) in comm order.
-fn read_handles() -> Result<Vec<(usize, i32, [u8; HANDLE_LEN])>, String> {
+/// The handles on stdin up to `go`, as (comm, dev, bytes) in comm order. The numbers
+/// are the receivers' (one receiver: 0..n); no two handles may share one.
+fn read_handles() -> Result<Vec<(u32, i32, [u8; HANDLE_LEN])>, String> {
     let mut out = Vec::new();
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(|e| format!("stdin: {e}"))?;
         match Command::parse(line.trim())? {
             Command::Go => {
-                out.sort_by_key(|h: &(usize, i32, [u8; HANDLE_LEN])| h.0);
-                if out.iter().enumerate().any(|(i, h)| h.0 != i) {
-                    return Err("handle comm numbers are not 0..n".into());
+                out.sort_by_key(|h: &(u32, i32, [u8; HANDLE_LEN])| h.0);
+                if let Some(w) = out.windows(2).find(|w| w[0].0 == w[1].0) {
+                    return Err(format!("two handles for comm {}", w[0].0));
                 }
                 return Ok(out);
             }
@@ -866,7 +907,10 @@ fn read_handles() -> Result<Vec<(usize, i32, [u8; HANDLE_LEN])>, String> {
                 let bytes = h
                     .bytes()
                     .ok_or_else(|| format!("handle of comm {} is not 256 hex digits", h.comm))?;
-                out.push((h.comm, h.dev, bytes));
+                let comm = u32::try_from(h.comm).map_err(|_| {
+                    format!("comm {} does not fit a message header's 32 bits", h.comm)
+                })?;
+                out.push((comm, h.dev, bytes));
             }
             c => return Err(format!("{c:?} before `go`")),
         }
@@ -889,12 +933,12 @@ fn sender(o: &Opts) -> i32 {
             if Instant::now() > end {
                 return Err("connect timed out".into());
             }
-            for (c, (_, dev, h)) in comms.iter_mut().zip(handles.iter_mut()) {
+            for (c, (id, dev, h)) in comms.iter_mut().zip(handles.iter_mut()) {
                 if c.is_none() {
                     *c = ctx
                         .connect(*dev, h)
                         .map_err(|e| format!("connect dev {dev}: {e}"))?
-                        .map(|c| (c, *dev));
+                        .map(|c| (c, *dev, *id));
                 }
             }
             std::thread::sleep(Duration::from_millis(1));
@@ -909,19 +953,20 @@ fn sender(o: &Opts) -> i32 {
         }
     };
     let mut lanes = Vec::new();
-    for (i, (comm, dev)) in comms.into_iter().enumerate() {
-        let ptr = memory_of(&ctx, o, i, dev);
+    for (comm, dev, id) in comms {
+        let ptr = memory_of(&ctx, o, id, dev);
         let mut slots = Vec::new();
         for _ in 0..o.depth {
             match comm.register_as(o.size, ptr) {
                 Ok(buf) => slots.push(Slot { buf, req: None }),
                 Err(e) => {
-                    setup_failed(format!("regMr comm {i}: {e}"));
+                    setup_failed(format!("regMr comm {id}: {e}"));
                     return 4;
                 }
             }
         }
         lanes.push(SendLane {
+            id,
             comm,
             slots,
             posted: 0,
@@ -981,11 +1026,15 @@ fn sender(o: &Opts) -> i32 {
             o.lockstep,
         );
         for (i, lane) in lanes.iter_mut().enumerate() {
-            if stopping && lane.state == State::Running {
+            let id = lane.id as usize;
+            let sent_all = o.messages.is_some_and(|n| lane.posted >= n);
+            if (stopping || sent_all) && lane.state == State::Running {
                 lane.state = State::Draining;
             }
             let want_end = lane.state == State::Draining && lane.done == lane.posted;
-            while lane.state == State::Running && may_post(lane.posted, lane.done, depth, limit)
+            while lane.state == State::Running
+                && may_post(lane.posted, lane.done, depth, limit)
+                && o.messages.map_or(true, |n| lane.posted < n)
                 || want_end && lane.state == State::Draining && lane.posted < lane.done + depth
             {
                 let seq = lane.posted;
@@ -995,7 +1044,7 @@ fn sender(o: &Opts) -> i32 {
                 let bytes = slot.buf.bytes_mut().expect("free slot");
                 fill(
                     &mut bytes[..len],
-                    i as u32,
+                    lane.id,
                     seq,
                     if end { FLAG_END } else { 0 },
                 );
@@ -1010,7 +1059,7 @@ fn sender(o: &Opts) -> i32 {
                     }
                     Ok(None) => break,
                     Err(c) => {
-                        tally.error(i, Op::Isend, seq, c);
+                        tally.error(id, Op::Isend, seq, c);
                         lane.state = State::Failed;
                     }
                 }
@@ -1033,7 +1082,7 @@ fn sender(o: &Opts) -> i32 {
                         if lane.state == State::EndPosted && s + 1 == lane.posted {
                             lane.state = State::Ended;
                         } else if n != o.size {
-                            tally.bad(i, "size", &format!("send seq={s} completed={n}"));
+                            tally.bad(id, "size", &format!("send seq={s} completed={n}"));
                         } else {
                             tally.msgs += 1;
                             tally.bytes += n as u64;
@@ -1046,7 +1095,7 @@ fn sender(o: &Opts) -> i32 {
                     Err(c) => {
                         slot.req = None;
                         progress = true;
-                        tally.error(i, Op::Test, s, c);
+                        tally.error(id, Op::Test, s, c);
                         lane.state = State::Failed;
                     }
                 }
@@ -1453,6 +1502,7 @@ mod tests {
             (5.0, 5.0, Duration::from_millis(100))
         );
         assert_eq!((o.devs, o.addr), (None, None));
+        assert_eq!((o.first_comm, o.messages), (0, None));
         // What the fault tier and the demo pass.
         let a = parse(&[
             "send",
@@ -1483,6 +1533,11 @@ mod tests {
         assert_eq!((o.comms, o.lockstep), (None, None));
         let o = Opts::from(&parse(&["send", "--comms", "8", "--lockstep", "4"]).unwrap());
         assert_eq!((o.comms, o.lockstep), (Some(8), Some(4)));
+        // A receiver of a mesh and a sender that stops after a few messages.
+        let o = Opts::from(&parse(&["recv", "--comms", "512", "--first-comm", "1024"]).unwrap());
+        assert_eq!((o.comms, o.first_comm), (Some(512), 1024));
+        let o = Opts::from(&parse(&["send", "--messages", "4"]).unwrap());
+        assert_eq!(o.messages, Some(4));
         assert_eq!(
             Opts::from(&parse(&["send", "--size", "1m"]).unwrap()).size,
             1 << 20
@@ -1506,6 +1561,9 @@ mod tests {
             (&["recv", "--per-dev", "0"], "--per-dev"),
             (&["recv", "--depth", "0"], "--depth"),
             (&["send", "--lockstep", "0"], "--lockstep"),
+            (&["send", "--messages", "0"], "--messages"),
+            (&["recv", "--first-comm", "x"], "--first-comm"),
+            (&["recv", "--first-comm", "4294967296"], "--first-comm"),
             (&["recv", "--comms", "0"], "--comms"),
             (&["recv", "--comms", "4", "--per-dev", "2"], "--comms"),
             (&["recv", "--devs", "0,x"], "--devs"),

@@ -1,6 +1,8 @@
 //! The fault tier (`docs/design.md` §6): two network namespaces joined by one shaped veth pair
 //! per rail, the plugin driven through its v12 table by `railover fault-peer` in each,
-//! and link faults injected while checksummed streams run. Needs root: every test is
+//! and link faults injected while checksummed streams run; comms are also set up at the
+//! scale jobs open them, between one process pair and all-to-all between many (`setup_*`,
+//! no fault: nothing may be turned away). Needs root: every test is
 //! `#[ignore]`d and `scripts/fault-tier.sh` runs them with `--ignored` when it can (each
 //! also prints `SKIP: <why>` and returns if run without root).
 //!
@@ -20,6 +22,9 @@ use railover_testkit::kept;
 use testbed::flow::{
     assert_delivered_exactly_once, assert_no_corruption, check_lane_balance, is, is_tick,
     lane_placement, Flow, FlowOpts, Report,
+};
+use testbed::mesh::{
+    assert_every_comm_delivered, assert_none_turned_away, log_digest, Mesh, MeshOpts, TURNED_AWAY,
 };
 use testbed::proc::Proc;
 use testbed::{unix_ms, Side, Testbed, DEFAULT_RATE_MBIT};
@@ -292,6 +297,103 @@ fault_test! {
             println!("plugin: rail {rail} {:.0} Mbit/s", x * 8.0 / 1e6);
             assert!(x > 0.6 * link, "rail {rail} at {x:.0} B/s");
         }
+    }
+}
+
+/// A job's setup at scale over 4 rails: `senders` processes in A, `receivers` in B,
+/// `per_pair` comms between each sender and each receiver (device = comm mod 4), every
+/// pair connecting at the same moment. Every comm must then carry a few checksummed
+/// messages intact, no listener may turn a connection away, and every process must exit
+/// cleanly.
+fn setup_at_scale(senders: usize, receivers: usize, per_pair: usize) {
+    const RAILS: usize = 4;
+    const MESSAGES: usize = 4;
+    let tb = bed(RAILS);
+    let opts = MeshOpts {
+        senders,
+        receivers,
+        per_pair,
+        flow: FlowOpts {
+            // Light traffic: 1,024 lanes per link must not queue behind each other long
+            // enough to look dead; setup is what is judged here.
+            messages: Some(MESSAGES),
+            size: 4 << 10,
+            depth: 1,
+            tick_ms: 250,
+            // Bounds only: the senders stop after their messages. The grace is long so
+            // that no sender closes before the slowest receiver has its summary.
+            seconds: 20.0,
+            grace: 10.0,
+            // Info: a connect the listener dropped and that is tried again says so.
+            env: vec![
+                ("RAILOVER_LOG", "info".into()),
+                ("RAILOVER_METRICS_PORT", "off".into()),
+            ],
+            ..FlowOpts::default()
+        },
+    };
+    let comms = senders * receivers * per_pair;
+    let started = Instant::now();
+    let (mesh, setup) = Mesh::start(&tb, opts.clone());
+    let per_rail = mesh.per_rail.clone();
+    let (recvs, sends) = mesh.finish();
+    let slowest = |role: &str| {
+        setup
+            .iter()
+            .filter(|s| s.name.starts_with(role))
+            .max_by_key(|s| s.ms)
+            .map_or_else(|| "-".into(), |s| format!("{} {} ms", s.name, s.ms))
+    };
+    let all: Vec<Report> = recvs.iter().chain(&sends).cloned().collect();
+    let sum = |f: fn(&Report) -> u64| all.iter().map(f).sum::<u64>();
+    let peaks: Vec<u64> = recvs.iter().map(|r| r.summary.handshakes_peak).collect();
+    println!(
+        "setup at scale: {senders} x {receivers} processes, {comms} comms ({per_pair} per pair), \
+         per rail {per_rail:?}; from `go` to connected: slowest receiver {}, slowest sender {}; \
+         {:?} in all",
+        slowest("recv"),
+        slowest("send"),
+        started.elapsed()
+    );
+    println!(
+        "setup at scale: {} messages verified; connections turned away {} (evicted by the gate {}, \
+         refused {}); connects tried again {}; lanes failed with no fault injected {}; \
+         handshakes in flight at most {peaks:?} per receiver",
+        recvs.iter().map(|r| r.summary.msgs).sum::<u64>(),
+        sum(|r| r.summary.rejected_connections),
+        sum(|r| r.summary.evicted_handshakes),
+        sum(|r| r.summary.refused_handshakes),
+        sum(|r| r.stderr.matches("; trying again").count() as u64),
+        sum(|r| r.stderr.matches(" failed (").count() as u64),
+    );
+    for r in &all {
+        // Thousands of comms log thousands of lines: what went wrong, in a few.
+        let wrong: Vec<(usize, String)> = log_digest(&r.stderr)
+            .into_iter()
+            .filter(|(_, k)| k.contains(" WARN ") || TURNED_AWAY.iter().any(|w| k.contains(w)))
+            .take(6)
+            .collect();
+        for (n, kind) in wrong {
+            println!("  {}: {n:>5} x {kind}", r.role);
+        }
+    }
+    assert_eq!(per_rail, vec![comms / RAILS; RAILS], "comms per rail");
+    assert_every_comm_delivered(&opts, &recvs, &sends);
+    assert_none_turned_away(&all);
+}
+
+fault_test! {
+    /// 4,096 comms between one process pair, 1,024 per NIC.
+    fn setup_of_4096_comms_between_one_pair() {
+        setup_at_scale(1, 1, 4096);
+    }
+}
+
+fault_test! {
+    /// All-to-all is not one pair: 8 senders and 8 receivers, 64 comms between each of
+    /// the 64 process pairs, 4,096 in all.
+    fn setup_all_to_all_of_8_by_8_processes() {
+        setup_at_scale(8, 8, 64);
     }
 }
 
@@ -1338,4 +1440,21 @@ fault_test! {
         assert_delivered_exactly_once(&recv, &send, comms);
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+#[test]
+fn a_log_digest_counts_lines_by_their_shape() {
+    let log = "railover WARN 17: comm 3: lane on nic1 failed\n\
+               railover WARN 18: comm 40: lane on nic0 failed\n\
+               railover INFO 19: finalised";
+    assert_eq!(
+        log_digest(log),
+        vec![
+            (
+                2,
+                "railover WARN N: comm N: lane on nicN failed".to_string()
+            ),
+            (1, "railover INFO N: finalised".to_string()),
+        ]
+    );
 }

@@ -88,6 +88,15 @@ pub struct Summary {
     pub last_error: Option<u64>,
     /// The router's failed probes, from the route snapshot the plugin publishes.
     pub probes_failed: u64,
+    /// Connections this process's listeners turned away before they authenticated
+    /// (refused, past their deadline, or dropped to keep the handshake caps).
+    pub rejected_connections: u64,
+    /// Of those: handshakes that failed to authenticate.
+    pub refused_handshakes: u64,
+    /// Of those: connections the admission gate dropped to make room.
+    pub evicted_handshakes: u64,
+    /// The most connections this process's listeners held in their handshake at once.
+    pub handshakes_peak: u64,
     /// Payload bytes this process's verbs lanes wrote in place (zero copy).
     pub placed_bytes: u64,
     /// Ranges of NCCL memory this process registered with an RDMA device.

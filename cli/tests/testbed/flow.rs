@@ -22,6 +22,10 @@ pub struct FlowOpts {
     pub tick_ms: u64,
     /// Only these rails get comms (`None`: every rail).
     pub devs: Option<Vec<usize>>,
+    /// The receiver numbers its comms from this one (0: from 0, and no option passed).
+    pub first_comm: u32,
+    /// The sender sends this many messages per comm, then END (`None`: until `seconds`).
+    pub messages: Option<usize>,
     pub size: usize,
     pub depth: usize,
     /// The sender sends for this long.
@@ -40,6 +44,8 @@ impl Default for FlowOpts {
             lockstep: None,
             tick_ms: 100,
             devs: None,
+            first_comm: 0,
+            messages: None,
             size: 512 << 10,
             depth: 8,
             seconds: 8.0,
@@ -68,6 +74,8 @@ impl FlowOpts {
             ("--devs", list.join(","))
         }))
         .chain(self.lockstep.map(|k| ("--lockstep", k.to_string())))
+        .chain((self.first_comm > 0).then(|| ("--first-comm", self.first_comm.to_string())))
+        .chain(self.messages.map(|n| ("--messages", n.to_string())))
         .flat_map(|(k, v)| [k.to_string(), v])
         .collect()
     }
@@ -83,7 +91,8 @@ pub struct Flow {
     pub opts: FlowOpts,
 }
 
-fn spawn(tb: &Testbed, side: Side, role: &str, o: &FlowOpts) -> Proc {
+/// A `fault-peer` in `role` (`recv` or `send`) inside `side`'s namespace.
+pub fn spawn(tb: &Testbed, side: Side, role: &str, o: &FlowOpts) -> Proc {
     let mut c = tb.command(side, EXE);
     c.arg("fault-peer").arg(role).args(o.args());
     if role == "recv" {
@@ -107,7 +116,7 @@ pub fn events(p: &Proc) -> Vec<Event> {
 }
 
 /// The receiver listens, or its setup failed.
-fn listening_or_failed(l: &str) -> bool {
+pub fn listening_or_failed(l: &str) -> bool {
     is(l, |e| {
         matches!(e, Event::Listening { .. } | Event::SetupFailed { .. })
     })
