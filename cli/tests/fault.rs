@@ -328,6 +328,10 @@ fn setup_at_scale(senders: usize, receivers: usize, per_pair: usize) {
             env: vec![
                 ("RAILOVER_LOG", "info".into()),
                 ("RAILOVER_METRICS_PORT", "off".into()),
+                (
+                    "RAILOVER_COMPLETION_TIMEOUT_MS",
+                    completion_timeout_ms(senders + receivers),
+                ),
             ],
             ..FlowOpts::default()
         },
@@ -380,6 +384,16 @@ fn setup_at_scale(senders: usize, receivers: usize, per_pair: usize) {
     assert_eq!(per_rail, vec![comms / RAILS; RAILS], "comms per rail");
     assert_every_comm_delivered(&opts, &recvs, &sends);
     assert_none_turned_away(&all);
+}
+
+/// The completion timeout for `processes` railover processes on this machine: the default
+/// 1 s while there are no more processes than cores. Sixteen processes setting up
+/// thousands of comms on 2 cores wait their turn for the CPU for longer than that, and a
+/// lane whose peer was not scheduled would be failed for silence: setup is judged here,
+/// not detection (the failover scenarios judge that at the default).
+fn completion_timeout_ms(processes: usize) -> String {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (1000 * processes.div_ceil(cores).clamp(1, 4)).to_string()
 }
 
 fault_test! {

@@ -205,6 +205,24 @@ impl CommandQueue {
         cmds
     }
 
+    /// Commands the reactor took but leaves for a later turn, in order, ahead of anything
+    /// pushed since: they stay the queue's, so a stop (or a panic) refuses them too.
+    pub(crate) fn put_back(&self, mut cmds: VecDeque<Command>) {
+        if cmds.is_empty() {
+            return;
+        }
+        let mut q = self.q.lock();
+        if self.stopped.load(Ordering::Acquire) {
+            drop(q);
+            let reason = self.stop_reason();
+            cmds.into_iter().for_each(|c| refuse(c, reason.clone()));
+            return;
+        }
+        self.len.fetch_add(cmds.len(), Ordering::SeqCst);
+        cmds.append(&mut q);
+        *q = cmds;
+    }
+
     /// The reactor is exiting: refuse what is queued and what comes later, and close the
     /// waker's eventfd.
     pub(crate) fn stop(&self) {
@@ -340,6 +358,53 @@ mod tests {
             pending: pending.clone(),
         });
         assert!(internal(pending.result.lock().take().unwrap()));
+    }
+
+    #[test]
+    fn commands_put_back_come_first_in_order_and_a_stop_refuses_them() {
+        let poll = Poll::new().unwrap();
+        let q = CommandQueue::new(Waker::new(poll.registry(), Token(0)).unwrap());
+        let connect = |port: u16| {
+            let pending = Arc::new(PendingConnect::default());
+            let c = Command::Connect {
+                nic: 0,
+                to: std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+                token: [0; 16],
+                pending: pending.clone(),
+            };
+            (c, pending)
+        };
+        let port = |c: &Command| match c {
+            Command::Connect { to, .. } => to.port(),
+            _ => unreachable!("only connects here"),
+        };
+        let (a, _) = connect(1);
+        let (b, _) = connect(2);
+        q.push(a);
+        q.push(b);
+        let mut taken = q.take();
+        assert_eq!(taken.len(), 2);
+        let first = taken.pop_front().unwrap();
+        assert_eq!(port(&first), 1);
+        // Pushed while the reactor held the rest: it goes after them.
+        let (c, _) = connect(3);
+        q.push(c);
+        q.put_back(taken);
+        assert_eq!(q.len.load(Ordering::SeqCst), 2);
+        let order: Vec<u16> = q.take().iter().map(port).collect();
+        assert_eq!(order, [2, 3]);
+        assert_eq!(q.len.load(Ordering::SeqCst), 0);
+        // Put back, then the reactor stops: the connect is refused, not left pending.
+        let (d, pending) = connect(4);
+        q.put_back([d].into());
+        q.stop();
+        assert!(matches!(*pending.result.lock(), Some(Err(_))));
+        let (e, late) = connect(5);
+        q.put_back([e].into());
+        assert!(
+            matches!(*late.result.lock(), Some(Err(_))),
+            "after the stop too"
+        );
     }
 
     #[test]

@@ -58,6 +58,11 @@ const ACCEPT_BATCH: usize = 32;
 /// How soon a listener whose connections wait in the backlog (the handshake gate was
 /// full) is tried again when no event comes first.
 const BACKLOG_RETRY: Duration = Duration::from_millis(5);
+/// NCCL connects dialled per turn. At communicator init an all-to-all job asks for
+/// thousands at once; dialling them all in one turn (a socket, a key exchange and a
+/// Hello each) held every Hello back until the last was dialled, so the listeners saw
+/// hundreds of silent connections and dropped them as idle.
+const CONNECTS_PER_TURN: usize = 64;
 
 /// The reactor thread's name (Linux keeps 15 characters: this fits whole in `ps`/`top`).
 pub const REACTOR_THREAD: &str = "rlvr-reactor";
@@ -419,13 +424,24 @@ impl<F: Fabric> Reactor<F> {
     /// The first half of a turn: queued commands, lanes left over from the last turn,
     /// the router's decisions, and output.
     fn before_poll(&mut self, now: Instant) {
-        let cmds = self.queue.take();
+        let mut cmds = self.queue.take();
         if !cmds.is_empty() {
             self.budget.progress(now);
         }
-        for c in cmds {
+        let mut connects = 0;
+        while let Some(c) = cmds.pop_front() {
+            if matches!(c, Command::Connect { .. }) {
+                if connects == CONNECTS_PER_TURN {
+                    cmds.push_front(c);
+                    break;
+                }
+                connects += 1;
+            }
             self.command(c, now);
         }
+        // The rest waits for the next turn, in order: lanes dialled in this one write
+        // their Hellos first.
+        self.queue.put_back(cmds);
         if self.shutdown {
             return;
         }
