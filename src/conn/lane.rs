@@ -562,6 +562,18 @@ impl LaneMachine {
         self.owed_since.map(|t| t.max(self.last_rx))
     }
 
+    /// Whether [`LaneMachine::handle_timeout`] at `now` would fail the lane for silence,
+    /// as things stand: the caller may first read what its sockets hold, so that a
+    /// reactor that fell behind does not take unread bytes for a dead path.
+    pub fn silent_past_limit(&self, now: Instant) -> bool {
+        self.carrying
+            && self.failed.is_none()
+            && (now.saturating_duration_since(self.heard()) >= self.timeout
+                || self.owed_from().is_some_and(|t| {
+                    now.saturating_duration_since(t) >= congested_limit(self.timeout)
+                }))
+    }
+
     /// Fails an overdue handshake, probe or linger; fails a lane whose path heard nothing
     /// for the completion timeout, or that was owed an answer and heard none for
     /// [`congested_limit`] while its path was heard; the path's keeper, and a lane busy

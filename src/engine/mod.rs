@@ -864,13 +864,33 @@ impl Engine {
     /// at; each is armed again with its machine's next deadline.
     fn expire(&mut self, now: Instant, io: &mut dyn Io) {
         let mut failed = Vec::new();
+        // Paths whose sockets this call read before judging a lane of theirs silent.
+        let mut drained: Vec<Option<paths::PathKey>> = Vec::new();
         while let Some(k) = self.timers.pop_due(now) {
             let Some(lane) = self.lanes.get_mut(k) else {
                 continue;
             };
-            if lane.m.poll_timeout().is_some_and(|d| d <= now) {
-                // Judged against its path: what its neighbours heard, up to now.
-                if let Some(at) = lane.path().and_then(|p| self.paths.last_heard(p)) {
+            let due = lane.m.poll_timeout().is_some_and(|d| d <= now);
+            // Judged against its path: what its neighbours heard, up to now.
+            if let Some(at) = lane.path().and_then(|p| self.paths.last_heard(p)) {
+                lane.m.handle_path_rx(at);
+            }
+            let path = lane.path();
+            if due && lane.m.silent_past_limit(now) && !drained.contains(&path) {
+                // Read before judging: a reactor that fell behind (thousands of lanes
+                // ready at once, a stall) has the proof of life in its sockets, and
+                // closing a lane with unread bytes resets it under the sender.
+                drained.push(path);
+                let lanes = path.map_or_else(|| vec![k], |p| self.paths.lanes(p).to_vec());
+                for l in lanes {
+                    self.service_lane(l, now, io);
+                }
+            }
+            let Some(lane) = self.lanes.get_mut(k) else {
+                continue;
+            };
+            if due {
+                if let Some(at) = path.and_then(|p| self.paths.last_heard(p)) {
                     lane.m.handle_path_rx(at);
                 }
                 lane.m.handle_timeout(now);

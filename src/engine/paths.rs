@@ -69,6 +69,11 @@ impl Paths {
         (i == 0).then(|| lanes.first().copied()).flatten()
     }
 
+    /// The lanes carrying comms over `path`.
+    pub fn lanes(&self, path: PathKey) -> &[usize] {
+        self.seen.get(&path).map_or(&[], |s| &s.lanes)
+    }
+
     /// Bytes arrived over `path` at `now`.
     pub fn heard(&mut self, path: PathKey, now: Instant) {
         self.seen.entry(path).or_default().heard = Some(now);

@@ -253,6 +253,34 @@ fn a_connect_through_the_io_seam_becomes_a_comm_on_both_sides() {
 }
 
 #[test]
+fn bytes_waiting_unread_when_a_lane_is_judged_silent_are_read_and_save_it() {
+    let t0 = Instant::now();
+    let mut p = connected(t0);
+    let kb = *p.mb.open.iter().next().unwrap();
+    // Past the completion timeout (2 s here).
+    let late = t0 + Duration::from_millis(2100);
+    // The sender's keepalive reached b's socket, but b's reactor fell behind and has
+    // not read it when the lane's silence deadline comes.
+    let mut ka = Vec::new();
+    ka.extend_from_slice(&Header::new(Kind::Keepalive, 0, 0).encode());
+    p.mb.rx.entry(kb).or_default().extend(ka);
+    p.b.handle_timeout(late, &mut p.mb);
+    assert!(
+        p.b.lanes.contains(kb),
+        "failed with its proof of life unread"
+    );
+    assert!(p.mb.rx[&kb].is_empty(), "read before it was judged");
+    assert!(
+        !p.mb.ops.iter().any(|o| matches!(o, Op::Close(_))),
+        "{:?}",
+        p.mb.ops
+    );
+    // Nothing arrives for another timeout: now it is silent, and fails.
+    p.b.handle_timeout(late + Duration::from_millis(2000), &mut p.mb);
+    assert!(!p.b.lanes.contains(kb), "a silent lane is failed");
+}
+
+#[test]
 fn a_receive_lane_that_fails_tells_the_sender_then_is_sealed_not_fenced() {
     let now = Instant::now();
     let mut p = connected(now);

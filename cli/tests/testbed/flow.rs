@@ -275,7 +275,7 @@ impl Report {
         let mut r = Report {
             role: p.name.clone(),
             exit,
-            stderr_tail: p.stderr_tail(15),
+            stderr_tail: p.stderr_tail(40),
             stderr: p.stderr_tail(usize::MAX),
             ..Report::default()
         };
@@ -374,8 +374,9 @@ pub fn assert_delivered_exactly_once(recv: &Report, send: &Report, comms: usize)
         assert_eq!(
             r.summary.ended as usize,
             comms,
-            "not every comm finished\n{}",
-            r.brief()
+            "not every comm finished\n{}\nthe other end:\n{}",
+            r.brief(),
+            if r.role == recv.role { send } else { recv }.brief()
         );
         assert_eq!(r.exit, Some(0), "{}", r.brief());
     }
