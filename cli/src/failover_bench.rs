@@ -138,6 +138,9 @@ pub struct Report {
     pub rss_kib_per_comm: [Option<f64>; 2],
     /// From the cut to the first failover line in node A's log.
     pub failover_ms: Option<u64>,
+    /// Moved comms' first message on their new path, ms after detection (the failover
+    /// lines' `resume=`): the median and the slowest.
+    pub resume_ms: Option<[f64; 2]>,
     pub failovers: usize,
     /// From link up to the first fail-back line.
     pub failback_ms: Option<u64>,
@@ -444,6 +447,7 @@ fn measure(o: &Opts) -> Result<Report, String> {
         (at, stamps.len())
     };
     let (failover_ms, failovers) = first(" failover comm=", cut);
+    let resume_ms = resumes(&log);
     let (failback_ms, failbacks) = first(" failback comm=", up);
     let devs = rev
         .iter()
@@ -485,6 +489,7 @@ fn measure(o: &Opts) -> Result<Report, String> {
         idle_cpu_pct,
         rss_kib_per_comm,
         failover_ms,
+        resume_ms,
         failovers,
         failback_ms,
         failbacks,
@@ -497,6 +502,23 @@ fn measure(o: &Opts) -> Result<Report, String> {
             comms: kept::comm_series(&riv, t0, SMOOTH_TICKS),
         },
     })
+}
+
+/// The median and the slowest `resume=` of the failover lines in `log`.
+fn resumes(log: &str) -> Option<[f64; 2]> {
+    let mut v: Vec<f64> = log
+        .lines()
+        .filter(|l| l.contains(" failover comm="))
+        .filter_map(|l| {
+            let rest = l.split(" resume=").nth(1)?;
+            rest.split(|c: char| !c.is_ascii_digit() && c != '.')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    Some([*v.get(v.len() / 2)?, *v.last()?])
 }
 
 /// What the steady windows leave out, from the plugin's own knobs as it reads them.
@@ -654,9 +676,12 @@ pub fn text(r: &Report) -> String {
         if r.target_met { "met" } else { "MISSED" }
     );
     s += &format!(
-        "failover: first move {} after the cut ({} moves); fail-back: first {} after link up ({} moves)\n",
+        "failover: first move {} after the cut ({} moves); first message on the new path {} after detection; fail-back: first {} after link up ({} moves)\n",
         ms(r.failover_ms),
         r.failovers,
+        r.resume_ms.map_or("not seen".into(), |[p50, max]| format!(
+            "{p50:.0} ms (median), {max:.0} ms (slowest)"
+        )),
         ms(r.failback_ms),
         r.failbacks
     );
@@ -741,6 +766,16 @@ pub fn markdown_row(r: &Report) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn resumes_are_read_from_the_failover_lines() {
+        let log = "railover WARN 1: railover: failover comm=3 rv0->a => rv1->b reason=timeout detect=1001.0ms resume=120.5ms spread_over=3\n\
+                   railover WARN 2: railover: failback comm=3 rv1->b => rv0->a away=5.0s\n\
+                   railover WARN 3: railover: failover comm=4 rv0->a => rv2->c reason=timeout detect=1001.0ms resume=300.0ms spread_over=3\n\
+                   railover WARN 4: railover: failover comm=5 rv0->a => rv3->d reason=timeout detect=1001.0ms resume=80.0ms spread_over=3\n";
+        assert_eq!(super::resumes(log), Some([120.5, 300.0]));
+        assert_eq!(super::resumes("nothing moved\n"), None);
+    }
+
     use super::*;
 
     fn opts(s: &str) -> Result<Opts, String> {
