@@ -9,7 +9,7 @@
 //! every displaced comm resumes within a round or two of handshakes, and the rest of its
 //! stripes follow. Probes and NCCL's own connects are not paced. No sockets, no clock.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Replacement lanes one local NIC has in their handshake at once.
 pub const PER_NIC: usize = 64;
@@ -20,13 +20,18 @@ pub(super) struct Dials {
     waiting: VecDeque<(usize, usize)>,
     /// Lanes dialled and not yet through their handshake: (local NIC, lane).
     dialing: BTreeSet<(usize, usize)>,
+    /// Lanes waiting, per local NIC.
+    waiting_on: BTreeMap<usize, usize>,
+    /// A lane waits on a NIC that had a slot free: the next turn must look, even if no
+    /// handshake ended.
+    look: bool,
 }
 
 impl Dials {
     /// Whether a new replacement lane on local NIC `nic` may be dialled now: none waits
     /// before it there, and fewer than [`PER_NIC`] are in their handshake.
     pub fn may_dial(&self, nic: usize) -> bool {
-        !self.waiting.iter().any(|&(n, _)| n == nic) && self.in_handshake(nic) < PER_NIC
+        !self.waiting_on.contains_key(&nic) && self.in_handshake(nic) < PER_NIC
     }
 
     fn in_handshake(&self, nic: usize) -> usize {
@@ -40,7 +45,9 @@ impl Dials {
 
     /// Lane `k` on `nic` waits for its turn.
     pub fn wait(&mut self, nic: usize, k: usize) {
+        self.look |= self.in_handshake(nic) < PER_NIC;
         self.waiting.push_back((nic, k));
+        *self.waiting_on.entry(nic).or_default() += 1;
     }
 
     /// Forgets lanes that are through their handshake, failed or gone (`still(k)` false),
@@ -52,7 +59,14 @@ impl Dials {
         still: impl Fn(usize) -> bool,
         first: impl Fn(usize, &BTreeSet<(usize, usize)>) -> bool,
     ) -> Vec<(usize, usize)> {
+        let before = self.dialing.len();
         self.dialing.retain(|&(_, k)| still(k));
+        // A turn dials while there is room, so a NIC is left either full or with nothing
+        // waiting: only a handshake that ended (or a lane queued beside a free slot) lets
+        // another go. Every other turn of a storm costs nothing more.
+        if self.dialing.len() == before && !std::mem::take(&mut self.look) {
+            return Vec::new();
+        }
         self.waiting.retain(|&(_, k)| still(k));
         let mut now = Vec::new();
         for urgent_pass in [true, false] {
@@ -68,6 +82,10 @@ impl Dials {
                 }
             }
             self.waiting = left;
+        }
+        self.waiting_on.clear();
+        for &(nic, _) in &self.waiting {
+            *self.waiting_on.entry(nic).or_default() += 1;
         }
         now
     }
@@ -109,12 +127,24 @@ mod tests {
         let done = |k: usize| k > 2;
         assert_eq!(d.turn(done, plain), vec![(0, 100), (0, 101), (0, 102)]);
         assert_eq!(d.waiting(), 7);
-        // A waiting lane that is gone (its comm failed) is dropped, not dialled.
+        // Nothing more finished: the turn looks at nothing, though a waiting lane is gone.
         let gone = |k: usize| k > 2 && k != 103;
         assert_eq!(d.turn(gone, plain), vec![]);
-        assert_eq!(d.waiting(), 6);
+        assert_eq!(d.waiting(), 7);
+        // One more ends (lane 3): the gone lane (its comm failed) is dropped, not
+        // dialled, and the next goes.
+        let gone = |k: usize| k > 3 && k != 103;
+        assert_eq!(d.turn(gone, plain), vec![(0, 104)]);
+        assert_eq!(d.waiting(), 5);
         // While lanes wait on NIC 0, a new one there queues behind them.
         assert!(!d.may_dial(0));
+        // A lane queued beside a free slot (the lanes before it were all gone) is looked
+        // at by the next turn, though no handshake ended.
+        let mut d = Dials::default();
+        d.dialled(1, 7);
+        d.wait(1, 8);
+        assert_eq!(d.turn(|_| true, plain), vec![(1, 8)]);
+        assert_eq!(d.turn(|_| true, plain), vec![], "and then nothing more");
     }
 
     #[test]
