@@ -236,7 +236,12 @@ fn spawn(tb: &Testbed, side: Side, role: &str, o: &Opts) -> Result<Proc, String>
         .args(["--size", &o.size.to_string()])
         .args(["--depth", &o.depth.to_string()])
         .args(["--seconds", &seconds.to_string()])
-        .args(["--grace", &GRACE_S.to_string()])
+        // Both ends keep their comms open, after the traffic, for at most the grace:
+        // long enough to measure them idle.
+        .args([
+            "--grace",
+            &GRACE_S.max(hold(o).as_secs_f64() + 2.0).to_string(),
+        ])
         .args(["--tick-ms", &TICK_MS.to_string()]);
     if let (Some(k), "send") = (o.lockstep, role) {
         c.args(["--lockstep", &k.to_string()]);
@@ -277,6 +282,14 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     let f: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
     let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
     Some(ticks as f64 / 100.0) // USER_HZ
+}
+
+/// How long the comms are held after the traffic: until lanes that failed back have
+/// lingered out and those that moved data no longer keep themselves alive (only each
+/// path's keeper does), then the idle window.
+fn hold(o: &Opts) -> Duration {
+    let timeout = Duration::from_millis(env_ms("RAILOVER_COMPLETION_TIMEOUT_MS", 1000));
+    congested_limit(timeout).max(LINGER) + Duration::from_millis(500) + o.idle
 }
 
 /// Resident memory of process `pid`, KiB, from /proc (`statm` counts 4 KiB pages).
@@ -359,8 +372,7 @@ fn measure(o: &Opts) -> Result<Report, String> {
     // Then every comm open and idle: what holding them costs, once the lanes that
     // failed back have lingered out and those that moved data no longer keep themselves
     // alive (only each path's keeper does).
-    let timeout = Duration::from_millis(env_ms("RAILOVER_COMPLETION_TIMEOUT_MS", 1000));
-    std::thread::sleep(congested_limit(timeout).max(LINGER) + Duration::from_millis(500));
+    std::thread::sleep(hold(o) - o.idle);
     let idle_from = [cpu_seconds(recv.pid()), cpu_seconds(send.pid())];
     let t_idle = std::time::Instant::now();
     std::thread::sleep(o.idle);
