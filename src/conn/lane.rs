@@ -610,10 +610,11 @@ impl LaneMachine {
             });
             return;
         }
-        if self.keeps_alive(now)
-            && now.saturating_duration_since(self.last_tx) >= self.keepalive()
-            && self.out.is_empty()
-        {
+        // Judged at the keepalive's deadline, as `poll_timeout` was: a lane whose busy
+        // window closed between the deadline and now still owes that keepalive (else the
+        // deadline would stay in the past and come up again at once).
+        let due = self.last_tx + self.keepalive();
+        if due <= now && self.keeps_alive(due) && self.out.is_empty() {
             self.out
                 .push_back(Header::new(Kind::Keepalive, 0, 0).encode().to_vec());
             self.keepalive_bytes += wire::HEADER_LEN as u64;
@@ -839,6 +840,38 @@ mod tests {
             last < t0 + congested_limit(TIMEOUT),
             "keepalives kept it busy: the last at {:?}",
             last - t0
+        );
+    }
+
+    #[test]
+    fn a_keepalive_due_before_the_busy_window_closed_is_sent_when_looked_at_after() {
+        let t0 = Instant::now();
+        let mut m = carrying(t0);
+        m.handle_keeper(false);
+        m.handle_sample(t0, 4096, 0);
+        m.handle_path_rx(t0);
+        // Busy until t0 + 8 s. The last write was at 7.9 s, so a keepalive is due at
+        // 8.15 s, when the lane no longer keeps itself alive, and none is armed.
+        m.handle_tx(t0 + 7900 * MS);
+        m.handle_path_rx(t0 + 7900 * MS);
+        assert_eq!(
+            m.poll_timeout(),
+            Some(t0 + 8900 * MS),
+            "only the path's silence"
+        );
+        // Written at 7.7 s instead: due at 7.95 s, within the window, but looked at late
+        // (a busy reactor), at 8.1 s. It goes out, and the deadline moves on.
+        let mut m = carrying(t0);
+        m.handle_keeper(false);
+        m.handle_sample(t0, 4096, 0);
+        m.handle_tx(t0 + 7700 * MS);
+        m.handle_path_rx(t0 + 7700 * MS);
+        assert_eq!(m.poll_timeout(), Some(t0 + 7950 * MS));
+        m.handle_timeout(t0 + 8100 * MS);
+        assert_eq!(kinds(&mut m), [Kind::Keepalive]);
+        assert!(
+            m.poll_timeout().unwrap() > t0 + 8100 * MS,
+            "not due again at once"
         );
     }
 

@@ -314,6 +314,9 @@ impl Lane {
     }
 }
 
+/// The least a lane's timer is armed past the moment it was handled.
+const TIMER_SLACK: Duration = Duration::from_micros(100);
+
 /// The reactor's state and decisions, without its sockets.
 pub struct Engine {
     queue: Arc<CommandQueue>,
@@ -900,7 +903,9 @@ impl Engine {
                 failed.extend(lane.m.poll_failure().map(|c| (k, c)));
             }
             if let Some(next) = lane.m.poll_timeout() {
-                self.timers.arm(k, next);
+                // A machine still due right after it was handled is looked at again on
+                // the next turn, not in this loop: no deadline can spin the reactor.
+                self.timers.arm(k, next.max(now + TIMER_SLACK));
             }
         }
         for (k, cause) in failed {
