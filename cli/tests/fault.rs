@@ -661,6 +661,10 @@ fault_test! {
         let msgs: Vec<u64> = recv.ends.iter().map(|e| e.1).collect();
         let spread = msgs.iter().max().unwrap() - msgs.iter().min().unwrap();
         println!("messages per comm at END: {msgs:?}");
+        // How the failed NIC's comm was spread, for a failure to be read.
+        for l in send.stderr.lines().filter(|l| l.contains(" failover comm=")) {
+            println!("  {l}");
+        }
         assert!(spread <= K as u64, "comms drifted {spread} > {K} messages apart: {msgs:?}");
         assert!(
             k.slowest >= want,

@@ -901,6 +901,11 @@ impl Engine {
         // (its first sample after it writes again sees nothing backlogged, as it would
         // have here). A paced lane stays, so its cap is released in turn.
         let mut sampling = std::mem::take(&mut self.sampling);
+        // A key can be listed twice: a lane that left the list's care (it was dropped)
+        // and a new lane filed under its key. Sampled twice, its bytes would count
+        // twice in its NIC's fair shares.
+        sampling.sort_unstable();
+        sampling.dedup();
         sampling.retain(|&k| {
             let Some(lane) = self.lanes.get_mut(k) else {
                 return false;
