@@ -160,6 +160,11 @@ pub struct Args {
     /// --failover: seconds of traffic after the link comes back, 2 … 600
     #[arg(long, value_name = "S", default_value_t = 9.0, value_parser = phase_seconds, requires = "failover")]
     pub after: f64,
+    /// --failover: how long the link shapers queue a packet before they drop it, ms in
+    /// 1 … 10000 [default: lossless, twice what the comms can have in flight on the
+    /// survivors; 50 is a shallow tail-dropping port, as in the fault tier]
+    #[arg(long, value_name = "MS", value_parser = int_in(1, 10_000), requires = "failover")]
+    pub queue_ms: Option<usize>,
     /// --failover: draw the time series into this SVG file
     #[arg(long, value_name = "FILE.svg", requires = "failover")]
     pub plot: Option<std::path::PathBuf>,

@@ -58,6 +58,28 @@ pub struct Opts {
     pub plot: Option<PathBuf>,
     /// After the traffic, every comm open and idle for this long: what they cost then.
     pub idle: Duration,
+    /// How long the link shapers queue a packet before dropping it.
+    pub queue: Duration,
+}
+
+/// A queue that never drops what the comms have in flight, as a lossless link (RoCE
+/// with PFC) pauses rather than drops: twice what all comms can have posted, spread over
+/// the survivors of one cut, at the link's rate, and never below the fault tier's.
+/// Behind a shallower, tail-dropping queue the sender's own shaper drops its lanes'
+/// segments; TCP then holds those lanes back (a smaller window, and a probe timer of
+/// 200 ms or more for a lane with nothing else in flight), and in lockstep every comm
+/// waits for them, before the cut as after it.
+pub fn lossless_queue(
+    rails: usize,
+    comms: usize,
+    depth: usize,
+    size: usize,
+    mbit: u64,
+) -> Duration {
+    let in_flight = (comms * depth * size) as f64;
+    let per_survivor = 2.0 * in_flight / rails.saturating_sub(1).max(1) as f64;
+    let secs = per_survivor * 8.0 / (mbit.max(1) as f64 * 1e6);
+    Duration::from_secs_f64(secs).max(railover_testkit::testbed::DEFAULT_QUEUE)
 }
 
 impl From<&crate::bench::Args> for Opts {
@@ -75,6 +97,14 @@ impl From<&crate::bench::Args> for Opts {
             output: Output::from_flags(a.json, a.markdown),
             plot: a.plot.clone(),
             idle: a.idle_seconds.unwrap_or(IDLE),
+            queue: a.queue_ms.map_or_else(
+                || {
+                    let (rails, comms) = (a.rails, a.comms.unwrap_or(a.rails));
+                    let mbit = a.rate.map_or(200, |r| r as u64);
+                    lossless_queue(rails, comms, a.depth, a.size, mbit)
+                },
+                |ms| Duration::from_millis(ms as u64),
+            ),
         }
     }
 }
@@ -108,6 +138,10 @@ pub struct Report {
     pub comms: usize,
     pub lockstep: Option<usize>,
     pub rate_mbit: u64,
+    /// How long the link shapers queued a packet before dropping it, ms.
+    pub queue_ms: u64,
+    /// Packets the receiver's and the sender's shapers dropped over the run.
+    pub shaper_drops: [u64; 2],
     pub size: usize,
     pub depth: usize,
     pub timeline: Timeline,
@@ -320,7 +354,8 @@ fn measure(o: &Opts) -> Result<Report, String> {
         o.rails, o.rate_mbit
     ));
     let plugin = plugin_build();
-    let tb = Testbed::new(o.rails, o.rate_mbit).map_err(|e| format!("testbed: {e}"))?;
+    let tb =
+        Testbed::with_queue(o.rails, o.rate_mbit, o.queue).map_err(|e| format!("testbed: {e}"))?;
     note!(
         "railover bench --failover: {} rails x {} Mbit/s, {} comms, {mode}, {} messages, depth {}; {plugin}",
         o.rails,
@@ -363,6 +398,7 @@ fn measure(o: &Opts) -> Result<Report, String> {
     }
     // CPU each peer used over the run (both still open: their comms linger).
     let cpu_s = [cpu_seconds(recv.pid()), cpu_seconds(send.pid())];
+    let shaper_drops = [tb.shaper_drops(Side::B), tb.shaper_drops(Side::A)];
     let secs = |c: Option<f64>| c.map_or("?".into(), |c| format!("{c:.1} s"));
     note!(
         "  setup {setup_ms} ms; CPU over the run: receiver {}, sender {}",
@@ -478,6 +514,8 @@ fn measure(o: &Opts) -> Result<Report, String> {
         comms: o.comms,
         lockstep: o.lockstep,
         rate_mbit: o.rate_mbit,
+        queue_ms: o.queue.as_millis() as u64,
+        shaper_drops,
         size: o.size,
         depth: o.depth,
         timeline: Timeline {
@@ -615,6 +653,10 @@ pub fn text(r: &Report) -> String {
         r.depth
     );
     s += &format!("# plugin: {}\n", r.plugin);
+    s += &format!(
+        "# shapers queue up to {} ms; they dropped {} packets at the receiver, {} at the sender\n",
+        r.queue_ms, r.shaper_drops[0], r.shaper_drops[1]
+    );
     s += &format!(
         "# {} CPUs ({}), kernel {}, load {} -> {}\n",
         m.cpus, m.cpu_model, m.kernel, m.loadavg_start, m.loadavg_end
@@ -810,6 +852,27 @@ mod tests {
         assert_eq!(o.plot, Some(PathBuf::from("x.svg")));
         assert_eq!(o.output, Output::Markdown);
         assert_eq!(opts("--failover --free").unwrap().lockstep, None);
+    }
+
+    #[test]
+    fn the_default_queue_holds_all_in_flight_and_an_explicit_one_wins() {
+        // 256 comms x 4 x 8 KiB = 8 MiB in flight, over 3 survivors, twice, at 200
+        // Mbit/s: 5.59 MB take 224 ms.
+        let q = opts("--failover --comms 256 --size 8K --depth 4")
+            .unwrap()
+            .queue;
+        assert_eq!(q.as_millis(), 223);
+        // Little in flight: the fault tier's queue, not less.
+        let q = opts("--failover --comms 4 --size 32 --depth 1")
+            .unwrap()
+            .queue;
+        assert_eq!(q, railover_testkit::testbed::DEFAULT_QUEUE);
+        let q = opts("--failover --comms 256 --queue-ms 50").unwrap().queue;
+        assert_eq!(q, Duration::from_millis(50));
+        assert!(opts("--queue-ms 50").unwrap_err().contains("--failover"));
+        assert!(opts("--failover --queue-ms 0")
+            .unwrap_err()
+            .contains("--queue-ms"));
     }
 
     #[test]

@@ -28,12 +28,25 @@ pub const DEFAULT_RATE_MBIT: u64 = 250;
 const BURST_TIME_MS: u64 = 8;
 const BURST_MIN: u64 = 16 << 10;
 const BURST_MAX: u64 = 256 << 10;
-/// `tbf` queue: the most time a packet may wait.
-const LATENCY: &str = "50ms";
+/// `tbf` queue: the most time a packet may wait before it is dropped. 50 ms at the
+/// link's rate is a shallow, tail-dropping switch port: what the fault tier runs on.
+/// A lossless link (RoCE with PFC pauses rather than drops) is a queue deep enough for
+/// all that is in flight: [`Testbed::with_queue`].
+pub const DEFAULT_QUEUE: Duration = Duration::from_millis(50);
 
 /// The `tbf` burst, in bytes, for a rate in kbit/s.
 fn burst_bytes(kbit: u64) -> u64 {
     (kbit * 1000 / 8 * BURST_TIME_MS / 1000).clamp(BURST_MIN, BURST_MAX)
+}
+
+/// The sum of the `dropped N` fields of `tc -s qdisc show`.
+fn dropped(stats: &str) -> u64 {
+    let words: Vec<&str> = stats.split_whitespace().collect();
+    words
+        .windows(2)
+        .filter(|w| w[0].trim_start_matches('(') == "dropped")
+        .filter_map(|w| w[1].trim_end_matches(',').parse::<u64>().ok())
+        .sum()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -152,11 +165,19 @@ pub struct Testbed {
     ns: [String; 2],
     rails: usize,
     rate_mbit: u64,
+    /// How long the shapers queue a packet before dropping it.
+    queue: Duration,
 }
 
 impl Testbed {
-    /// Builds the testbed; on any failure what was built is removed again.
+    /// Builds the testbed with [`DEFAULT_QUEUE`]; on any failure what was built is
+    /// removed again.
     pub fn new(rails: usize, rate_mbit: u64) -> Result<Testbed, String> {
+        Self::with_queue(rails, rate_mbit, DEFAULT_QUEUE)
+    }
+
+    /// Builds the testbed with shapers that queue a packet for up to `queue`.
+    pub fn with_queue(rails: usize, rate_mbit: u64, queue: Duration) -> Result<Testbed, String> {
         assert!((1..=16).contains(&rails), "1..16 rails");
         let stale = remove_stale();
         if !stale.is_empty() {
@@ -171,6 +192,7 @@ impl Testbed {
             ],
             rails,
             rate_mbit,
+            queue,
         };
         // From here on, `tb` going out of scope (error or panic) tears down what exists.
         for ns in &tb.ns {
@@ -204,6 +226,10 @@ impl Testbed {
 
     pub fn rate_mbit(&self) -> u64 {
         self.rate_mbit
+    }
+
+    pub fn queue(&self) -> Duration {
+        self.queue
     }
 
     pub fn ns(&self, side: Side) -> &str {
@@ -241,11 +267,12 @@ impl Testbed {
         let dev = Self::ifname(rail);
         let rate = format!("{kbit}kbit");
         let burst = format!("{}b", burst_bytes(kbit));
+        let latency = format!("{}us", self.queue.as_micros());
         self.tc(
             side,
             &[
                 "qdisc", verb, "dev", &dev, "root", "tbf", "rate", &rate, "burst", &burst,
-                "latency", LATENCY,
+                "latency", &latency,
             ],
         )
     }
@@ -458,6 +485,19 @@ impl Testbed {
             .collect()
     }
 
+    /// Packets `side`'s shapers dropped so far, summed over its rails (the counters of
+    /// a shaper start again when a fault replaces it).
+    pub fn shaper_drops(&self, side: Side) -> u64 {
+        (0..self.rails)
+            .map(|r| {
+                let out = self
+                    .tc(side, &["-s", "qdisc", "show", "dev", &Self::ifname(r)])
+                    .unwrap_or_default();
+                dropped(&out)
+            })
+            .sum()
+    }
+
     /// Interface names in `side`'s namespace (for the self-checks).
     pub fn interfaces(&self, side: Side) -> Vec<String> {
         let out = sh("ip", &["-j", "-n", self.ns(side), "addr", "show"]).unwrap_or_default();
@@ -517,5 +557,21 @@ impl Drop for Testbed {
         for ns in &self.ns {
             let _ = sh("ip", &["netns", "del", ns]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drops_are_summed_over_the_qdiscs_of_a_device() {
+        let stats = "qdisc tbf 8001: root refcnt 2 rate 200Mbit burst 200Kb lat 50ms \n \
+                     Sent 9811 bytes 61 pkt (dropped 206, overlimits 3 requeues 0) \n \
+                     backlog 0b 0p requeues 0\n\
+                     qdisc ingress ffff: parent ffff:fff1 ---------------- \n \
+                     Sent 0 bytes 0 pkt (dropped 7, overlimits 0 requeues 0) \n";
+        assert_eq!(dropped(stats), 213);
+        assert_eq!(dropped(""), 0);
     }
 }
