@@ -50,6 +50,12 @@ pub const JUDGE: Duration = Duration::from_secs(1);
 pub const UNDERUSED: f64 = 0.8;
 /// After caps cost bandwidth, how long the NIC runs uncapped before they are tried again.
 pub const HOLD_OFF: Duration = Duration::from_secs(5);
+/// A NIC whose backlogged lanes' even share is less than this per sample is not capped.
+/// So finely shared, a fresh TCP flow's first window (10 segments, about 14 KiB) already
+/// carries a share, so nothing starves; and a sample cannot tell a starved lane from one
+/// between two messages, while a per-lane cap on hundreds of lanes in lockstep leaves the
+/// NIC idle whenever the capped ones wait for the rest.
+pub const MIN_SHARE_PER_SAMPLE: f64 = 64.0 * 1024.0;
 
 /// One lane's sample.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -173,7 +179,7 @@ impl FairShare {
                 e.2 += u64::from(l.weight.max(1));
             }
         }
-        for (&nic, &(rate, backlogged, _)) in &per_nic {
+        for (&nic, &(rate, backlogged, weights)) in &per_nic {
             let n = self.nics.entry(nic).or_insert(Nic {
                 rate,
                 capacity: 0.0,
@@ -182,7 +188,9 @@ impl FairShare {
             n.rate = SMOOTHING * n.rate + (1.0 - SMOOTHING) * rate;
             let underused = n.rate < UNDERUSED * n.capacity * DECAY;
             n.capacity = (n.capacity * DECAY).max(n.rate);
-            let contended = backlogged >= 2;
+            let share = n.capacity * secs / weights.max(1) as f64;
+            let fine = share < MIN_SHARE_PER_SAMPLE;
+            let contended = backlogged >= 2 && !fine;
             n.phase = match n.phase {
                 Phase::Free if contended => Phase::Capped {
                     age: Duration::ZERO,
@@ -291,6 +299,27 @@ mod tests {
         }
         assert_eq!(f.cap(1), None);
         assert_eq!(f.capacity(0), 10_000_000.0);
+    }
+
+    #[test]
+    fn a_nic_shared_too_finely_to_judge_per_sample_is_not_capped() {
+        let mut f = FairShare::new();
+        // 300 lanes on 25 MB/s: 8 KiB each per sample; a third have moved nothing (in
+        // lockstep, waiting for the others).
+        let s: Vec<LaneSample> = (0..300)
+            .map(|k| lane(k, 0, if k % 3 == 0 { 0 } else { 12_500 }, true))
+            .collect();
+        for _ in 0..20 {
+            assert!(step(&mut f, &s).changes.is_empty());
+        }
+        assert_eq!(f.cap(0), None);
+        // The same NIC with three lanes is judged.
+        let s = [
+            lane(1, 0, 1_200_000, true),
+            lane(2, 0, 1_200_000, true),
+            lane(3, 0, 100_000, true),
+        ];
+        assert_eq!(step(&mut f, &s).changes.len(), 3);
     }
 
     #[test]

@@ -23,8 +23,12 @@ pub static STREAMED_OUT: AtomicU64 = AtomicU64::new(0);
 
 /// Bytes moved per call before yielding to other lanes.
 const BUDGET: usize = 8 << 20;
-/// Staging buffer of an authenticated lane: holds many small frames per `read`.
+/// Staging buffer of an authenticated lane at most: holds many small frames per `read`.
 const STAGING: usize = 256 << 10;
+/// Staging buffer of an authenticated lane at first. It doubles, up to [`STAGING`], each
+/// time a read fills it: a lane that carries little (most of thousands, or one of a
+/// failover's new stripes) never zeroes and holds the full size.
+const STAGING_FIRST: usize = 16 << 10;
 /// Staging buffer before that: room for one handshake frame (header plus `MAX_BODY`).
 const HANDSHAKE_STAGING: usize = 8 << 10;
 /// Payload remainders at least this large bypass staging.
@@ -80,6 +84,8 @@ pub struct FrameReader {
     buf: Box<[u8]>,
     /// What `buf` grows to at the next read.
     size: usize,
+    /// What `size` may grow to: [`HANDSHAKE_STAGING`], then [`STAGING`].
+    most: usize,
     start: usize,
     end: usize,
     state: State,
@@ -92,6 +98,7 @@ impl Default for FrameReader {
         FrameReader {
             buf: Box::default(),
             size: HANDSHAKE_STAGING,
+            most: HANDSHAKE_STAGING,
             start: 0,
             end: 0,
             state: State::Header,
@@ -251,9 +258,11 @@ impl FrameReader {
         self.more
     }
 
-    /// The lane is authenticated: stage through the full buffer from the next read on.
+    /// The lane is authenticated: its staging buffer may grow to the full size, as reads
+    /// fill it.
     pub fn enlarge(&mut self) {
-        self.size = STAGING;
+        self.size = self.size.max(STAGING_FIRST);
+        self.most = STAGING;
     }
 
     /// Bytes of staging buffer held now.
@@ -288,10 +297,14 @@ impl FrameReader {
                 Ok(n) => {
                     self.end += n;
                     self.total += n as u64;
+                    if self.end == self.buf.len() {
+                        // The socket may hold more than fits: stage more next time.
+                        self.size = (self.buf.len() * 2).min(self.most);
+                    }
                     Ok(Fill::Got)
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if self.start == self.end && self.size < STAGING {
+                    if self.start == self.end && self.most < STAGING {
                         // Not authenticated and nothing staged: hold no buffer while idle.
                         self.buf = Box::default();
                         (self.start, self.end) = (0, 0);
@@ -698,6 +711,60 @@ mod tests {
     }
 
     #[test]
+    fn staging_grows_while_reads_fill_it_and_a_lane_that_reads_little_stays_small() {
+        let acks = |n: u64| {
+            let mut wire = Vec::new();
+            for seq in 0..n {
+                wire.extend_from_slice(&Header::new(Kind::Ack, seq, 0).encode());
+            }
+            wire
+        };
+        let drain = |r: &mut FrameReader, sock: &mut Trickle| {
+            let mut seen = 0;
+            for _ in 0..1000 {
+                while let Some(item) = r.next(sock).unwrap() {
+                    match item {
+                        Inbound::Frame(h, _) => {
+                            assert_eq!(h.seq, seen);
+                            seen += 1;
+                        }
+                        Inbound::Eof => return seen,
+                        other => panic!("{other:?}"),
+                    }
+                }
+            }
+            seen
+        };
+        // A few frames at a time: the first authenticated size is enough.
+        let mut sock = Trickle {
+            data: acks(64),
+            pos: 0,
+            chunk: 4 * HEADER_LEN,
+            block_next: false,
+        };
+        let mut r = FrameReader::default();
+        r.enlarge();
+        assert_eq!(drain(&mut r, &mut sock), 64);
+        assert_eq!(r.staging_capacity(), STAGING_FIRST);
+        // A flood: every read fills the buffer, which doubles up to the full size.
+        let n = (4 * STAGING / HEADER_LEN) as u64;
+        let mut sock = Trickle {
+            data: acks(n),
+            pos: 0,
+            chunk: 1 << 30,
+            block_next: false,
+        };
+        let mut r = FrameReader::default();
+        r.enlarge();
+        assert_eq!(
+            drain(&mut r, &mut sock),
+            n,
+            "no frame is lost across growing"
+        );
+        assert_eq!(r.staging_capacity(), STAGING);
+    }
+
+    #[test]
     fn no_staging_buffer_until_bytes_arrive_and_full_size_only_when_enlarged() {
         let mut wire = Vec::new();
         for seq in 0..400 {
@@ -738,7 +805,7 @@ mod tests {
             }
         }
         assert_eq!(seen, 400);
-        assert_eq!(r.staging_capacity(), STAGING);
+        assert_eq!(r.staging_capacity(), STAGING_FIRST);
     }
 
     #[test]
