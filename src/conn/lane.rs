@@ -450,6 +450,19 @@ impl LaneMachine {
         self.linger(now);
     }
 
+    /// Listener: the Hello named a secret of ours and our Challenge went out; the Proof
+    /// is awaited.
+    pub fn awaits_proof(&self) -> bool {
+        self.phase == Phase::Listening
+            && matches!(&self.auth, Some(Auth::Listener(r)) if r.purpose().is_some())
+    }
+
+    /// Whether what is due at `now` is the handshake, probe or linger deadline (not the
+    /// judgement of a carrying lane's silence).
+    pub fn deadline_due(&self, now: Instant) -> bool {
+        self.failed.is_none() && self.deadline.is_some_and(|d| d <= now)
+    }
+
     /// Fails unless done by `deadline`.
     pub fn expect_by(&mut self, deadline: Instant) {
         self.deadline = Some(deadline);
@@ -1036,6 +1049,31 @@ mod tests {
         assert_eq!(m.poll_failure(), None, "the handshake deadline is gone");
         m.linger(t0 + 2100 * MS);
         assert_eq!(m.poll_timeout(), Some(t0 + 2100 * MS + LINGER));
+    }
+
+    #[test]
+    fn a_listener_awaits_a_proof_only_once_a_hello_named_a_secret_of_ours() {
+        let t0 = Instant::now();
+        let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        m.listening();
+        assert!(!m.awaits_proof(), "no Hello yet");
+        assert!(!m.deadline_due(t0 + 1999 * MS));
+        assert!(m.deadline_due(t0 + 2000 * MS));
+        let (_, hello) = Initiator::connect(&[1; 16], Vec::new(), &[2; 64]);
+        let body = &hello[wire::HEADER_LEN..];
+        let refused = m
+            .handle_hello(body, |_, _| Some(Secret::Token([1; 16])), &[3; 64], t0)
+            .unwrap();
+        assert_eq!(refused, None);
+        assert!(m.awaits_proof());
+        // A Hello that names nothing of ours is refused: no Proof is awaited.
+        let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
+        m.listening();
+        assert!(m
+            .handle_hello(body, |_, _| None, &[3; 64], t0)
+            .unwrap()
+            .is_some());
+        assert!(!m.awaits_proof());
     }
 
     #[test]

@@ -751,7 +751,7 @@ impl Engine {
 
     /// Whether the peer acknowledged bytes sent over `pair`'s path within the
     /// completion timeout.
-    fn pair_delivering(&self, pair: Pair, now: Instant) -> bool {
+    pub(super) fn pair_delivering(&self, pair: Pair, now: Instant) -> bool {
         let delivered = (self.remote_addr(pair))
             .and_then(|a| self.paths.last_delivered((pair.local.0 as usize, a.ip())));
         delivered.is_some_and(|t| now.saturating_duration_since(t) < self.setup.completion_timeout)

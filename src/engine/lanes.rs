@@ -130,6 +130,7 @@ impl Engine {
             placed: LanePlaced::default(),
             joined: false,
             sampling: false,
+            extended: 0,
         });
         self.rearm(k);
     }
@@ -566,7 +567,7 @@ impl Engine {
 /// How long an accepted lane that can carry frames has to present its Hello. A fabric
 /// slow enough to need a longer completion timeout (Soft-RoCE under emulation: 25 ms per
 /// RDMA write) needs as much longer for a handshake.
-fn preauth_deadline(completion_timeout: Duration) -> Duration {
+pub(super) fn preauth_deadline(completion_timeout: Duration) -> Duration {
     PREAUTH_DEADLINE.max(completion_timeout * 2)
 }
 

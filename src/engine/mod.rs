@@ -37,7 +37,7 @@ use slab::Slab;
 use crate::conn::auth::{self, CommId, Initiator, Session};
 use crate::conn::comm::CommMachine;
 use crate::conn::lane::{io_error, Cause, LaneMachine};
-use crate::conn::path::PathMachine;
+use crate::conn::path::{migration_limit, PathMachine};
 use crate::conn::wire::{Group, Header, Kind, NicAddr, CTS_IN_PLACE};
 use crate::conn::ConnError;
 use crate::conn::Transmit;
@@ -159,9 +159,10 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Proof), counted from when its fabric can carry frames; the deadline it gets is
 /// `preauth_deadline`: this or twice the completion timeout, whichever is longer. Real
 /// handshakes take a round trip or two: the reactor answers a Hello whether or not NCCL
-/// has called `accept`. A Hello that names a secret of ours earns no longer deadline
-/// (anyone may name one); it only means the handshake caps evict the connection after
-/// those that have sent no Hello.
+/// has called `accept`. A Hello that names a secret of ours earns no longer deadline by
+/// itself (anyone may name one); it means the handshake caps evict the connection after
+/// those that have sent no Hello, and it is given the deadline again only while the
+/// same path carries our peer's bytes (`Engine::patience`).
 const PREAUTH_DEADLINE: Duration = Duration::from_secs(2);
 
 /// A message's buffer and the request NCCL tests: buffer `sub` of it (a grouped
@@ -295,6 +296,8 @@ struct Lane {
     /// It is in the engine's `sampling` list: it wrote since its delivery was last
     /// sampled, or still had bytes waiting then.
     sampling: bool,
+    /// Times its handshake deadline was extended ([`HANDSHAKE_PATIENCE`]).
+    extended: u8,
 }
 
 impl Lane {
@@ -316,6 +319,13 @@ impl Lane {
 
 /// The least a lane's timer is armed past the moment it was handled.
 const TIMER_SLACK: Duration = Duration::from_micros(100);
+
+/// How many times a handshake that missed its deadline on a path that works is given
+/// its time again. Behind a congested path's queue (a failover storm on slow or paused
+/// links) each leg of a handshake waits as long as the queue: tearing it down and
+/// dialling again starts the wait over, and the receiver reads the close as the sender
+/// giving up. Bounded, so a handshake that never completes still fails.
+const HANDSHAKE_PATIENCE: u8 = 8;
 
 /// The reactor's state and decisions, without its sockets.
 pub struct Engine {
@@ -889,6 +899,19 @@ impl Engine {
                     self.service_lane(l, now, io);
                 }
             }
+            if due {
+                if let Some(more) = self.patience(k, now) {
+                    let lane = &mut self.lanes[k];
+                    lane.extended += 1;
+                    lane.m.expect_by(now + more);
+                    if lane.extended == 1 {
+                        tracing::info!(
+                            "railover: a handshake on a congested path that works is given {} ms more",
+                            more.as_millis()
+                        );
+                    }
+                }
+            }
             let Some(lane) = self.lanes.get_mut(k) else {
                 continue;
             };
@@ -910,6 +933,32 @@ impl Engine {
         }
         for (k, cause) in failed {
             self.lane_condemned(k, cause, now, io);
+        }
+    }
+
+    /// How much longer lane `k`'s handshake may take, when what is due is its deadline and
+    /// its path shows that the other end is there and busy: a replacement lane of ours
+    /// whose pair the peer keeps acknowledging, or an accepted lane that named one of our
+    /// comms and waits for its Proof while that peer's bytes keep arriving over the same
+    /// path. A stranger's connection does not come over a path we hear, so a flood gets
+    /// no more time than before.
+    fn patience(&self, k: usize, now: Instant) -> Option<Duration> {
+        let lane = self.lanes.get(k)?;
+        if lane.extended >= HANDSHAKE_PATIENCE || !lane.m.deadline_due(now) {
+            return None;
+        }
+        let timeout = self.setup.completion_timeout;
+        match lane.role {
+            Role::Migrating { mv, .. } if lane.queued.is_none() => self
+                .pair_delivering(mv.to, now)
+                .then(|| migration_limit(timeout, self.setup.probe_timeout)),
+            Role::Handshake { .. } if lane.m.awaits_proof() => {
+                let heard = lane.path().and_then(|p| self.paths.last_heard(p));
+                heard
+                    .is_some_and(|t| now.saturating_duration_since(t) < timeout)
+                    .then(|| lanes::preauth_deadline(timeout))
+            }
+            _ => None,
         }
     }
 

@@ -39,6 +39,8 @@ struct Mem {
     setting_up: BTreeSet<usize>,
     /// Payload bytes each lane wrote in place, as its fabric counts them while it is open.
     placed: HashMap<usize, u64>,
+    /// The address every lane's peer has, as `Fabric::peer` reports it.
+    peer: Option<IpAddr>,
     ops: Vec<Op>,
 }
 
@@ -50,6 +52,9 @@ impl Io for Mem {
         self.ops.push(Op::Connect(k));
         self.open.insert(k);
         Ok(())
+    }
+    fn peer(&self, _k: usize) -> Option<IpAddr> {
+        self.peer
     }
     fn read(&mut self, k: usize, reader: &mut FrameReader) -> Result<Option<Inbound>, ReadError> {
         assert!(
@@ -542,6 +547,87 @@ fn a_lane_that_named_our_secret_has_only_the_preauth_deadline_to_prove_it() {
     b.handle_timeout(now + 4 * s, &mut mb);
     let closed: BTreeSet<Op> = mb.ops.iter().copied().collect();
     assert_eq!(closed, BTreeSet::from([Op::Close(named), Op::Close(idle)]));
+}
+
+#[test]
+fn a_hello_over_a_path_our_peer_keeps_talking_on_waits_longer_for_its_proof() {
+    // A failover storm behind a deep queue: the sender's Proof waits behind megabytes of
+    // its own data on the same path. While that path keeps delivering the peer's bytes, a
+    // handshake that named our comm is given its preauth time again, a bounded number of
+    // times; a connection that never said Hello is not.
+    let t0 = Instant::now();
+    let half = Duration::from_millis(500);
+    let (mut a, mut b) = (engine(1, t0), engine(2, t0));
+    let (mut ma, mut mb) = (Mem::default(), Mem::default());
+    mb.peer = Some(addr(1).ip());
+    let listen = Arc::new(ListenShared {
+        id: 9,
+        token: [3; 16],
+        ready: Mutex::new(VecDeque::new()),
+        queue: b.queue.clone(),
+    });
+    b.listening(listen.clone());
+    let first = Arc::new(PendingConnect::default());
+    a.connect(0, addr(2), &[3; 16], &first, t0, &mut ma);
+    a.drive(t0, &mut ma);
+    let carrier = b.next_lane();
+    mb.open.insert(carrier);
+    b.accepted(carrier, 0, Some(9), Some(0), t0, &mut mb);
+    shuttle((&mut a, &mut ma, 0), (&mut b, &mut mb, carrier), t0);
+    assert_eq!(listen.ready.lock().len(), 1, "the first comm is up");
+    // Two more connects over the same path: their Hellos arrive, their Proofs do not.
+    let mut named = Vec::new();
+    for _ in 0..2 {
+        let pending = Arc::new(PendingConnect::default());
+        let ka = a.next_lane();
+        a.connect(0, addr(2), &[3; 16], &pending, t0, &mut ma);
+        a.drive(t0, &mut ma);
+        let kb = b.next_lane();
+        mb.open.insert(kb);
+        mb.rx
+            .insert(kb, std::mem::take(ma.tx.entry(ka).or_default()));
+        b.accepted(kb, 0, Some(9), Some(0), t0, &mut mb);
+        b.drive(t0, &mut mb);
+        assert!(!mb.tx[&kb].is_empty(), "a Challenge was sent");
+        named.push((ka, kb, pending));
+    }
+    let silent = b.next_lane();
+    mb.open.insert(silent);
+    b.accepted(silent, 0, Some(9), Some(0), t0, &mut mb);
+    let closed = |mb: &Mem, k: usize| mb.ops.contains(&Op::Close(k));
+    // The first comm's keepalives keep the path heard.
+    let mut now = t0;
+    let step = |now: Instant, a: &mut Engine, ma: &mut Mem, b: &mut Engine, mb: &mut Mem| {
+        a.handle_timeout(now, ma);
+        b.handle_timeout(now, mb);
+        shuttle((a, ma, 0), (b, mb, carrier), now);
+    };
+    // Past the preauth deadline (4 s here) that a quiet path would hold it to.
+    while now < t0 + Duration::from_secs(6) {
+        now += half;
+        step(now, &mut a, &mut ma, &mut b, &mut mb);
+    }
+    assert!(closed(&mb, silent), "a connection that never said Hello");
+    assert!(!closed(&mb, named[0].1) && !closed(&mb, named[1].1));
+    assert!(!closed(&mb, carrier), "{:?}", mb.ops);
+    // One Proof arrives late, and its comm is made.
+    let (ka, kb, pending) = &named[0];
+    shuttle((&mut a, &mut ma, *ka), (&mut b, &mut mb, *kb), now);
+    assert_eq!(listen.ready.lock().len(), 2, "the late Proof made its comm");
+    assert!(matches!(*pending.result.lock(), Some(Ok(_))));
+    // The other never comes: its patience runs out, with the path still heard.
+    let limit = t0 + lanes::preauth_deadline(Duration::from_secs(2)) * 10;
+    while !closed(&mb, named[1].1) && now < limit {
+        now += half;
+        step(now, &mut a, &mut ma, &mut b, &mut mb);
+    }
+    assert!(closed(&mb, named[1].1), "patience is bounded");
+    assert!(
+        now >= t0 + lanes::preauth_deadline(Duration::from_secs(2)) * 8,
+        "closed at {:?}, before its patience ran out",
+        now - t0
+    );
+    assert!(!closed(&mb, carrier), "{:?}", mb.ops);
 }
 
 #[test]
