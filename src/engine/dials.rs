@@ -9,7 +9,7 @@
 //! every displaced comm resumes within a round or two of handshakes, and the rest of its
 //! stripes follow. Probes and NCCL's own connects are not paced. No sockets, no clock.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 /// Replacement lanes one local NIC has in their handshake at once.
 pub const PER_NIC: usize = 64;
@@ -25,6 +25,8 @@ pub(super) struct Dials {
     /// A lane waits on a NIC that had a slot free: the next turn must look, even if no
     /// handshake ended.
     look: bool,
+    /// The NIC of every lane waiting or in its handshake here.
+    nic_of: HashMap<usize, usize>,
 }
 
 impl Dials {
@@ -41,6 +43,7 @@ impl Dials {
     /// Lane `k` on `nic` was dialled.
     pub fn dialled(&mut self, nic: usize, k: usize) {
         self.dialing.insert((nic, k));
+        self.nic_of.insert(k, nic);
     }
 
     /// Lane `k` on `nic` waits for its turn.
@@ -48,6 +51,30 @@ impl Dials {
         self.look |= self.in_handshake(nic) < PER_NIC;
         self.waiting.push_back((nic, k));
         *self.waiting_on.entry(nic).or_default() += 1;
+        self.nic_of.insert(k, nic);
+    }
+
+    /// Lane `k` is gone, and its key may be reused at once: an entry left behind would
+    /// dial the next lane filed under that key from this lane's NIC (a replacement lane
+    /// on another rail than the engine believes), or hold a handshake slot.
+    pub fn forget(&mut self, k: usize) {
+        let Some(nic) = self.nic_of.remove(&k) else {
+            return;
+        };
+        if self.dialing.remove(&(nic, k)) {
+            // A slot is free: the next turn must look.
+            self.look = true;
+            return;
+        }
+        if let Some(i) = self.waiting.iter().position(|&e| e == (nic, k)) {
+            self.waiting.remove(i);
+            if let Some(n) = self.waiting_on.get_mut(&nic) {
+                *n -= 1;
+                if *n == 0 {
+                    self.waiting_on.remove(&nic);
+                }
+            }
+        }
     }
 
     /// Forgets lanes that are through their handshake, failed or gone (`still(k)` false),
@@ -60,14 +87,22 @@ impl Dials {
         first: impl Fn(usize, &BTreeSet<(usize, usize)>) -> bool,
     ) -> Vec<(usize, usize)> {
         let before = self.dialing.len();
-        self.dialing.retain(|&(_, k)| still(k));
+        let nic_of = &mut self.nic_of;
+        let mut keep = |k: usize| {
+            let kept = still(k);
+            if !kept {
+                nic_of.remove(&k);
+            }
+            kept
+        };
+        self.dialing.retain(|&(_, k)| keep(k));
         // A turn dials while there is room, so a NIC is left either full or with nothing
         // waiting: only a handshake that ended (or a lane queued beside a free slot) lets
         // another go. Every other turn of a storm costs nothing more.
         if self.dialing.len() == before && !std::mem::take(&mut self.look) {
             return Vec::new();
         }
-        self.waiting.retain(|&(_, k)| still(k));
+        self.waiting.retain(|&(_, k)| keep(k));
         let mut now = Vec::new();
         for urgent_pass in [true, false] {
             let mut left = VecDeque::with_capacity(self.waiting.len());
@@ -145,6 +180,37 @@ mod tests {
         d.wait(1, 8);
         assert_eq!(d.turn(|_| true, plain), vec![(1, 8)]);
         assert_eq!(d.turn(|_| true, plain), vec![], "and then nothing more");
+    }
+
+    #[test]
+    fn a_lane_gone_leaves_nothing_behind_for_the_next_lane_filed_under_its_key() {
+        let plain = |_, _: &BTreeSet<(usize, usize)>| false;
+        let mut d = Dials::default();
+        for k in 0..PER_NIC {
+            d.dialled(1, k);
+        }
+        // Lane 100 waits on NIC 1 and is dropped (its comm failed, or its stripe went
+        // elsewhere); key 100 is reused at once for a lane on NIC 0, which may dial.
+        d.wait(1, 100);
+        d.forget(100);
+        assert!(!d.may_dial(1), "NIC 1 is still full");
+        assert!(d.may_dial(0));
+        d.dialled(0, 100);
+        // Handshakes end on NIC 1: nothing dials lane 100 again, from NIC 1 or at all.
+        let done = |k: usize| k >= PER_NIC;
+        assert_eq!(d.turn(done, plain), vec![]);
+        assert_eq!(d.waiting(), 0);
+        // A lane gone mid-handshake frees its slot, and the next turn fills it.
+        let mut d = Dials::default();
+        for k in 0..PER_NIC {
+            d.dialled(0, k);
+        }
+        d.wait(0, 500);
+        d.forget(3);
+        assert_eq!(d.turn(|_| true, plain), vec![(0, 500)]);
+        // Key 3, reused for a lane waiting on NIC 2, is that lane's alone.
+        d.wait(2, 3);
+        assert_eq!(d.turn(|_| true, plain), vec![(2, 3)]);
     }
 
     #[test]

@@ -240,6 +240,7 @@ impl Engine {
         self.fair.forget(k);
         self.leave_gate(k);
         self.timers.forget(k);
+        self.dials.forget(k);
         if let Some(lane) = self.lanes.try_remove(k) {
             self.last_look(lane, k, io);
             io.bury(k);
@@ -657,6 +658,11 @@ impl Engine {
             let Some(q) = self.lanes.get(k).and_then(|l| l.queued) else {
                 continue;
             };
+            debug_assert_eq!(
+                self.lanes[k].nic,
+                Some(nic),
+                "lane {k} dialled from another NIC"
+            );
             match io.connect(k, nic, q.to) {
                 Ok(()) => {
                     let lane = &mut self.lanes[k];

@@ -140,6 +140,7 @@ impl Engine {
         self.fair.forget(k);
         self.leave_gate(k);
         self.timers.forget(k);
+        self.dials.forget(k);
         if let Some(lane) = self.lanes.try_remove(k) {
             self.last_look(lane, k, io);
             io.close(k);
