@@ -115,10 +115,18 @@ pub fn backlogged(before: u64, moved: u64, now: u64) -> bool {
 /// The longest deadline a probe gets, however busy its NIC and however often it missed.
 pub const MAX_PROBE_DEADLINE: Duration = Duration::from_secs(4);
 
+/// Reactor turns a probe waits for at each end: ours sends the Hello, then the Proof and
+/// payload, then reads the answer; the peer's answers the Hello, then reads the payload
+/// and answers. The peer's turns are taken to be as late as ours: both ends of a job's
+/// comms carry the same load.
+const PROBE_TURNS: u32 = 6;
+
 /// How long a probe of a pair may take before it counts as failed. A probe shares its
 /// local NIC with the lanes already on it, so it gets `base` plus the time the NIC needs,
 /// at its measured `rate` (bytes/s, 0 when unknown), to move what is `queued` on it and
-/// the probe's own `probe_bytes`. Each earlier miss (`retry`) doubles that, so a probe
+/// the probe's own `probe_bytes`, plus [`PROBE_TURNS`] times how `late` the reactor has
+/// lately been running what was due (a reactor busy with thousands of comms answers a
+/// healthy pair late). Each earlier miss (`retry`) doubles that, so a probe
 /// that lost to traffic it could not see (another process's, a congested switch) is
 /// judged again more patiently. Capped at [`MAX_PROBE_DEADLINE`] and never below `base`.
 pub fn probe_deadline(
@@ -127,13 +135,15 @@ pub fn probe_deadline(
     queued: u64,
     probe_bytes: usize,
     rate: f64,
+    late: Duration,
 ) -> Duration {
     let drain = if rate > 0.0 {
         Duration::from_secs_f64(((queued + probe_bytes as u64) as f64 / rate).min(60.0))
     } else {
         Duration::ZERO
     };
-    ((base + drain) * (1u32 << retry.min(6)))
+    let late = late.min(MAX_PROBE_DEADLINE) * PROBE_TURNS;
+    ((base + drain + late) * (1u32 << retry.min(6)))
         .min(MAX_PROBE_DEADLINE)
         .max(base)
 }
@@ -236,22 +246,56 @@ mod tests {
     fn a_probe_on_a_busy_nic_gets_the_time_the_queue_needs() {
         let base = 200 * MS;
         // Idle NIC, or no measured rate: the base deadline.
-        assert_eq!(probe_deadline(base, 0, 0, 262_144, 0.0), base);
+        assert_eq!(
+            probe_deadline(base, 0, 0, 262_144, 0.0, Duration::ZERO),
+            base
+        );
         // 25 MB/s with 4.75 MB queued ahead of a 256 KiB probe: 200 ms more.
-        let d = probe_deadline(base, 0, 4_737_856, 262_144, 25e6);
+        let d = probe_deadline(base, 0, 4_737_856, 262_144, 25e6, Duration::ZERO);
         assert_eq!(d, 400 * MS);
         // Each miss doubles it, never past the cap.
-        assert_eq!(probe_deadline(base, 1, 0, 0, 0.0), 400 * MS);
-        assert_eq!(probe_deadline(base, 3, 0, 0, 0.0), 1600 * MS);
-        assert_eq!(probe_deadline(base, 4, 0, 0, 0.0), 3200 * MS);
-        assert_eq!(probe_deadline(base, 5, 0, 0, 0.0), MAX_PROBE_DEADLINE);
-        assert_eq!(probe_deadline(base, 30, 0, 0, 0.0), MAX_PROBE_DEADLINE);
-        assert_eq!(probe_deadline(base, 2, 4_737_856, 262_144, 25e6), 1600 * MS);
-        assert_eq!(probe_deadline(base, 3, 4_737_856, 262_144, 25e6), 3200 * MS);
+        assert_eq!(probe_deadline(base, 1, 0, 0, 0.0, Duration::ZERO), 400 * MS);
+        assert_eq!(
+            probe_deadline(base, 3, 0, 0, 0.0, Duration::ZERO),
+            1600 * MS
+        );
+        assert_eq!(
+            probe_deadline(base, 4, 0, 0, 0.0, Duration::ZERO),
+            3200 * MS
+        );
+        assert_eq!(
+            probe_deadline(base, 5, 0, 0, 0.0, Duration::ZERO),
+            MAX_PROBE_DEADLINE
+        );
+        assert_eq!(
+            probe_deadline(base, 30, 0, 0, 0.0, Duration::ZERO),
+            MAX_PROBE_DEADLINE
+        );
+        assert_eq!(
+            probe_deadline(base, 2, 4_737_856, 262_144, 25e6, Duration::ZERO),
+            1600 * MS
+        );
+        assert_eq!(
+            probe_deadline(base, 3, 4_737_856, 262_144, 25e6, Duration::ZERO),
+            3200 * MS
+        );
         // A tiny base still grows to what a loaded link needs.
-        assert_eq!(probe_deadline(10 * MS, 6, 0, 0, 0.0), 640 * MS);
-        assert_eq!(probe_deadline(10 * MS, 9, 0, 0, 0.0), 640 * MS);
+        assert_eq!(
+            probe_deadline(10 * MS, 6, 0, 0, 0.0, Duration::ZERO),
+            640 * MS
+        );
+        assert_eq!(
+            probe_deadline(10 * MS, 9, 0, 0, 0.0, Duration::ZERO),
+            640 * MS
+        );
         // A base above the cap is kept: the cap only limits what is added.
-        assert_eq!(probe_deadline(5000 * MS, 2, 0, 0, 0.0), 5000 * MS);
+        assert_eq!(
+            probe_deadline(5000 * MS, 2, 0, 0, 0.0, Duration::ZERO),
+            5000 * MS
+        );
+        // A reactor running 100 ms late: six of its turns more, then doubled per miss.
+        assert_eq!(probe_deadline(base, 0, 0, 0, 0.0, 100 * MS), 800 * MS);
+        assert_eq!(probe_deadline(base, 1, 0, 0, 0.0, 100 * MS), 1600 * MS);
+        assert_eq!(probe_deadline(base, 0, 0, 0, 0.0, 10 * MS), 260 * MS);
     }
 }

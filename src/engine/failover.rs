@@ -688,7 +688,8 @@ impl Engine {
             self.probe_failed(pair, now);
             return;
         };
-        let limit = self.probe_deadline(pair.local.0 as usize, retry, io);
+        let limit = self.probe_deadline(pair.local.0 as usize, retry, now, io);
+        tracing::debug!("railover: probe of {pair} sent, deadline {limit:?}");
         let role = Role::Probe { pair, started: now };
         // The payload (sent after the Proof, see `challenge`) must cross within the
         // deadline: connecting is not enough (a browned-out link still connects).
@@ -701,8 +702,9 @@ impl Engine {
     }
 
     /// The deadline of a probe through local NIC `nic`: the probe waits behind what the
-    /// NIC's lanes have queued in the kernel, at the rate the NIC has been delivering.
-    fn probe_deadline(&self, nic: usize, retry: u32, io: &dyn Io) -> Duration {
+    /// NIC's lanes have queued in the kernel, at the rate the NIC has been delivering, and
+    /// for reactor turns as late as ours have lately been.
+    fn probe_deadline(&self, nic: usize, retry: u32, now: Instant, io: &dyn Io) -> Duration {
         let queued: u64 = self
             .lanes
             .iter()
@@ -718,6 +720,7 @@ impl Engine {
             queued,
             self.setup.probe_bytes,
             self.fair.capacity(nic),
+            self.lateness.recent(now),
         )
     }
 

@@ -22,6 +22,7 @@ pub mod gate;
 #[doc(hidden)]
 pub mod harness;
 mod lanes;
+mod lateness;
 mod paths;
 mod timers;
 
@@ -347,6 +348,8 @@ pub struct Engine {
     sampling: Vec<usize>,
     /// Every lane's next deadline, in one heap.
     timers: timers::Timers,
+    /// How late what was due ran lately (probe deadlines allow for it).
+    lateness: lateness::Lateness,
     router: Router,
     routes: Arc<RoutePublisher>,
     routes_dirty: bool,
@@ -402,6 +405,7 @@ impl Engine {
             again: Vec::new(),
             sampling: Vec::new(),
             timers: timers::Timers::default(),
+            lateness: lateness::Lateness::default(),
             router: Router::new(router_cfg),
             routes: Arc::new(RoutePublisher::new(routing::Routes::default())),
             routes_dirty: false,
@@ -469,6 +473,9 @@ impl Engine {
 
     /// Runs every timer that is due at `now`.
     pub fn handle_timeout(&mut self, now: Instant, io: &mut dyn Io) {
+        if let Some(due) = self.poll_timeout().filter(|&d| d <= now) {
+            self.lateness.record(due, now);
+        }
         if self.timers.next().is_some_and(|d| d <= now) {
             self.expire(now, io);
         }
