@@ -284,10 +284,12 @@ fn spawn(tb: &Testbed, side: Side, role: &str, o: &Opts) -> Result<Proc, String>
         // It keeps its comms until told: the sender's last acknowledgements arrive.
         c.arg("--linger");
     }
-    // Only the testbed's rails; info for the failover and fail-back lines.
+    // Only the testbed's rails; info for the failover and fail-back lines, or the level
+    // the bench was given (debug shows each probe's fate).
+    let log = std::env::var("RAILOVER_LOG").unwrap_or_else(|_| "info".into());
     c.env("RAILOVER_IFNAME", "rv")
         .env("RAILOVER_METRICS_PORT", "off")
-        .env("RAILOVER_LOG", "info");
+        .env("RAILOVER_LOG", log);
     Proc::spawn(c, role).map_err(|e| format!("cannot start fault-peer {role}: {e}"))
 }
 

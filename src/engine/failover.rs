@@ -140,7 +140,10 @@ impl Engine {
                     }
                 }
             }
-            Role::Probe { pair, .. } => self.probe_failed(pair, now),
+            Role::Probe { pair, .. } => {
+                tracing::debug!("railover: probe of {pair}: {error}");
+                self.probe_failed(pair, now);
+            }
             Role::Migrating { comm: c, mv } => {
                 // A handshake that missed its limit on a path whose lanes the peer keeps
                 // acknowledging lost to congestion (a storm of handshakes behind full
@@ -729,6 +732,7 @@ impl Engine {
     /// which knows the pairs that failed by browning out, judges the rate too.
     pub(super) fn probe_answered(&mut self, pair: Pair, started: Instant, now: Instant) {
         let took = now.saturating_duration_since(started);
+        tracing::debug!("railover: probe of {pair} answered in {took:?}");
         let rate = health::probe_rate(self.setup.probe_bytes, took);
         match self.router.check_probe_rate(pair, rate) {
             Ok(()) => self.router.handle_probe(pair, true, now),
@@ -754,6 +758,7 @@ impl Engine {
             self.router.handle_probe(pair, true, now);
             return;
         }
+        tracing::debug!("railover: probe of {pair} failed");
         self.metrics.probe_failed(pair.local.0 as usize);
         self.router.handle_probe(pair, false, now);
     }

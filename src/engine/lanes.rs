@@ -542,6 +542,9 @@ impl Engine {
             l.joined = true;
             let keeper = self.paths.join(path, k);
             l.m.handle_keeper(keeper);
+            if keeper {
+                tracing::debug!("railover: lane {k} keeps path {path:?} alive");
+            }
         }
         self.rearm(k);
     }
@@ -557,6 +560,7 @@ impl Engine {
             return;
         };
         if let Some(next) = self.paths.leave(path, k) {
+            tracing::debug!("railover: lane {next} keeps path {path:?} alive after lane {k}");
             if let Some(n) = self.lanes.get_mut(next) {
                 n.m.handle_keeper(true);
             }
