@@ -206,10 +206,8 @@ struct Pair {
     listen: Arc<ListenShared>,
 }
 
-/// `a` connects to `b`'s NCCL listener; both sides' lane is 0.
-fn connected(now: Instant) -> Pair {
-    let (mut a, mut b) = (engine(1, now), engine(2, now));
-    let (mut ma, mut mb) = (Mem::default(), Mem::default());
+/// `b` opens NCCL listener 9, whose token is `[3; 16]`.
+fn listen_on(b: &mut Engine) -> Arc<ListenShared> {
     let listen = Arc::new(ListenShared {
         id: 9,
         token: [3; 16],
@@ -217,6 +215,14 @@ fn connected(now: Instant) -> Pair {
         queue: b.queue.clone(),
     });
     b.listening(listen.clone());
+    listen
+}
+
+/// `a` connects to `b`'s NCCL listener; both sides' lane is 0.
+fn connected(now: Instant) -> Pair {
+    let (mut a, mut b) = (engine(1, now), engine(2, now));
+    let (mut ma, mut mb) = (Mem::default(), Mem::default());
+    let listen = listen_on(&mut b);
     let pending = Arc::new(PendingConnect::default());
     a.connect(0, addr(2), &[3; 16], &pending, now, &mut ma);
     a.drive(now, &mut ma);
@@ -520,12 +526,7 @@ fn a_lane_that_named_our_secret_has_only_the_preauth_deadline_to_prove_it() {
     let s = Duration::from_secs(1);
     let (mut a, mut b) = (engine(1, now), engine(2, now));
     let (mut ma, mut mb) = (Mem::default(), Mem::default());
-    b.listening(Arc::new(ListenShared {
-        id: 9,
-        token: [3; 16],
-        ready: Mutex::new(VecDeque::new()),
-        queue: b.queue.clone(),
-    }));
+    listen_on(&mut b);
     let pending = Arc::new(PendingConnect::default());
     a.connect(0, addr(2), &[3; 16], &pending, now, &mut ma);
     a.drive(now, &mut ma);
@@ -560,13 +561,7 @@ fn a_hello_over_a_path_our_peer_keeps_talking_on_waits_longer_for_its_proof() {
     let (mut a, mut b) = (engine(1, t0), engine(2, t0));
     let (mut ma, mut mb) = (Mem::default(), Mem::default());
     mb.peer = Some(addr(1).ip());
-    let listen = Arc::new(ListenShared {
-        id: 9,
-        token: [3; 16],
-        ready: Mutex::new(VecDeque::new()),
-        queue: b.queue.clone(),
-    });
-    b.listening(listen.clone());
+    let listen = listen_on(&mut b);
     let first = Arc::new(PendingConnect::default());
     a.connect(0, addr(2), &[3; 16], &first, t0, &mut ma);
     a.drive(t0, &mut ma);
