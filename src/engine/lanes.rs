@@ -451,6 +451,7 @@ impl Engine {
             }
         };
         self.leave_gate(k);
+        io.authenticated(k);
         match accepted.purpose {
             Purpose::Data => {
                 let shared = listener.and_then(|id| self.listeners.get(&id)).cloned();

@@ -140,6 +140,11 @@ pub trait Io {
     }
     /// Whether lane `k` can carry frames yet ([`crate::transport::Fabric::ready`]).
     fn ready(&self, k: usize) -> bool;
+    /// The peer of accepted lane `k` proved who it is
+    /// ([`crate::transport::Fabric::authenticated`]).
+    fn authenticated(&mut self, k: usize) {
+        let _ = k;
+    }
     fn set_pacing(&mut self, k: usize, rate: Option<u64>) -> io::Result<()>;
     /// Nothing lane `k` still holds may reach the peer (see `Fabric::fence`).
     fn fence(&mut self, k: usize);

@@ -221,6 +221,12 @@ impl<F: Fabric> engine::Io for Sockets<F> {
         (self.lanes.get(k).and_then(Option::as_ref)).is_some_and(|sock| self.fabric.ready(sock))
     }
 
+    fn authenticated(&mut self, k: usize) {
+        if let Some(sock) = self.lanes.get_mut(k).and_then(Option::as_mut) {
+            self.fabric.authenticated(sock);
+        }
+    }
+
     fn set_pacing(&mut self, k: usize, rate: Option<u64>) -> io::Result<()> {
         match self.lanes.get_mut(k).and_then(Option::as_mut) {
             Some(sock) => self.fabric.set_pacing(sock, rate),

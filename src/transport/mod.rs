@@ -146,11 +146,20 @@ pub trait Fabric: Debug + Send + 'static {
     /// writes first transmissions in place. Others flush plainly and never see either.
     fn write(&mut self, lane: &mut Self::Lane, writer: &mut FrameWriter) -> io::Result<()>;
 
-    /// Whether `lane` can carry frames: its own setup (a verbs QP's connection) is done.
-    /// An accepted lane's pre-authentication deadline starts then. A socket is ready as
-    /// soon as it is accepted: the default says yes.
+    /// Whether `lane` can carry frames: any setup of its own that must come first is
+    /// done. An accepted lane's pre-authentication deadline starts then. A socket is
+    /// ready as soon as it is accepted, and so is a verbs lane, whose handshake crosses
+    /// its bootstrap socket: the default says yes.
     fn ready(&self, _lane: &Self::Lane) -> bool {
         true
+    }
+
+    /// The peer of accepted lane `lane` proved who it is (its handshake's Proof checked
+    /// out). A fabric whose lanes hold costly resources (verbs: QPs and registered rings)
+    /// sets them up only now, so that a stranger's connection costs a socket and small
+    /// buffers. The default does nothing.
+    fn authenticated(&mut self, lane: &mut Self::Lane) {
+        let _ = lane;
     }
 
     /// Whether `lane` holds inbound bytes (or its end) that no readiness event will
