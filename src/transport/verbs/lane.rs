@@ -2,6 +2,9 @@
 //! stream through a ring of registered memory at each end, with a TCP connection beside
 //! it for the QP handshake and for noticing that the peer closed.
 //!
+//! The stream starts on that TCP connection: the QPs and rings are set up only once the
+//! peer is authenticated, and the stream moves to them then ([`super::bootstrap`]).
+//!
 //! The sender copies bytes into its staging region at the ring offset they will occupy
 //! at the peer and RDMA-WRITEs them there with an immediate holding the length; the
 //! receiver's completion says that many more bytes are in its ring. The receiver returns
@@ -40,6 +43,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::bootstrap::{Bootstrap, Want};
 use super::device::VerbsNic;
 use super::domain::Domain;
 use super::flush::PendingFlush;
@@ -56,8 +60,10 @@ use crate::transport::memory::MemoryUnreachable;
 use crate::transport::offers::{self, Offers, Pick};
 pub use crate::transport::offers::{Offer, PLACE_MIN};
 
-/// Bytes of each end's ring (and of the sender's staging region).
-pub const RING: usize = 4 << 20;
+/// Bytes of each end's ring (and of the sender's staging region). Payloads of [`PLACE_MIN`]
+/// bytes and more go around it, written in place, so it carries mostly frames: 1 MiB
+/// keeps a fast port busy with what remains and keeps the memory a lane pins small.
+pub const RING: usize = 1 << 20;
 const MAX_SEND: u32 = 256;
 const MAX_RECV: u32 = 512;
 /// Send slots data may use; the rest are kept for credit returns.
@@ -426,23 +432,45 @@ impl Ring {
     }
 }
 
+/// Bytes of lane rings registered now, process-wide: each lane's staging region and ring,
+/// from when its peer is authenticated until the lane is torn down.
+pub static RING_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// A lane's two registered regions: the staging region its writes come from, and the
+/// ring the peer writes into.
 #[derive(Debug)]
-enum Phase {
-    /// Sending our hello, reading the peer's, then the one-byte "ready" both ways.
-    Handshake {
-        out: Vec<u8>,
-        out_off: usize,
-        got: Vec<u8>,
-    },
-    Ready,
+struct Rings {
+    send: Mr,
+    recv: Mr,
+}
+
+impl Rings {
+    fn new(pd: &Arc<super::sys::Pd>) -> io::Result<Rings> {
+        let rings = Rings {
+            send: Mr::new(pd, RING)?,
+            recv: Mr::new(pd, RING)?,
+        };
+        RING_BYTES.fetch_add(2 * RING as u64, Ordering::Relaxed);
+        Ok(rings)
+    }
+}
+
+impl Drop for Rings {
+    fn drop(&mut self) {
+        RING_BYTES.fetch_sub(2 * RING as u64, Ordering::Relaxed);
+    }
 }
 
 /// A lane of the verbs fabric.
+///
+/// Until its peer is authenticated it is a socket, a completion channel and small
+/// buffers; its QPs, their CQ and its rings come then (see [`Bootstrap`]).
 #[derive(Debug)]
 pub struct VerbsLane {
-    // Field order is drop order: the QP before the regions it reads and writes, and
-    // before its CQ; the context (held by all of them) goes last.
-    /// Data write k goes on `qps[k % qps.len()]`; credit returns on `qps[0]`.
+    // Field order is drop order: the QPs before the regions they read and write, and
+    // before their CQ; the context (held by all of them) goes last.
+    /// Data write k goes on `qps[k % qps.len()]`; credit returns on `qps[0]`. Empty
+    /// until the lane is set up.
     qps: Vec<Qp>,
     /// Per QP, the registrations of payloads written in place, held until their
     /// completions (which come in posting order).
@@ -451,24 +479,27 @@ pub struct VerbsLane {
     /// for that and for when to write payloads in place (`RAILOVER_ZERO_COPY`).
     nic: VerbsNic,
     settings: VerbsSettings,
-    send: Mr,
-    recv: Mr,
-    cq: Arc<Cq>,
+    rings: Option<Rings>,
+    cq: Option<Arc<Cq>>,
+    /// Made with the lane, so that the reactor watches one fd from the start.
+    channel: Arc<CompChannel>,
     dom: Arc<Domain>,
     qp_nums: Vec<u32>,
     sock: mio::net::TcpStream,
+    boot: Bootstrap,
     port: LocalPort,
     grh: bool,
     timing: super::sys::QpTiming,
     mine: Vec<QpHello>,
     /// The peer's ring (from its first QP's hello; all name the same).
     peer: Option<QpHello>,
-    phase: Phase,
     ring: Ring,
     /// Receives the peer offered to have written in place, by sequence number.
     offers: Offers,
     peer_closed: bool,
     fenced: bool,
+    /// Given up as a receive lane: QPs connected from now on refuse the peer's writes.
+    sealed: bool,
     /// The first error: its kind, its message, and whether it was [`MemoryUnreachable`].
     error: Option<(io::ErrorKind, String, bool)>,
     wcs: Vec<Completion>,
@@ -479,63 +510,40 @@ pub struct VerbsLane {
 
 impl VerbsLane {
     /// A lane on `nic` (a port of `dom`'s device) over the (possibly still connecting)
-    /// bootstrap socket: resources allocated, QP in INIT, our hello queued.
+    /// bootstrap socket, accepted (`listener`) or ours. Only its completion channel is
+    /// made now: QPs and rings wait for the peer to be authenticated.
     pub fn new(
         dom: &Arc<Domain>,
         nic: &VerbsNic,
         sock: mio::net::TcpStream,
         settings: &VerbsSettings,
+        listener: bool,
     ) -> io::Result<VerbsLane> {
-        let (ctx, pd) = (&dom.ctx, &dom.pd);
-        let ch = CompChannel::new(ctx)?;
+        let channel = CompChannel::new(&dom.ctx)?;
         let n = usize::from(settings.qps_per_lane.max(1));
-        let cq = Cq::new(ctx, &ch, (n as u32 * (MAX_SEND + MAX_RECV) + 16) as i32)?;
-        let send = Mr::new(pd, RING)?;
-        let recv = Mr::new(pd, RING)?;
-        let mut qps = Vec::with_capacity(n);
-        let mut mine = Vec::with_capacity(n);
-        for _ in 0..n {
-            let qp = Qp::new_rc(pd, &cq, MAX_SEND, MAX_RECV)?;
-            qp.to_init(nic.port)?;
-            let mut psn = [0u8; 4];
-            getrandom::getrandom(&mut psn).map_err(|e| io::Error::other(e.to_string()))?;
-            mine.push(QpHello {
-                qpn: qp.qp_num(),
-                psn: u32::from_le_bytes(psn) & 0xff_ffff,
-                lid: nic.attr.lid,
-                mtu: nic.attr.active_mtu,
-                gid: local_gid(nic),
-                addr: recv.addr(),
-                rkey: recv.rkey(),
-                len: RING as u64,
-            });
-            qps.push(qp);
-        }
         Ok(VerbsLane {
-            phase: Phase::Handshake {
-                out: encode_hellos(&mine),
-                out_off: 0,
-                got: Vec::with_capacity(hellos_len(n) + 1),
-            },
+            qps: Vec::new(),
             held: vec![VecDeque::new(); n],
             nic: nic.clone(),
             settings: *settings,
-            qp_nums: qps.iter().map(Qp::qp_num).collect(),
-            qps,
-            send,
-            recv,
-            cq,
+            rings: None,
+            cq: None,
+            channel,
             dom: dom.clone(),
+            qp_nums: Vec::new(),
             sock,
+            // A peer with another QP count is told so by `decode_hellos`.
+            boot: Bootstrap::new(listener, hellos_len(usize::from(u8::MAX))),
             port: local_port(nic, settings),
             grh: needs_grh(nic),
             timing: qp_timing(settings),
-            mine,
+            mine: Vec::new(),
             peer: None,
             ring: Ring::with_qps(RING, n),
             offers: Offers::default(),
             peer_closed: false,
             fenced: false,
+            sealed: false,
             error: None,
             wcs: Vec::with_capacity(64),
             gpu: None,
@@ -549,15 +557,31 @@ impl VerbsLane {
         self
     }
 
-    /// Bytes in the ring, or the peer's close, not yet read. A completion reaped by a
-    /// `write` (or after a `read`'s last look) puts bytes here whose completion-channel
-    /// event is already consumed: nothing else would announce them.
-    pub fn has_unread(&self) -> bool {
-        self.is_ready() && (self.ring.readable().1 > 0 || self.peer_closed)
+    /// The engine authenticated the peer of this accepted lane: its QPs and rings are
+    /// set up now. A failure is the lane's, seen at its next read or write.
+    pub fn authenticated(&mut self) {
+        self.boot.authenticated();
+        if let Err(e) = self.advance() {
+            self.fail_with(e);
+        }
     }
 
+    /// Bytes in the ring, or the peer's close, not yet read. A completion reaped by a
+    /// `write` (or after a `read`'s last look) puts bytes here whose completion-channel
+    /// event is already consumed: nothing else would announce them. (Before the ring, the
+    /// socket's own readiness announces the stream.)
+    pub fn has_unread(&self) -> bool {
+        self.boot.rx_on_ring() && (self.ring.readable().1 > 0 || self.peer_closed)
+    }
+
+    /// Whether both directions of the stream go through the rings.
     pub fn is_ready(&self) -> bool {
-        matches!(self.phase, Phase::Ready)
+        self.boot.tx_on_ring() && self.boot.rx_on_ring()
+    }
+
+    /// Whether the lane's rings are registered (its peer was authenticated).
+    pub fn is_set_up(&self) -> bool {
+        self.rings.is_some()
     }
 
     /// (bytes posted, bytes the peer acknowledged).
@@ -596,94 +620,171 @@ impl VerbsLane {
         }
     }
 
-    /// Everything the lane's fds may have signalled: handshake bytes, the peer closing,
-    /// async events, completions; then credit owed to the peer.
+    /// Everything the lane's fds may have signalled beside the stream: bootstrap chunks
+    /// still to send, the peer closing, async events, completions; then credit owed to
+    /// the peer.
     pub fn pump(&mut self) -> io::Result<()> {
         self.check()?;
-        if !self.is_ready() {
-            self.handshake()?;
-            if !self.is_ready() {
-                return Ok(());
-            }
-        } else {
+        if let Err(e) = self.flush_boot() {
+            return Err(self.fail(e.kind(), format!("verbs bootstrap socket: {e}")));
+        }
+        if self.boot.rx_on_ring() {
             self.watch_socket()?;
+        }
+        if self.cq.is_none() {
+            return Ok(());
         }
         self.async_events()?;
         self.reap()?;
-        self.return_credit()
-    }
-
-    fn handshake(&mut self) -> io::Result<()> {
-        let Phase::Handshake { out, out_off, got } = &mut self.phase else {
-            return Ok(());
-        };
-        while *out_off < out.len() {
-            match self.sock.write(&out[*out_off..]) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(n) => *out_off += n,
-                Err(e) if would_block(&e) => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        let n = self.qps.len();
-        let want = hellos_len(n) + 1;
-        while got.len() < want {
-            let mut b = [0u8; 512];
-            let room = (want - got.len()).min(b.len());
-            match self.sock.read(&mut b[..room]) {
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the peer closed during the verbs handshake",
-                    ))
-                }
-                Ok(n) => got.extend_from_slice(&b[..n]),
-                Err(e) if would_block(&e) => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        if let Some(&count) = got.first() {
-            // A peer with another QP count sends a hello of another length: stop here.
-            check_hello_count(count, n)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        }
-        if self.peer.is_none() && got.len() >= hellos_len(n) {
-            let peers = decode_hellos(&got[..hellos_len(n)], n)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-            if peers[0].len != RING as u64 {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("the peer's ring is {} bytes, ours {RING}", peers[0].len),
-                ));
-            }
-            for ((qp, mine), peer) in self.qps.iter().zip(&self.mine).zip(&peers) {
-                qp.to_rtr(&self.port, &remote_qp(peer, self.grh, mine.mtu))?;
-                qp.to_rts(mine.psn, self.timing)?;
-                for _ in 0..MAX_RECV {
-                    qp.post_recv(WR_RECV)?;
-                }
-            }
-            self.peer = Some(peers[0]);
-            // Receives are posted: the peer may write once it reads this.
-            out.push(b'R');
-            return self.handshake();
-        }
-        if got.len() == want && *out_off == out.len() {
-            if got[hellos_len(n)] != b'R' {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "bad ready byte in the verbs handshake",
-                ));
-            }
-            self.phase = Phase::Ready;
+        if self.boot.tx_on_ring() {
+            self.return_credit()?;
         }
         Ok(())
     }
 
-    /// After the handshake the socket carries nothing: EOF is the peer closing, a reset
-    /// the peer fencing or dying.
+    /// Does what the bootstrap machine says is due: set up, connect; then sends its
+    /// chunks. A fenced lane sets up nothing more.
+    fn advance(&mut self) -> io::Result<()> {
+        if self.fenced {
+            return Ok(());
+        }
+        if self.boot.setup_due() {
+            self.set_up()?;
+        }
+        if let Some(peer) = self.boot.connect_due() {
+            let peer = peer.to_vec();
+            self.connect(&peer)?;
+        }
+        self.flush_boot()
+    }
+
+    /// The peer is authenticated: the CQ, the QPs (to INIT) and the rings, and our hello.
+    fn set_up(&mut self) -> io::Result<()> {
+        let (ctx, pd) = (&self.dom.ctx, &self.dom.pd);
+        let n = self.ring.qps();
+        let cq = Cq::new(
+            ctx,
+            &self.channel,
+            (n as u32 * (MAX_SEND + MAX_RECV) + 16) as i32,
+        )?;
+        let rings = Rings::new(pd)?;
+        let mut qps = Vec::with_capacity(n);
+        let mut mine = Vec::with_capacity(n);
+        for _ in 0..n {
+            let qp = Qp::new_rc(pd, &cq, MAX_SEND, MAX_RECV)?;
+            qp.to_init(self.nic.port)?;
+            let mut psn = [0u8; 4];
+            getrandom::getrandom(&mut psn).map_err(|e| io::Error::other(e.to_string()))?;
+            mine.push(QpHello {
+                qpn: qp.qp_num(),
+                psn: u32::from_le_bytes(psn) & 0xff_ffff,
+                lid: self.nic.attr.lid,
+                mtu: self.nic.attr.active_mtu,
+                gid: local_gid(&self.nic),
+                addr: rings.recv.addr(),
+                rkey: rings.recv.rkey(),
+                len: RING as u64,
+            });
+            qps.push(qp);
+        }
+        self.qp_nums = qps.iter().map(Qp::qp_num).collect();
+        self.qps = qps;
+        self.rings = Some(rings);
+        self.cq = Some(cq);
+        self.boot.set_up(&encode_hellos(&mine));
+        self.mine = mine;
+        Ok(())
+    }
+
+    /// Both hellos known: our QPs to RTR and RTS towards the peer's, receives posted.
+    fn connect(&mut self, hello: &[u8]) -> io::Result<()> {
+        let n = self.qps.len();
+        let peers =
+            decode_hellos(hello, n).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        if peers[0].len != RING as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the peer's ring is {} bytes, ours {RING}", peers[0].len),
+            ));
+        }
+        for ((qp, mine), peer) in self.qps.iter().zip(&self.mine).zip(&peers) {
+            qp.to_rtr(&self.port, &remote_qp(peer, self.grh, mine.mtu))?;
+            qp.to_rts(mine.psn, self.timing)?;
+            for _ in 0..MAX_RECV {
+                qp.post_recv(WR_RECV)?;
+            }
+        }
+        self.peer = Some(peers[0]);
+        self.boot.connected();
+        if self.sealed {
+            self.refuse_writes();
+        }
+        Ok(())
+    }
+
+    /// Sends what the bootstrap machine has queued, as far as the socket takes it.
+    fn flush_boot(&mut self) -> io::Result<()> {
+        while !self.boot.outbox().is_empty() {
+            match self.sock.write(self.boot.outbox()) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => self.boot.sent(n),
+                Err(e) if would_block(&e) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the stream from the bootstrap socket into `buf` until the peer's `Ready`,
+    /// acting on its chunks on the way; `None` once the stream comes through the ring.
+    fn read_socket(&mut self, buf: &mut [u8]) -> Option<io::Result<usize>> {
+        loop {
+            let got = match self.boot.want() {
+                Want::Ring => return None,
+                Want::Stream(left) => {
+                    let n = left.min(buf.len());
+                    match self.sock.read(&mut buf[..n]) {
+                        Ok(n) if n > 0 => {
+                            self.boot.streamed(n);
+                            return Some(Ok(n));
+                        }
+                        other => other,
+                    }
+                }
+                Want::Control(want) => {
+                    let mut b = [0u8; 256];
+                    let want = want.min(b.len());
+                    match self.sock.read(&mut b[..want]) {
+                        Ok(n) if n > 0 => {
+                            let acted = match self.boot.took(&b[..n]) {
+                                Ok(()) => self.advance(),
+                                Err(why) => Err(io::Error::new(io::ErrorKind::InvalidData, why)),
+                            };
+                            if let Err(e) = acted {
+                                return Some(Err(self.fail_with(e)));
+                            }
+                            continue;
+                        }
+                        other => other,
+                    }
+                }
+            };
+            return Some(match got {
+                Ok(_) => {
+                    // The peer closed its end before its stream reached the ring.
+                    self.peer_closed = true;
+                    Ok(0)
+                }
+                Err(e) if would_block(&e) => Err(io::ErrorKind::WouldBlock.into()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(self.fail(e.kind(), format!("verbs bootstrap socket: {e}"))),
+            });
+        }
+    }
+
+    /// After the peer's `Ready` its socket carries nothing: EOF is the peer closing, a
+    /// reset the peer fencing or dying.
     fn watch_socket(&mut self) -> io::Result<()> {
         if self.peer_closed {
             return Ok(());
@@ -719,10 +820,13 @@ impl VerbsLane {
 
     /// Drain, acknowledge and re-arm the channel, then poll the CQ empty.
     fn reap(&mut self) -> io::Result<()> {
-        self.cq.drain_and_rearm()?;
+        let Some(cq) = self.cq.clone() else {
+            return Ok(());
+        };
+        cq.drain_and_rearm()?;
         loop {
             self.wcs.clear();
-            let n = self.cq.poll(&mut self.wcs, 64)?;
+            let n = cq.poll(&mut self.wcs, 64)?;
             for i in 0..n {
                 let c = self.wcs[i];
                 self.complete(&c)?;
@@ -778,9 +882,9 @@ impl VerbsLane {
         let Some(owed) = self.ring.credit_due(MAX_SEND) else {
             return Ok(());
         };
-        let peer = self.peer.expect("ready lanes know their peer");
+        let (peer, rings) = self.connected_to();
         self.qps[0].post_write(&RdmaWrite {
-            local: &self.send,
+            local: &rings.send,
             offset: 0,
             len: 0,
             remote_addr: peer.addr,
@@ -793,7 +897,17 @@ impl VerbsLane {
         Ok(())
     }
 
-    /// The fence: every QP goes to ERR, the socket will close with a reset.
+    /// The peer's ring and our regions, on a lane whose QPs are connected.
+    fn connected_to(&self) -> (QpHello, &Rings) {
+        let peer = self.peer.expect("connected lanes know their peer");
+        (
+            peer,
+            self.rings.as_ref().expect("connected lanes are set up"),
+        )
+    }
+
+    /// The fence: every QP goes to ERR, the socket will close with a reset, and the lane
+    /// sets up nothing more.
     pub fn fence(&mut self) {
         self.fenced = true;
         for qp in &self.qps {
@@ -803,11 +917,19 @@ impl VerbsLane {
     }
 
     /// Given up as a receive lane: the peer's writes are refused from now on (its RDMA
-    /// WRITEs fail with a remote access error), while ours still go out.
+    /// WRITEs fail with a remote access error), while ours still go out. QPs not yet
+    /// connected refuse them once they are.
     pub fn seal(&mut self) {
-        if self.fenced || !self.is_ready() {
+        if self.fenced {
             return;
         }
+        self.sealed = true;
+        if self.boot.is_connected() {
+            self.refuse_writes();
+        }
+    }
+
+    fn refuse_writes(&self) {
         for qp in &self.qps {
             if let Err(e) = qp.refuse_remote_writes() {
                 tracing::debug!("railover: sealing a lane on {}: {e}", self.dom.name());
@@ -815,19 +937,30 @@ impl VerbsLane {
         }
     }
 
-    /// Before a graceful close: wait (briefly) until the peer acknowledged what we
-    /// posted, so that it has it all before it sees the socket close.
+    /// Before a graceful close: wait (briefly) until the bootstrap socket took our last
+    /// chunks and the peer acknowledged what we posted, so that it has it all before it
+    /// sees the socket close.
     pub fn linger(&mut self) {
-        if self.fenced || !self.is_ready() {
+        if self.fenced {
             return;
         }
         let end = Instant::now() + LINGER;
+        if !self.boot.outbox().is_empty() {
+            // Blocking now: this runs on the reaper thread, off the reactor.
+            let s = socket2::SockRef::from(&self.sock);
+            let _ = s.set_nonblocking(false);
+            let _ = s.set_write_timeout(Some(LINGER));
+            let _ = (&*s).write_all(self.boot.outbox());
+        }
+        if !self.is_ready() {
+            return;
+        }
         while self.ring.unacked() > 0 && self.error.is_none() && Instant::now() < end {
             if self.reap().is_err() {
                 break;
             }
             if self.ring.unacked() > 0 {
-                let _ = self.cq.channel().wait(Duration::from_millis(10));
+                let _ = self.channel.wait(Duration::from_millis(10));
             }
         }
         if self.ring.unacked() > 0 {
@@ -841,7 +974,7 @@ impl VerbsLane {
     /// The fds registered readable beside the bootstrap socket: the completion channel.
     /// (The device's async-event fd is the fabric's.)
     fn fds(&self) -> [std::os::fd::RawFd; 1] {
-        [self.cq.channel().fd()]
+        [self.channel.fd()]
     }
 
     /// The peer offered receive `seq` to be written in place (a `Place` frame).
@@ -986,7 +1119,10 @@ impl Placer for VerbsLane {
             ZeroCopy::Auto => PLACE_MIN,
             ZeroCopy::Always => 1,
         };
-        if capacity < least || !self.is_ready() {
+        // Offered once the lane has its rings, even while its stream still crosses the
+        // bootstrap socket: the sender uses an offer only from its QPs, once they are
+        // connected, and a first receive offered then is written in place too.
+        if capacity < least || !self.boot.is_set_up() {
             return Ok(None);
         }
         // Not the lane's failure: the engine fails it, after telling the sender why.
@@ -1013,10 +1149,12 @@ impl Placer for VerbsLane {
         };
         // No offer yet, or one the receiver made before it fenced the lane this message
         // was lost with: in the stream, or (every payload in place) wait for the next.
-        let pick = match self.is_ready() {
+        // The QPs are not connected yet (they are once the peer's Ready arrives, an RTT
+        // after its Welcome): wait for them, and for the offers the receiver makes, rather
+        // than send a first message through the stream.
+        let pick = match self.boot.tx_on_ring() {
             true => self.offers.pick(seq, len, place.min_gen, (least, wait)),
-            false if wait => Pick::Wait,
-            false => Pick::Stream,
+            false => Pick::Wait,
         };
         let offer = match pick {
             Pick::Place(offer) => offer,
@@ -1084,7 +1222,14 @@ fn would_block(e: &io::Error) -> bool {
 impl Read for VerbsLane {
     /// Bytes the peer wrote are read even once the lane failed (their completions came
     /// before the error); then the error.
+    /// Before the peer's `Ready`, its stream comes over the bootstrap socket.
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        if let Some(got) = self.read_socket(buf) {
+            return got;
+        }
         let (off, avail) = self.ring.readable();
         if avail == 0 {
             self.check()?;
@@ -1096,7 +1241,11 @@ impl Read for VerbsLane {
             };
         }
         let n = avail.min(buf.len());
-        self.recv.read(off, &mut buf[..n])?;
+        let rings = self
+            .rings
+            .as_ref()
+            .expect("a lane reading its ring has one");
+        rings.recv.read(off, &mut buf[..n])?;
         self.ring.consume(n);
         Ok(n)
     }
@@ -1115,15 +1264,27 @@ impl Write for VerbsLane {
                 "the peer closed the verbs lane",
             ));
         }
+        if !self.boot.tx_on_ring() {
+            // Before the rings: over the bootstrap socket, as far as it may carry it.
+            let n = self.boot.push_stream(bufs);
+            if let Err(e) = self.flush_boot() {
+                return Err(self.fail(e.kind(), format!("verbs bootstrap socket: {e}")));
+            }
+            return match n {
+                0 => Err(io::ErrorKind::WouldBlock.into()),
+                n => Ok(n),
+            };
+        }
         let (off, room) = self.ring.send_window(DATA_SLOTS);
         if room == 0 {
             return Err(io::ErrorKind::WouldBlock.into());
         }
         // Gather as much as fits contiguously: one WRITE for many small frames.
+        let (peer, rings) = self.connected_to();
         let mut n = 0;
         for b in bufs {
             let take = b.len().min(room - n);
-            self.send.write(off + n, &b[..take])?;
+            rings.send.write(off + n, &b[..take])?;
             n += take;
             if n == room {
                 break;
@@ -1132,9 +1293,8 @@ impl Write for VerbsLane {
         if n == 0 {
             return Ok(0);
         }
-        let peer = self.peer.expect("ready lanes know their peer");
         self.qps[self.ring.send_qp()].post_write(&RdmaWrite {
-            local: &self.send,
+            local: &rings.send,
             offset: off,
             len: n,
             remote_addr: peer.addr + off as u64,

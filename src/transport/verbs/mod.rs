@@ -11,6 +11,7 @@
 //! (`scripts/verbs-tier.sh`); `RAILOVER_TRANSPORT=verbs` selects it, and so does `auto`
 //! when a usable port exists.
 
+pub mod bootstrap;
 pub mod device;
 pub mod domain;
 pub mod flush;
@@ -228,8 +229,9 @@ impl Fabric for VerbsFabric {
                         continue;
                     };
                     let dom = self.domain(nic)?;
-                    let lane = VerbsLane::new(&dom, &self.verbs[nic], stream, &self.settings)?
-                        .taking(self.gpu.get(nic).cloned());
+                    let lane =
+                        VerbsLane::new(&dom, &self.verbs[nic], stream, &self.settings, true)?
+                            .taking(self.gpu.get(nic).cloned());
                     Ok(Some((lane, Some(nic))))
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
@@ -264,6 +266,7 @@ impl Fabric for VerbsFabric {
             &self.verbs[nic],
             mio::net::TcpStream::from_std(sock.into()),
             &self.settings,
+            false,
         )?
         .taking(self.gpu.get(nic).cloned()))
     }
@@ -279,9 +282,6 @@ impl Fabric for VerbsFabric {
             if !lane.has_unread() {
                 return Err(e.into());
             }
-        }
-        if !lane.is_ready() {
-            return Ok(None);
         }
         let got = loop {
             match reader.next(lane) {
@@ -303,14 +303,7 @@ impl Fabric for VerbsFabric {
 
     fn write(&mut self, lane: &mut VerbsLane, writer: &mut FrameWriter) -> io::Result<()> {
         lane.pump()?;
-        if !lane.is_ready() {
-            return Ok(());
-        }
         writer.flush_placing(lane)
-    }
-
-    fn ready(&self, lane: &VerbsLane) -> bool {
-        lane.is_ready()
     }
 
     fn unread(&self, lane: &VerbsLane) -> bool {
@@ -328,6 +321,11 @@ impl Fabric for VerbsFabric {
             acked,
             placed: lane.placed(),
         }
+    }
+
+    /// The QPs and rings of an accepted lane are set up now, and not before.
+    fn authenticated(&mut self, lane: &mut VerbsLane) {
+        lane.authenticated();
     }
 
     fn fence(&mut self, lane: &mut VerbsLane) {
