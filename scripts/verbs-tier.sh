@@ -15,6 +15,9 @@
 #         writes, the peer's writes to it are refused);
 #         `railover doctor`, RAILOVER_HCA;
 #   fp    the plugin's comms over verbs lanes (fault-peer, one comm per rail);
+#   sc    64 comms at once (rails in turn, 64 KiB messages), every byte checked; the
+#         memory each end pins (VmPin) with them connected and with data flowing, and
+#         that 16 connections which never authenticate make the receiver pin nothing;
 #   pb/pl throughput (one comm, 1 MiB messages) and 8-byte ping-pong latency on rxe0,
 #         reported as ratios to ib_write_bw / ib_write_lat;
 #   fo rd bd fl tw   faults mid-stream on three comms: the sender's rail 0 down 4 s, the
@@ -215,7 +218,8 @@ links() { # down|up NETDEV...: a cut (or its end) on this guest, stamped
 #   scn NAME PORT SIDES FAULT OPTIONS...
 # The sender's stdin stays open, so it closes its comms --grace seconds after its END.
 # FAULT runs (eval) on the guests named in SIDES once that guest's end is connected; $p
-# is the local fault-peer. Prints "VT: NAME rc=R Ts" (T: what the step cost this guest,
+# is the local fault-peer. $pre, when set, runs (eval) on a once its receiver listens,
+# before the sender may connect. Prints "VT: NAME rc=R Ts" (T: what the step cost this guest,
 # in seconds); its output stays in /tmp/NAME and /tmp/NAME.err.
 steps=""
 scn() {
@@ -228,6 +232,7 @@ scn() {
             >/tmp/$name 2>/tmp/$name.err &
         p=$!
         await '"event":"listening"' /tmp/$name $p
+        [ -n "${pre:-}" ] && eval "$pre"
         { grep '"event":"handle"' /tmp/$name | sed 's/"event":"handle"/"cmd":"handle"/'; echo '{"cmd":"go"}'; } >/tmp/$name.h
         timeout 60 nc -l -p $port -e cat /tmp/$name.h
     else
@@ -242,6 +247,23 @@ scn() {
     case $sides in *$role*) await '"event":"connected"' /tmp/$name $p && eval "$fault" ;; esac
     wait $p
     echo "VT: $name rc=$? $(awk "BEGIN { print $(now) - $t }")s"
+}
+# Memory process $1 has pinned (registered), in KiB, as the kernel counts it.
+vmpin() { awk '/^VmPin:/ { print $2 }' /proc/$1/status 2>/dev/null || echo 0; }
+# Strangers: 16 connections to the receiver $p's verbs listener on rxe0 that never say
+# Hello, held 18 s, past the receiver's pre-authentication deadline (16 s with the step's
+# 8 s completion timeout), which turns them away; prints the most memory the receiver
+# pinned meanwhile above what it had before.
+strangers() {
+    hex=$(awk '$4 == "0A" && $2 ~ /^010200C0:/ { sub(/.*:/, "", $2); print $2; exit }' /proc/net/tcp)
+    [ -n "$hex" ] || { echo "VT: $name strangers: no verbs listener on 192.0.2.1"; return; }
+    before=$(vmpin $p) most=0
+    for k in $(seq 16); do sleep 18 | nc 192.0.2.1 $((0x$hex)) >/dev/null 2>&1 & done
+    for k in $(seq 72); do
+        v=$(vmpin $p); [ $((v - before)) -gt $most ] && most=$((v - before))
+        sleep 0.25
+    done
+    echo "VT: $name strangers 16 pinned ${most} KiB above ${before} KiB"
 }
 # Latency: guest b pings, a pongs, one comm each way on device 0 (rxe0); the two handles
 # cross over nc both ways.  pp NAME PORT OPTIONS...
@@ -294,6 +316,19 @@ else
 fi
 # The plugin's comms over verbs lanes, one per rail: every byte checked by the receiver.
 want fp && scn fp 18700 - : --per-dev 1 --size 256K --depth 4 --seconds 4 --grace 5 --tick-ms 1000
+# Scale: 64 comms (rails in turn), every message checked by the receiver; what each end
+# pins once its comms are connected and again with data flowing, and, before the sender
+# connects, what 16 unauthenticated connections make the receiver pin (nothing: a lane's
+# QPs and rings wait for its peer's proof). Each end sets up 64 lanes' QPs and rings on
+# its one emulated CPU (about 0.1 s each under TCG), which holds its reactor for seconds
+# while the first comms already run: a 3 s completion timeout failed them for silence,
+# hence 8 s here.
+if want sc; then
+    pre=strangers RAILOVER_COMPLETION_TIMEOUT_MS=8000
+    scn sc 18715 ab 'echo "VT: sc pinned connected $(vmpin $p) KiB"; sleep 4; echo "VT: sc pinned flowing $(vmpin $p) KiB"' \
+        --comms 64 --size 64K --depth 2 --seconds 8 --grace 8 --tick-ms 2000
+    pre="" RAILOVER_COMPLETION_TIMEOUT_MS=3000
+fi
 # Throughput against ib_write_bw: one comm (device 0, rxe0), 1 MiB messages.
 want pb && scn pb 18701 - : --comms 1 --size 1M --depth 4 --seconds 4 --grace 5 --tick-ms 1000
 # Latency against ib_write_lat: round trips of 8 bytes.
@@ -412,7 +447,7 @@ done
 kernel=$kroot/boot/vmlinuz-$kver
 # RAILOVER_VERBS_STEPS=abi,fo (say) runs only those steps, for working on one; the tier
 # then ends with a SKIP line instead of "passed".
-all_steps="base fp pb pl fo rd bd fl tw q2 za gs gr kp abi gd"
+all_steps="base fp sc pb pl fo rd bd fl tw q2 za gs gr kp abi gd"
 only=${RAILOVER_VERBS_STEPS:-}
 for st in ${only//,/ }; do
     case " $all_steps " in *" $st "*) ;; *) fail "RAILOVER_VERBS_STEPS=$only: no step '$st' (steps: $all_steps)" ;; esac
@@ -561,6 +596,12 @@ exactly_once() { # STEP WHAT
 }
 lost() { has "VT: $1.err\| .*NIC $2 lost its link" "$3"; }
 back() { has "VT: $1.err\| .*NIC $2 is up again" "$3"; }
+# sc: 64 comms at once, and strangers that never authenticate.
+exactly_once sc "64 comms"
+comms_of() { [ "$(field_of "$1" comms "$a")" = "$2" ] && [ "$(field_of "$1" comms "$b")" = "$2" ]; }
+check sc "64 comms: both ends ran all 64 over verbs lanes" comms_of sc 64
+check sc "64 comms: 16 connections that never said Hello made the receiver pin nothing" grep -q 'VT: sc strangers 16 pinned 0 KiB' "$a"
+check sc "64 comms: the receiver turned those connections away at its pre-authentication deadline" has 'VT: sc.err\| .*turned away an incoming connection' "$a"
 # fo: the sender's rail 0 down for 4 s.
 exactly_once fo "sender's rail 0 down"
 check fo "sender's rail 0 down: eth0 down reached the engine as rxe0's carrier" lost fo rxe0 "$b"
@@ -651,6 +692,9 @@ ratio_bw=$(awk "BEGIN { b = ${bw_gbit:-0} * 1000; if (b > 0) printf \"%.2f\", $p
 ran() { [ -z "$only" ] || case ",$only," in *",$1,"*) ;; *) false ;; esac; }
 ran base && echo "verbs tier: baseline ib_write_bw ${bw:-?}; ib_write_lat ${lat:-?}"
 ran fp && echo "verbs tier: plugin over verbs lanes (fault-peer, 3 comms on 3 rails, 256 KiB messages): ${fpbytes:-?} bytes verified in a 4 s send window (~$(( ${fpbytes:-0} * 8 / 4 / 1000000 )) Mb/s aggregate)"
+pinned_of() { grep -ao "VT: sc pinned $1 [0-9]*" "$2" | grep -o '[0-9]*$' | tail -1; }
+per_comm() { awk "BEGIN { v = ${1:-0}; if (v > 0) printf \"%.2f MiB\", v / 1024 / 64; else print \"?\" }"; }
+ran sc && echo "verbs tier: 64 comms: pinned per comm with the comms connected: receiver $(per_comm "$(pinned_of connected "$a")"), sender $(per_comm "$(pinned_of connected "$b")"); with data flowing (64 KiB messages, depth 2): receiver $(per_comm "$(pinned_of flowing "$a")"), sender $(per_comm "$(pinned_of flowing "$b")"); 16 unauthenticated connections: $(grep -ao 'VT: sc strangers 16 pinned [0-9]* KiB' "$a" | grep -o '[0-9]* KiB' | tail -1) more at the receiver"
 ran pb && echo "verbs tier: throughput ratio: one comm, 1 MiB messages, depth 4 on rxe0: ~$pb_mbit Mb/s vs ib_write_bw ${bw_gbit:-?} Gb/s: railover/ib_write_bw = $ratio_bw"
 pl_us=$(grep -ao 'VT: pl| {"event":"pingpong".*' "$b" | grep -o '"one_way_us":[0-9.]*' | sed 's/.*://' | tail -1)
 ratio_lat=$(awk "BEGIN { l = ${lat_us:-0}; if (l > 0 && \"${pl_us}\" != \"\") printf \"%.2f\", ${pl_us:-0} / l; else print \"?\" }")
@@ -661,7 +705,7 @@ foregs=$(field_of fo registrations "$b")
 ran fo && echo "verbs tier: zero copy through the failover: the sender's NIC wrote ${foplaced:-?} of ${fobytes:-?} bytes in place (replays come through the ring); the sender's registrations grew from 12 to ${foregs:-?} on the backups"
 ran kp && echo "verbs tier: killed sender: the receiver's last error $kp_after ms after its last data (bound $kp_bound ms)"
 costs=""
-for s in fp pb pl fo rd bd fl tw q2 za gs gr kp abi gd; do ran $s && costs="$costs $s $(cost_of $s)s"; done
+for s in fp sc pb pl fo rd bd fl tw q2 za gs gr kp abi gd; do ran $s && costs="$costs $s $(cost_of $s)s"; done
 echo "verbs tier: guest seconds per step:$costs"
 echo "verbs tier: guests ran ${guest_s}s under $accel; whole tier $(($(date +%s) - t0))s"
 if [ $status -eq 0 ] && [ -n "$only" ]; then
