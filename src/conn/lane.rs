@@ -30,6 +30,14 @@ pub const LINGER: Duration = Duration::from_secs(2);
 /// lanes share their paths' keepalives (see [`LaneMachine::handle_keeper`]).
 pub const CONGESTED_SILENCE: u32 = 8;
 
+/// How many times a handshake that missed its deadline on a path that works is given
+/// its time again ([`LaneMachine::extend`]). Behind a congested path's queue (a failover
+/// storm on slow or paused links) each leg of a handshake waits as long as the queue:
+/// tearing it down and dialling again starts the wait over, and the receiver reads the
+/// close as the sender giving up. Bounded, so a handshake that never completes still
+/// fails.
+pub const HANDSHAKE_PATIENCE: u8 = 8;
+
 /// [`CONGESTED_SILENCE`] completion timeouts.
 pub fn congested_limit(timeout: Duration) -> Duration {
     timeout * CONGESTED_SILENCE
@@ -159,6 +167,8 @@ pub struct LaneMachine {
     auth: Option<Auth>,
     /// When an unfinished handshake, probe or linger fails.
     deadline: Option<Instant>,
+    /// Times the handshake's deadline was given again ([`HANDSHAKE_PATIENCE`]).
+    extended: u8,
     /// Carrying a comm: silence, brown-outs and keepalives are judged.
     carrying: bool,
     last_rx: Instant,
@@ -202,6 +212,7 @@ impl LaneMachine {
             phase: Phase::Listening,
             auth: None,
             deadline: Some(now + limit),
+            extended: 0,
             carrying: false,
             last_rx: now,
             last_tx: now,
@@ -461,6 +472,18 @@ impl LaneMachine {
     /// judgement of a carrying lane's silence).
     pub fn deadline_due(&self, now: Instant) -> bool {
         self.failed.is_none() && self.deadline.is_some_and(|d| d <= now)
+    }
+
+    /// The deadline due now is given again, until `deadline`: the caller saw that the
+    /// other end is there and busy. At most [`HANDSHAKE_PATIENCE`] times; returns how many
+    /// so far, or `None` once patience ran out (the deadline then stands).
+    pub fn extend(&mut self, deadline: Instant) -> Option<u8> {
+        if self.extended >= HANDSHAKE_PATIENCE {
+            return None;
+        }
+        self.extended += 1;
+        self.deadline = Some(deadline);
+        Some(self.extended)
     }
 
     /// Fails unless done by `deadline`.
@@ -1066,6 +1089,14 @@ mod tests {
             .unwrap();
         assert_eq!(refused, None);
         assert!(m.awaits_proof());
+        // Given its time again a bounded number of times, then no more.
+        for n in 1..=HANDSHAKE_PATIENCE {
+            assert_eq!(m.extend(t0 + u32::from(n) * 4000 * MS), Some(n));
+        }
+        let last = t0 + u32::from(HANDSHAKE_PATIENCE) * 4000 * MS;
+        assert_eq!(m.extend(last + 4000 * MS), None);
+        assert!(!m.deadline_due(last - MS));
+        assert!(m.deadline_due(last), "the last deadline given stands");
         // A Hello that names nothing of ours is refused: no Proof is awaited.
         let mut m = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
         m.listening();

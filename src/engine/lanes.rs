@@ -130,7 +130,6 @@ impl Engine {
             placed: LanePlaced::default(),
             joined: false,
             sampling: false,
-            extended: 0,
         });
         self.rearm(k);
     }

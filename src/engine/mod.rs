@@ -302,8 +302,6 @@ struct Lane {
     /// It is in the engine's `sampling` list: it wrote since its delivery was last
     /// sampled, or still had bytes waiting then.
     sampling: bool,
-    /// Times its handshake deadline was extended ([`HANDSHAKE_PATIENCE`]).
-    extended: u8,
 }
 
 impl Lane {
@@ -325,13 +323,6 @@ impl Lane {
 
 /// The least a lane's timer is armed past the moment it was handled.
 const TIMER_SLACK: Duration = Duration::from_micros(100);
-
-/// How many times a handshake that missed its deadline on a path that works is given
-/// its time again. Behind a congested path's queue (a failover storm on slow or paused
-/// links) each leg of a handshake waits as long as the queue: tearing it down and
-/// dialling again starts the wait over, and the receiver reads the close as the sender
-/// giving up. Bounded, so a handshake that never completes still fails.
-const HANDSHAKE_PATIENCE: u8 = 8;
 
 /// The reactor's state and decisions, without its sockets.
 pub struct Engine {
@@ -913,10 +904,7 @@ impl Engine {
             }
             if due {
                 if let Some(more) = self.patience(k, now) {
-                    let lane = &mut self.lanes[k];
-                    lane.extended += 1;
-                    lane.m.expect_by(now + more);
-                    if lane.extended == 1 {
+                    if self.lanes[k].m.extend(now + more) == Some(1) {
                         tracing::info!(
                             "railover: a handshake on a congested path that works is given {} ms more",
                             more.as_millis()
@@ -956,7 +944,7 @@ impl Engine {
     /// no more time than before.
     fn patience(&self, k: usize, now: Instant) -> Option<Duration> {
         let lane = self.lanes.get(k)?;
-        if lane.extended >= HANDSHAKE_PATIENCE || !lane.m.deadline_due(now) {
+        if !lane.m.deadline_due(now) {
             return None;
         }
         let timeout = self.setup.completion_timeout;
