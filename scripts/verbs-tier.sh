@@ -31,6 +31,9 @@
 #   gs/gr GPU-typed memory (NCCL_PTR_CUDA) through the sender's rail 0 down, with rxe1
 #         left out of GPU memory (RAILOVER_GDR_HCA) on the sender (gs) or the receiver
 #         (gr): the moved comm must leave rxe1 for rxe2, nothing lost or copied;
+#   gf    GPU-typed memory on every NIC, each receive flushed (iflush) before it is read,
+#         through the receiver's rail 0 down: flushes on the NIC that went down count
+#         as done, none fails the comm;
 #   kp    the sender SIGKILLed mid-stream: the receiver fails every comm with
 #         ncclSystemError/ncclRemoteError within completion + probe timeout + 4 s;
 #   abi   tests/abi/driver.c (ncclNetPlugin_v12) against the built .so in guest a, its
@@ -370,7 +373,12 @@ want gs && scn gs 18713 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F 
 unset RAILOVER_GDR_HCA
 [ "$role" = a ] && export RAILOVER_GDR_HCA='^=rxe1'
 want gr && scn gr 18714 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --gpu --seconds 18
-unset RAILOVER_GDR_HCA RAILOVER_GDR
+unset RAILOVER_GDR_HCA
+# GPU memory on every NIC of both guests, and the receiver flushes every receive before
+# it reads it (iflush, as NCCL's proxy does with GDR): the receiver's rail 0 down for 3 s.
+# The flushes of the comm that moved must not fail for the NIC that went down.
+want gf && scn gf 18715 a 'sleep 3; links down eth0; sleep 3; links up eth0' $F --gpu --seconds 20
+unset RAILOVER_GDR
 # The sender SIGKILLed mid-stream: the receiver must fail its comms, not hang.
 want kp && scn kp 18707 b 'sleep 3; kill -9 $p; echo "VT: kp sender killed $(now)s"' \
     --per-dev 1 --size 256K --depth 4 --grace 4 --tick-ms 250 --seconds 15
@@ -447,7 +455,7 @@ done
 kernel=$kroot/boot/vmlinuz-$kver
 # RAILOVER_VERBS_STEPS=abi,fo (say) runs only those steps, for working on one; the tier
 # then ends with a SKIP line instead of "passed".
-all_steps="base fp sc pb pl fo rd bd fl tw q2 za gs gr kp abi gd"
+all_steps="base fp sc pb pl fo rd bd fl tw q2 za gs gr gf kp abi gd"
 only=${RAILOVER_VERBS_STEPS:-}
 for st in ${only//,/ }; do
     case " $all_steps " in *" $st "*) ;; *) fail "RAILOVER_VERBS_STEPS=$only: no step '$st' (steps: $all_steps)" ;; esac
@@ -665,6 +673,13 @@ check gr "GPU memory, the receiver's rxe1 without it: the receiver's rxe1 refuse
 check gr "GPU memory, the receiver's rxe1 without it: the receiver told the sender, which left the peer's NIC 1 out for the comm" has 'VT: gr.mem\| .*peer[0-9]+/nic1 cannot register the comm.s memory' "$b"
 check gr "GPU memory, the receiver's rxe1 without it: no GPU payload was copied by the CPU" never_copied gr
 check gr "GPU memory, the receiver's rxe1 without it: traffic failed back onto rxe0" has 'VT: gr.err\| .*failback comm=[0-9]+ .* => rxe0->' "$b" "$a"
+# gf: receives into GPU memory flushed through the receiver's rail 0 going down.
+exactly_once gf "GPU memory flushed, receiver's rail 0 down"
+field_at_least() { local v; v=$(field_of "$1" "$2" "$a"); [ -n "$v" ] && [ "$v" -ge "$3" ]; }
+check gf "GPU memory flushed: the receiver flushed every receive into GPU memory (iflush requests completed)" field_at_least gf flushes 1
+check gf "GPU memory flushed: a comm failed over off the receiver's rxe0" has 'VT: gf.err\| .*failover comm=[0-9]+ rxe0->' "$a" "$b"
+check gf "GPU memory flushed: flushes met rxe0 down and counted it done (its lanes fenced) instead of failing the comm" field_at_least gf flushes_excused 1
+check gf "GPU memory flushed: traffic failed back onto rail 0" has 'VT: gf.err\| .*failback comm=[0-9]+ .* => rxe0->' "$a" "$b"
 # kp: the sender SIGKILLed mid-stream.
 timeout_ms=$(grep -ao 'VT: completion timeout [0-9]*' "$a" | grep -o '[0-9]*$' | tail -1)
 probe_ms=$(grep -ao 'probe timeout [0-9]*' "$a" | grep -o '[0-9]*$' | tail -1)

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use railover::engine::ReactorStats;
 use railover::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
 use railover::transport::frames;
-use railover::transport::verbs::lane;
+use railover::transport::verbs::{flush, lane};
 use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
 use railover_testkit::fault_line::{Command, Event, Handle, Link, Op, Summary, HANDLE_LEN};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -308,6 +308,8 @@ fn verify(buf: &[u8], comm: u32, expect_seq: u64) -> Verdict {
 #[derive(Debug, Default)]
 struct Tally {
     msgs: u64,
+    /// Receiver: `iflush` requests that completed.
+    flushes: u64,
     bytes: u64,
     bad: u32,
     req_errors: u64,
@@ -379,6 +381,11 @@ impl Tally {
             registrations: lane::USER_REGISTRATIONS.load(Ordering::Relaxed),
             streamed_in: frames::STREAMED_IN.load(Ordering::Relaxed),
             streamed_out: frames::STREAMED_OUT.load(Ordering::Relaxed),
+            flushes: self.flushes,
+            flush_reads: flush::FLUSH_READS.load(Ordering::Relaxed),
+            flushes_excused: flush::FLUSHES_EXCUSED.load(Ordering::Relaxed),
+            flushes_queued: flush::FLUSHES_QUEUED.load(Ordering::Relaxed),
+            flushes_reposted: flush::FLUSHES_REPOSTED.load(Ordering::Relaxed),
         }));
     }
 
@@ -586,6 +593,9 @@ enum State {
 struct Slot {
     buf: Buffer,
     req: Option<(Request, u64)>,
+    /// Receiver: `req` is the `iflush` of a receive of this many bytes into GPU memory,
+    /// which is only read once it is done, as NCCL's proxy does.
+    flushing: Option<usize>,
 }
 
 /// A lane is done: it ended, or it failed and holds no request any more.
@@ -640,6 +650,8 @@ struct RecvLane {
     id: u32,
     comm: RecvComm,
     slots: Vec<Slot>,
+    /// Its buffers are GPU memory: every receive is flushed before it is read.
+    gpu: bool,
     posted: u64,
     done: u64,
     state: State,
@@ -706,8 +718,11 @@ fn receiver(o: &Opts) -> i32 {
         let ptr = memory_of(&ctx, o, id, dev);
         let slots = (0..o.depth)
             .map(|_| {
-                comm.register_as(o.size, ptr)
-                    .map(|buf| Slot { buf, req: None })
+                comm.register_as(o.size, ptr).map(|buf| Slot {
+                    buf,
+                    req: None,
+                    flushing: None,
+                })
             })
             .collect::<Result<Vec<_>, _>>();
         match slots {
@@ -715,6 +730,7 @@ fn receiver(o: &Opts) -> i32 {
                 id,
                 comm,
                 slots,
+                gpu: ptr == NCCL_PTR_CUDA,
                 posted: 0,
                 done: 0,
                 state: State::Running,
@@ -753,11 +769,30 @@ fn receiver(o: &Opts) -> i32 {
                 let s = *s;
                 match req.test() {
                     Ok(None) => {}
-                    Ok(Some(n)) => {
+                    Ok(Some(got)) => {
                         slot.req = None;
                         progress = true;
+                        let flushed = slot.flushing.take();
+                        tally.flushes += u64::from(flushed.is_some());
+                        let n = flushed.unwrap_or(got);
                         if lane.state == State::Ended {
                             continue;
+                        }
+                        // A receive into GPU memory is read only once its flush is done.
+                        if lane.gpu && n > 0 && flushed.is_none() {
+                            match lane.comm.iflush(&mut slot.buf, n) {
+                                Ok(Some(r)) => {
+                                    slot.req = Some((r, s));
+                                    slot.flushing = Some(n);
+                                    continue;
+                                }
+                                Ok(None) => {}
+                                Err(c) => {
+                                    tally.error(id, Op::Iflush, s, c);
+                                    lane.state = State::Failed;
+                                    continue;
+                                }
+                            }
                         }
                         let bytes = slot.buf.bytes().expect("completed buffer is free");
                         match verify(&bytes[..n.min(bytes.len())], lane.id, s) {
@@ -958,7 +993,11 @@ fn sender(o: &Opts) -> i32 {
         let mut slots = Vec::new();
         for _ in 0..o.depth {
             match comm.register_as(o.size, ptr) {
-                Ok(buf) => slots.push(Slot { buf, req: None }),
+                Ok(buf) => slots.push(Slot {
+                    buf,
+                    req: None,
+                    flushing: None,
+                }),
                 Err(e) => {
                     setup_failed(format!("regMr comm {id}: {e}"));
                     return 4;

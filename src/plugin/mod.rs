@@ -795,9 +795,12 @@ pub fn first_report(req: &Request, e: &Error) -> bool {
     req.comm.failure().as_ref() != Some(e) || req.comm.first_report()
 }
 
-/// `iflush` of a receive at `addr` in `region`: a request that is done once every NIC
-/// that wrote into the range has read back through it (GPU memory), or `None` when there
-/// is nothing to wait for (host memory, or no NIC registered it).
+/// `iflush` of a receive at `addr` in `region`: a request that is done once every live
+/// NIC of the comm that registered the range has read back through it (GPU memory), or
+/// `None` when there is nothing to wait for (host memory, or no NIC registered it). A NIC
+/// that went down counts as flushed (its lanes are fenced, see
+/// [`FlushPath::down`](verbs::flush::FlushPath::down)), and a full flush QP only delays
+/// the request: a failover never turns a flush into a failed comm.
 pub fn iflush(
     comm: &Arc<CommShared>,
     addr: usize,
@@ -807,22 +810,29 @@ pub fn iflush(
         return Err(Error::InvalidArgument("iflush on a send comm".into()));
     }
     comm.queue.check()?;
-    let mut flushes = verbs::flush::flush_region(region, addr as u64)
-        .map_err(|e| Error::System(format!("flush of GPU memory at {addr:#x}: {e}")))?;
+    let mut flushes = verbs::flush::flush_region(region, addr as u64);
     if flushes.is_empty() {
         return Ok(None);
     }
-    let poll = move || {
-        while let Some(f) = flushes.last() {
-            let done = (f.done())
-                .map_err(|e| Error::System(format!("flush of GPU memory at {addr:#x}: {e}")))?;
-            if !done {
-                return Ok(false);
+    let mut poll = move || {
+        let now = Instant::now();
+        let mut err = None;
+        flushes.retain_mut(|f| match f.done(now) {
+            Ok(done) => !done,
+            Err(e) => {
+                err.get_or_insert(e);
+                true
             }
-            flushes.pop();
+        });
+        match err {
+            Some(e) => Err(Error::System(format!(
+                "flush of GPU memory at {addr:#x}: {e}"
+            ))),
+            None => Ok(flushes.is_empty()),
         }
-        Ok(true)
     };
+    // Post the READs now; `test` sees them complete.
+    poll()?;
     Ok(Some(Arc::new(Request::polled(
         comm.clone(),
         crate::handoff::request::Poller(Box::new(poll)),

@@ -519,6 +519,23 @@ impl RecvComm {
         posted(r, req, buf)
     }
 
+    /// `iflush` of the first `len` bytes `buf` received, as NCCL's proxy calls it after a
+    /// receive into GPU memory completes: a request to test until done, or `None` when
+    /// there is nothing to wait for (host memory). The buffer stays claimed until then:
+    /// the GPU may not read it before.
+    pub fn iflush(&self, buf: &mut Buffer, len: usize) -> Result<Option<Request>, Code> {
+        assert!(len <= buf.len(), "flush longer than its buffer");
+        assert!(buf.claim(), "buffer already in use by a request");
+        let mut data = buf.data.as_mut_ptr() as *mut c_void;
+        let mut size = c_int::try_from(len).unwrap_or(c_int::MAX);
+        let mut mr = buf.mr;
+        let mut req = std::ptr::null_mut();
+        // SAFETY: one-element arrays for n=1; the buffer stays alive and untouched until
+        // `test` reports the flush done.
+        let r = unsafe { (table().iflush)(self.0.raw, 1, &mut data, &mut size, &mut mr, &mut req) };
+        posted(r, req, buf)
+    }
+
     /// A grouped receive: one `irecv` of every `(buffer, capacity, tag)`, which the next
     /// sends fill by tag; `Ok(None)` means "call again".
     pub fn irecv_group(

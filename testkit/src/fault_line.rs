@@ -51,6 +51,7 @@ pub enum Op {
     Isend,
     Irecv,
     Test,
+    Iflush,
     /// tcp-recv's socket read.
     Read,
     /// tcp-send's socket write.
@@ -106,6 +107,21 @@ pub struct Summary {
     /// place.
     pub streamed_in: u64,
     pub streamed_out: u64,
+    /// Receiver: `iflush` requests of receives into GPU memory that completed.
+    #[serde(default)]
+    pub flushes: u64,
+    /// Flush READs this process posted (one per device that registered the buffer).
+    #[serde(default)]
+    pub flush_reads: u64,
+    /// Device flushes counted done because the device was down (its lanes fenced).
+    #[serde(default)]
+    pub flushes_excused: u64,
+    /// Device flushes that waited for a free slot on the device's flush QP.
+    #[serde(default)]
+    pub flushes_queued: u64,
+    /// Device flushes posted again on a fresh flush QP after a READ broke the old one.
+    #[serde(default)]
+    pub flushes_reposted: u64,
 }
 
 /// One line the peer prints on stdout.

@@ -19,7 +19,9 @@
 //! out a fresh one after that.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::device::VerbsNic;
 use super::lane::{local_gid, local_port, needs_grh, remote_qp, QpHello, Registration};
@@ -43,41 +45,202 @@ pub type Ticket = u64;
 /// A device's flusher as [`Domain::flusher`](super::Domain::flusher) shares it.
 pub type SharedFlusher = Arc<parking_lot::Mutex<Flusher>>;
 
-/// Flushes what every device wrote into `region` (NCCL's `iflush` of a receive into GPU
-/// memory at `addr`): one READ at `addr` on the flush QP of each device that registered
-/// the range, since a comm's lanes may have written it from several NICs. The flushes to
-/// wait for; none for host memory or a range no device registered.
-pub fn flush_region(region: &Region, addr: u64) -> io::Result<Vec<PendingFlush>> {
+/// Flushes what the comm's devices wrote into `region` (NCCL's `iflush` of a receive into
+/// GPU memory at `addr`): one READ at `addr` on the flush QP of each device that
+/// registered the range, since a comm's lanes may have written it from several NICs (its
+/// own, and the backups a failover moved it to). The range is one `regMr` of one comm, so
+/// no other comm's devices are asked. A device that registered the range but wrote none
+/// of this receive costs one READ that proves nothing, which is cheaper than tracking
+/// which NIC wrote which receive. None for host memory or a range no device registered.
+pub fn flush_region(region: &Region, addr: u64) -> Vec<PendingFlush> {
     if region.cpu_reachable() {
-        return Ok(Vec::new());
+        return Vec::new();
     }
     let mut out = Vec::new();
     for (_, key) in region.keys() {
         if let Ok(r) = key.downcast::<Registration>() {
-            out.extend(r.flush(addr)?);
+            out.extend(Registration::flush(&r, addr));
         }
     }
-    Ok(out)
+    out
 }
 
-/// A flush posted on a device's flush QP, to wait for.
+/// READs the flushes posted (each device's share of an `iflush`).
+pub static FLUSH_READS: AtomicU64 = AtomicU64::new(0);
+/// Flushes counted as done because their device is down (port or device fault).
+pub static FLUSHES_EXCUSED: AtomicU64 = AtomicU64::new(0);
+/// Flushes that waited for a free slot on their device's flush QP.
+pub static FLUSHES_QUEUED: AtomicU64 = AtomicU64::new(0);
+/// Times a flush was posted again after its READ failed on a device not known to be down.
+pub static FLUSHES_REPOSTED: AtomicU64 = AtomicU64::new(0);
+
+/// How long a flush keeps trying fresh flush QPs after its READ failed (or a fresh QP
+/// could not be made) on a device not known to be down: long enough for the port-down
+/// event that explains a failure to arrive, short enough that an error of the flush's
+/// own (a bad key) is NCCL's within the completion timeout's order.
+pub const FLUSH_RETRY_FOR: Duration = Duration::from_secs(2);
+/// The pause between those tries: a fresh flush QP is a few firmware commands, never to
+/// be made in NCCL's polling loop.
+pub const FLUSH_RETRY_EVERY: Duration = Duration::from_millis(100);
+
+/// What a device offers one flush: the seam between [`PendingFlush`]'s rules and the
+/// device's flush QP, so the rules are unit tests.
+pub trait FlushPath {
+    /// Why the device's writes need no flush now, if they do not: its port is down or
+    /// the device is dead. Its lanes are fenced then: what they wrote of a receive still
+    /// in progress was refused and replayed over another NIC, and what they wrote of one
+    /// already complete was written before the failure, long before any kernel reads it.
+    /// NCCL's own transport fails the comm here instead.
+    fn down(&self) -> Option<String>;
+    /// Posts a READ at `addr` and returns its ticket: `WouldBlock` while the device's
+    /// flush QP has no free slot.
+    fn post(&mut self, addr: u64) -> io::Result<Ticket>;
+    /// Whether the READ of `ticket` (from the last [`FlushPath::post`]) completed.
+    fn done(&mut self, ticket: Ticket) -> io::Result<bool>;
+}
+
+/// One device's share of an `iflush`, waited for by polling [`PendingFlush::done`].
+pub type PendingFlush = Flush<DeviceFlush>;
+
+/// One device's share of an `iflush`: posted when its flush QP has a slot, done when its
+/// READ completes or when the device goes down. Sans-IO: the caller passes `now`.
 #[derive(Debug)]
-pub struct PendingFlush {
-    pub(super) flusher: SharedFlusher,
-    pub(super) ticket: Ticket,
-    pub(super) dom: Arc<super::Domain>,
+pub struct Flush<P> {
+    path: P,
+    addr: u64,
+    state: FlushState,
+    /// Since when its READs fail on a device not known to be down.
+    failing_since: Option<Instant>,
+    /// Not to be posted again before this.
+    next_try: Option<Instant>,
 }
 
-impl PendingFlush {
-    /// Whether the READ completed, without blocking. A fault the device's async events
-    /// reported for the flush QP's port or QP fails it at once, instead of after the
-    /// NIC's retries.
-    pub fn done(&self) -> io::Result<bool> {
-        let mut f = self.flusher.lock();
-        if let Some(why) = self.dom.fault(f.port(), &[f.qp_num()]) {
-            return Err(io::Error::other(why));
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FlushState {
+    /// To be posted: new, its device's flush QP was full, or its READ failed.
+    Waiting,
+    Posted(Ticket),
+    Done,
+}
+
+impl<P: FlushPath> Flush<P> {
+    /// A flush at `addr` through `path`, posted by the first [`Flush::done`].
+    pub fn new(path: P, addr: u64) -> Flush<P> {
+        Flush {
+            path,
+            addr,
+            state: FlushState::Waiting,
+            failing_since: None,
+            next_try: None,
         }
-        f.done(self.ticket)
+    }
+
+    /// Whether the flush is done at `now`, without blocking: its READ completed, or its
+    /// device went down (see [`FlushPath::down`]). A full flush QP only delays it. A READ
+    /// that failed (an earlier READ may have broken the QP it shared, or the port-down
+    /// event is still on its way) is posted again on a fresh QP every
+    /// [`FLUSH_RETRY_EVERY`]; the error is the flush's only after [`FLUSH_RETRY_FOR`].
+    pub fn done(&mut self, now: Instant) -> io::Result<bool> {
+        loop {
+            if self.state == FlushState::Done {
+                return Ok(true);
+            }
+            if let Some(why) = self.path.down() {
+                self.excuse(&why);
+                return Ok(true);
+            }
+            let outcome = match self.state {
+                FlushState::Waiting if self.next_try.is_some_and(|t| now < t) => return Ok(false),
+                FlushState::Waiting => match self.path.post(self.addr) {
+                    Ok(t) => {
+                        FLUSH_READS.fetch_add(1, Ordering::Relaxed);
+                        self.state = FlushState::Posted(t);
+                        continue;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        if self.next_try.is_none() {
+                            FLUSHES_QUEUED.fetch_add(1, Ordering::Relaxed);
+                            self.next_try = Some(now);
+                        }
+                        return Ok(false);
+                    }
+                    Err(e) => Err(e),
+                },
+                FlushState::Posted(t) => self.path.done(t),
+                FlushState::Done => unreachable!("returned above"),
+            };
+            match outcome {
+                Ok(true) => self.state = FlushState::Done,
+                Ok(false) => return Ok(false),
+                // The device may have gone down while the READ was out: its error is
+                // the port's, not the flush's.
+                Err(_) if self.path.down().is_some() => continue,
+                Err(e) => return self.failed(e, now),
+            }
+        }
+    }
+
+    fn failed(&mut self, e: io::Error, now: Instant) -> io::Result<bool> {
+        let since = *self.failing_since.get_or_insert(now);
+        if now.saturating_duration_since(since) >= FLUSH_RETRY_FOR {
+            return Err(e);
+        }
+        tracing::debug!(
+            "railover: flush at {:#x} failed ({e}); trying a fresh flush QP",
+            self.addr
+        );
+        FLUSHES_REPOSTED.fetch_add(1, Ordering::Relaxed);
+        self.state = FlushState::Waiting;
+        self.next_try = Some(now + FLUSH_RETRY_EVERY);
+        Ok(false)
+    }
+
+    fn excuse(&mut self, why: &str) {
+        FLUSHES_EXCUSED.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(
+            "railover: flush at {:#x} counted done: {why} (its lanes are fenced)",
+            self.addr
+        );
+        self.state = FlushState::Done;
+    }
+}
+
+/// A device's flush QP as one flush uses it: the device's shared [`Flusher`] (a fresh one
+/// once a READ broke the last), the registration's key, the device's faults.
+#[derive(Debug)]
+pub struct DeviceFlush {
+    reg: Arc<Registration>,
+    /// The flusher the last READ went to, which alone can say when it is done.
+    flusher: Option<SharedFlusher>,
+}
+
+impl DeviceFlush {
+    pub(super) fn new(reg: Arc<Registration>) -> DeviceFlush {
+        DeviceFlush { reg, flusher: None }
+    }
+}
+
+impl FlushPath for DeviceFlush {
+    fn down(&self) -> Option<String> {
+        let via = self.reg.flush_via()?;
+        via.dom.fault(via.nic.port, &[])
+    }
+
+    fn post(&mut self, addr: u64) -> io::Result<Ticket> {
+        let (Some(via), Some(rkey)) = (self.reg.flush_via(), self.reg.rkey()) else {
+            return Err(io::Error::other("the registration has no flush QP"));
+        };
+        let flusher = via.dom.flusher(&via.nic, &via.settings)?;
+        let t = flusher.lock().post(addr, rkey)?;
+        self.flusher = Some(flusher);
+        Ok(t)
+    }
+
+    fn done(&mut self, ticket: Ticket) -> io::Result<bool> {
+        match &self.flusher {
+            Some(f) => f.lock().done(ticket),
+            None => Err(io::Error::other("flush ticket without a flusher")),
+        }
     }
 }
 
@@ -139,10 +302,17 @@ impl Flusher {
 
     /// Posts a signaled READ of [`FLUSH_BYTES`] at `addr` under `rkey` (a registration of
     /// this device that grants remote read, as `UserMr` does) and returns its ticket.
-    /// `WouldBlock` when [`FLUSH_DEPTH`] READs are outstanding (call [`Flusher::done`] to
-    /// reap); the flusher's error once a READ failed.
+    /// `WouldBlock` while [`FLUSH_DEPTH`] READs are outstanding (it reaps first); the
+    /// flusher's error once a READ failed.
     pub fn post(&mut self, addr: u64, rkey: u32) -> io::Result<Ticket> {
-        let t = self.tickets.next()?;
+        let t = match self.tickets.next() {
+            // Reap what completed since the last look before saying the QP is full.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                self.reap()?;
+                self.tickets.next()?
+            }
+            t => t?,
+        };
         self.qp.post_read(&Read {
             local: &self.landing,
             offset: self.tickets.slot(t),
@@ -422,6 +592,170 @@ mod tests {
         assert!(slots
             .iter()
             .all(|&s| s + FLUSH_BYTES <= FLUSH_DEPTH as usize * FLUSH_BYTES));
+    }
+
+    /// A device's flush QP in a script: free slots, READs completing on demand, errors
+    /// and the port going down.
+    #[derive(Debug, Default)]
+    struct Script {
+        down: Option<String>,
+        free: u32,
+        posted: Vec<(u64, Ticket)>,
+        completed: Ticket,
+        /// The next `done` of an outstanding READ fails with this.
+        fail: Option<io::ErrorKind>,
+    }
+
+    impl FlushPath for &mut Script {
+        fn down(&self) -> Option<String> {
+            self.down.clone()
+        }
+        fn post(&mut self, addr: u64) -> io::Result<Ticket> {
+            if self.free == 0 {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            self.free -= 1;
+            let t = self.posted.len() as Ticket + 1;
+            self.posted.push((addr, t));
+            Ok(t)
+        }
+        fn done(&mut self, t: Ticket) -> io::Result<bool> {
+            if let Some(k) = self.fail.take() {
+                return Err(io::Error::new(k, "flush READ failed: retry exceeded"));
+            }
+            Ok(t <= self.completed)
+        }
+    }
+
+    #[test]
+    fn a_flush_is_done_when_its_read_completes() {
+        let now = Instant::now();
+        let mut s = Script {
+            free: 4,
+            ..Script::default()
+        };
+        let mut f = Flush::new(&mut s, 0x1000);
+        assert!(!f.done(now).unwrap());
+        assert!(!f.done(now).unwrap(), "polled again, posted once");
+        f.path.completed = 1;
+        assert!(f.done(now).unwrap());
+        assert!(f.done(now).unwrap(), "and stays done");
+        assert_eq!(s.posted, vec![(0x1000, 1)]);
+    }
+
+    #[test]
+    fn a_full_flush_qp_delays_a_flush_and_never_fails_it() {
+        let now = Instant::now();
+        let mut s = Script::default();
+        let mut f = Flush::new(&mut s, 0x40);
+        for k in 0..5 {
+            assert!(
+                !f.done(now + FLUSH_RETRY_FOR * k).unwrap(),
+                "no slot: it waits"
+            );
+        }
+        assert!(f.path.posted.is_empty());
+        f.path.free = 1;
+        assert!(!f.done(now + FLUSH_RETRY_FOR * 6).unwrap());
+        assert_eq!(f.path.posted, vec![(0x40, 1)], "posted once a slot freed");
+        f.path.completed = 1;
+        assert!(f.done(now + FLUSH_RETRY_FOR * 6).unwrap());
+    }
+
+    #[test]
+    fn a_device_that_went_down_counts_as_flushed() {
+        let now = Instant::now();
+        // Down before the flush was posted: nothing is posted on it.
+        let mut s = Script {
+            free: 4,
+            down: Some("verbs async event PORT_ERR on rxe0 port 1".into()),
+            ..Script::default()
+        };
+        let mut f = Flush::new(&mut s, 0x40);
+        assert!(f.done(now).unwrap());
+        assert!(s.posted.is_empty());
+        // Down while its READ was out, which then fails: done, not an error.
+        let mut s = Script {
+            free: 4,
+            ..Script::default()
+        };
+        let mut f = Flush::new(&mut s, 0x40);
+        assert!(!f.done(now).unwrap());
+        f.path.down = Some("port down".into());
+        f.path.fail = Some(io::ErrorKind::TimedOut);
+        assert!(f.done(now).unwrap());
+        // Once done, the device coming back changes nothing.
+        f.path.down = None;
+        assert!(f.done(now).unwrap());
+        // A READ failed, and the port-down event that explains it arrives later: done.
+        let mut s = Script {
+            free: 4,
+            ..Script::default()
+        };
+        let mut f = Flush::new(&mut s, 0x40);
+        assert!(!f.done(now).unwrap());
+        f.path.fail = Some(io::ErrorKind::TimedOut);
+        assert!(
+            !f.done(now).unwrap(),
+            "not known to be down: tried again later"
+        );
+        f.path.down = Some("port down".into());
+        assert!(f.done(now + FLUSH_RETRY_EVERY / 2).unwrap());
+    }
+
+    #[test]
+    fn a_failed_read_is_posted_again_on_a_fresh_qp_for_a_while() {
+        let t0 = Instant::now();
+        let mut s = Script {
+            free: 64,
+            ..Script::default()
+        };
+        let mut f = Flush::new(&mut s, 0x40);
+        assert!(!f.done(t0).unwrap());
+        // An earlier READ broke the shared QP: this one is posted again, not at once.
+        f.path.fail = Some(io::ErrorKind::Other);
+        assert!(!f.done(t0).unwrap());
+        assert!(!f.done(t0 + FLUSH_RETRY_EVERY / 2).unwrap());
+        assert_eq!(
+            f.path.posted.len(),
+            1,
+            "not posted again in NCCL's polling loop"
+        );
+        assert!(!f.done(t0 + FLUSH_RETRY_EVERY).unwrap());
+        assert_eq!(f.path.posted.len(), 2);
+        f.path.completed = 2;
+        assert!(
+            f.done(t0 + FLUSH_RETRY_EVERY).unwrap(),
+            "the second READ completed"
+        );
+    }
+
+    #[test]
+    fn an_error_that_persists_past_the_retry_window_is_the_flushs() {
+        let t0 = Instant::now();
+        let mut s = Script {
+            free: 1024,
+            ..Script::default()
+        };
+        let mut f = Flush::new(&mut s, 0x40);
+        let mut now = t0;
+        let e = loop {
+            f.path.fail = Some(io::ErrorKind::PermissionDenied);
+            match f.done(now) {
+                Ok(false) => now += FLUSH_RETRY_EVERY / 4,
+                Ok(true) => panic!("a flush whose READs all fail is never done"),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(e.kind(), io::ErrorKind::PermissionDenied);
+        let waited = now - t0;
+        assert!(
+            waited >= FLUSH_RETRY_FOR && waited <= FLUSH_RETRY_FOR + FLUSH_RETRY_EVERY,
+            "{waited:?}"
+        );
+        let tries = s.posted.len() as u32;
+        let most = FLUSH_RETRY_FOR.as_millis() / FLUSH_RETRY_EVERY.as_millis() + 2;
+        assert!(tries >= 2 && tries <= most as u32, "{tries} READs posted");
     }
 
     #[test]

@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 use super::bootstrap::{Bootstrap, Want};
 use super::device::VerbsNic;
 use super::domain::Domain;
-use super::flush::PendingFlush;
+use super::flush::{DeviceFlush, PendingFlush};
 use super::gpu::{self, GpuMemory};
 use super::sys::{
     wc, CompChannel, Completion, Cq, LocalPort, Mr, Qp, RawWrite, RemoteQp, UserMr,
@@ -1076,28 +1076,32 @@ pub struct Registration {
     flush: Option<FlushVia>,
 }
 
+/// The device a registration's flush READs go through.
 #[derive(Debug)]
-struct FlushVia {
-    dom: Arc<Domain>,
-    nic: VerbsNic,
-    settings: VerbsSettings,
+pub(super) struct FlushVia {
+    pub(super) dom: Arc<Domain>,
+    pub(super) nic: VerbsNic,
+    pub(super) settings: VerbsSettings,
 }
 
 impl Registration {
-    /// Posts a flush READ at `addr` (inside the range) on the device's flush QP: what the
-    /// device wrote into the range is visible once the ticket is done. `None` for host
-    /// memory, which needs none, and where nothing was registered (the device wrote none).
-    pub fn flush(&self, addr: u64) -> io::Result<Option<PendingFlush>> {
-        let (Some(via), Some(mr)) = (&self.flush, &self.mr) else {
-            return Ok(None);
-        };
-        let flusher = via.dom.flusher(&via.nic, &via.settings)?;
-        let ticket = flusher.lock().post(addr, mr.rkey())?;
-        Ok(Some(PendingFlush {
-            flusher,
-            ticket,
-            dom: via.dom.clone(),
-        }))
+    /// The flush of what the device wrote into the range, READ at `addr` (inside it): see
+    /// [`Flush`](super::flush::Flush). `None` for host memory, which needs none, and where
+    /// nothing was registered (the device wrote none).
+    pub fn flush(this: &Arc<Registration>, addr: u64) -> Option<PendingFlush> {
+        this.flush.as_ref()?;
+        this.mr.as_ref()?;
+        Some(PendingFlush::new(DeviceFlush::new(this.clone()), addr))
+    }
+
+    /// The device a flush READs through (GPU memory only).
+    pub(super) fn flush_via(&self) -> Option<&FlushVia> {
+        self.flush.as_ref()
+    }
+
+    /// The key a flush READs the range under.
+    pub(super) fn rkey(&self) -> Option<u32> {
+        self.mr.as_ref().map(|m| m.rkey())
     }
 }
 
