@@ -45,7 +45,8 @@ impl GpuMemory {
         match (self.cuda, self.dmabuf) {
             (true, true) => "GPU memory (NCCL_PTR_CUDA | NCCL_PTR_DMABUF)",
             (true, false) => "GPU memory (NCCL_PTR_CUDA)",
-            (false, _) => "host memory only",
+            (false, true) => "GPU memory as dma-buf only (NCCL_PTR_DMABUF)",
+            (false, false) => "host memory only",
         }
     }
 
@@ -110,8 +111,14 @@ pub fn decide(
     if gdr == Gdr::Force && peermem.is_none() {
         why.push("GPU memory forced by RAILOVER_GDR=force".into());
     }
+    // `NCCL_PTR_CUDA` promises that `regMr` takes a plain GPU address, which only a
+    // peer-memory client makes true. With dma-buf alone NCCL registers through
+    // `regMrDmaBuf` where CUDA can export the buffer, and stages through host memory
+    // where it cannot; claiming CUDA there would hand us plain GPU addresses that no NIC
+    // can register, and the comm would die at its first send (NCCL's `init.cc` sets the
+    // bit from the peer-memory check alone, too).
     GpuMemory {
-        cuda: peermem.is_some() || dmabuf_ok || gdr == Gdr::Force,
+        cuda: peermem.is_some() || gdr == Gdr::Force,
         dmabuf: dmabuf_ok,
         why: why.join("; "),
     }
@@ -122,7 +129,15 @@ pub fn decide(
 pub fn refusal(gpu: &GpuMemory, nic: &str, memory: &Memory) -> Option<String> {
     match memory {
         Memory::Host => None,
-        Memory::Gpu if !gpu.cuda => Some(format!("{nic} takes host memory only ({})", gpu.why)),
+        Memory::Gpu if !gpu.cuda => Some(format!(
+            "{nic} takes {} ({})",
+            if gpu.dmabuf {
+                "GPU memory as dma-buf only, not a plain GPU address"
+            } else {
+                "host memory only"
+            },
+            gpu.why
+        )),
         Memory::DmaBuf { .. } if !gpu.dmabuf => {
             Some(format!("{nic} registers no dma-buf ({})", gpu.why))
         }
@@ -155,9 +170,12 @@ mod tests {
         assert!(g.cuda && !g.dmabuf, "{g:?}");
         let g = decide(Gdr::Auto, true, None, Ok(()));
         assert!(
-            g.cuda && g.dmabuf,
-            "dma-buf alone carries GPU memory: {g:?}"
+            !g.cuda && g.dmabuf,
+            "dma-buf alone carries GPU memory through regMrDmaBuf only: {g:?}"
         );
+        assert_eq!(g.summary(), "GPU memory as dma-buf only (NCCL_PTR_DMABUF)");
+        let g = decide(Gdr::Auto, true, peer, Ok(()));
+        assert!(g.cuda && g.dmabuf, "{g:?}");
         let g = decide(Gdr::Force, true, None, no());
         assert!(
             g.cuda && !g.dmabuf && g.why.contains("RAILOVER_GDR=force"),
@@ -208,7 +226,13 @@ mod tests {
         assert_eq!(refusal(&peer, "mlx5_0:1", &Memory::Gpu), None);
         let why = refusal(&peer, "mlx5_0:1", &dmabuf()).unwrap();
         assert!(why.contains("no dma-buf"), "{why}");
-        let both = decide(Gdr::Auto, true, None, Ok(()));
-        assert_eq!(refusal(&both, "mlx5_0:1", &dmabuf()), None);
+        let dmabuf_only = decide(Gdr::Auto, true, None, Ok(()));
+        assert_eq!(refusal(&dmabuf_only, "mlx5_0:1", &dmabuf()), None);
+        // A plain GPU address needs a peer-memory client, which a dma-buf NIC lacks.
+        let why = refusal(&dmabuf_only, "mlx5_0:1", &Memory::Gpu).unwrap();
+        assert!(
+            why.contains("dma-buf only") && why.contains("nvidia-peermem not loaded"),
+            "{why}"
+        );
     }
 }
