@@ -565,6 +565,7 @@ done
 check doctor "doctor shows rxe2:1 ACTIVE Ethernet with a rail" grep -qE 'VT: doctor\| +rxe2:1 +ACTIVE +Ethernet .* rail [0-9]' "$a"
 check doctor "doctor marks the IPv4 RoCE v2 GID of rxe0" grep -q 'VT: doctor| .*\*gid\[[0-9]*\] RoCEv2 ::ffff:192.0.2.1' "$a"
 check doctor "doctor says rxe takes host memory only: no peer memory, no dma-buf MRs (EOPNOTSUPP)" grep -qE 'VT: doctor\| +host memory only: no GPU peer-memory client.*no dma-buf registration \(Operation not supported' "$a"
+check doctor "doctor says ibv_fork_init found fork safety unneeded: the guest kernel (6.1) copies pinned pages on fork" grep -q 'VT: doctor|   fork safety: unneeded' "$a"
 check hca "RAILOVER_HCA=^=rxe1 leaves rxe0 and rxe2" sh -c "grep -q 'VT: hca| verbs-check: nic rxe0:1' '$a' && grep -q 'VT: hca| verbs-check: nic rxe2:1' '$a' && grep -q 'VT: hca| verbs-check: skipped rxe1:1: not selected by RAILOVER_HCA' '$a' && ! grep -q 'VT: hca| verbs-check: nic rxe1' '$a'"
 check seal "verbs-check --seal on rxe0: the sealed QP's own write completed, the peer's write to it was refused" sh -c "grep -qE 'VT: seal\| verbs-check: rail rxe0:1 PASS.*own writes on 1 QP\(s\) completed; ours to it were refused.*remote (access|invalid request) error' '$a' && grep -q 'VT: seal| verbs-check: rail rxe0:1 PASS' '$b'"
 check check "verbs-check exited 0 on guest a" grep -q 'VT: check rc=0' "$a"

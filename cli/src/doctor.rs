@@ -137,6 +137,9 @@ struct VerbsSection {
     nics: Vec<VerbsNicReport>,
     /// Ports whose GID is not the kind asked for, and what was used instead.
     notes: Vec<String>,
+    /// What `ibv_fork_init` made of registered memory across `fork()`; `None` without
+    /// verbs devices.
+    fork_safety: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -188,6 +191,9 @@ fn verbs_section(args: &Args, env: &dyn Fn(&str) -> Option<String>) -> VerbsSect
         });
         report.gpu = Some(g);
     }
+    if !v.nics.is_empty() {
+        v.fork_safety = Some(railover::transport::verbs::sys::fork_safety().to_string());
+    }
     v
 }
 
@@ -212,6 +218,7 @@ fn summarize(found: &Discovery, config: &Config, topo: Option<&Topology>) -> Ver
         absent: found.absent.clone(),
         settings: config.verbs.to_string(),
         notes: found.notes.clone(),
+        fork_safety: None,
         nics: found
             .nics
             .iter()
@@ -282,6 +289,9 @@ fn render_verbs(v: &VerbsSection) -> String {
                 "    no RoCE v1/v2 GID: this port cannot carry RoCE traffic"
             );
         }
+    }
+    if let Some(f) = &v.fork_safety {
+        let _ = writeln!(o, "  fork safety: {f}");
     }
     for n in &v.notes {
         let _ = writeln!(o, "  note: {n}");

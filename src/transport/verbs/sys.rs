@@ -126,8 +126,66 @@ fn device_name(d: *mut ffi::ibv_device) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
+/// What `ibv_fork_init` made of registered memory across `fork()`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ForkSafety {
+    /// The kernel keeps pinned pages with the parent on fork (copy-on-fork, 5.13 and
+    /// later): nothing to do.
+    Unneeded,
+    /// libibverbs marks registered memory `MADV_DONTFORK`, so a child's copy-on-write
+    /// cannot move a page the NIC still writes to.
+    Enabled,
+    /// Neither: `ibv_fork_init` returned this error (`EOPNOTSUPP` without libibverbs).
+    Disabled(i32),
+}
+
+impl std::fmt::Display for ForkSafety {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ForkSafety::Unneeded => f.write_str("unneeded (the kernel copies pinned pages on fork)"),
+            ForkSafety::Enabled => {
+                f.write_str("enabled (registered memory is MADV_DONTFORK, as ibv_fork_init makes it)")
+            }
+            ForkSafety::Disabled(e) => write!(
+                f,
+                "off: ibv_fork_init failed ({}); a fork() after registration (DataLoader workers) can corrupt pinned buffers on kernels before 5.13",
+                io::Error::from_raw_os_error(*e)
+            ),
+        }
+    }
+}
+
+/// Makes registered memory safe across `fork()` before anything is registered, as NCCL
+/// does before it lists devices: a training job's DataLoader forks workers after
+/// communicators are up, and on kernels before 5.13 the parent's next write to a pinned
+/// page would move it away from the NIC's DMA. Called once, before the first device list
+/// (libibverbs wants it before any other call); later calls say what the first did.
+pub fn fork_safety() -> ForkSafety {
+    static DONE: std::sync::OnceLock<ForkSafety> = std::sync::OnceLock::new();
+    *DONE.get_or_init(|| {
+        // SAFETY: no arguments; called before any other verbs call of this process
+        // (the first device list waits for it).
+        let rc = unsafe { ffi::ibv_fork_init() };
+        // SAFETY: no arguments; a query of libibverbs' state.
+        let status = unsafe { ffi::ibv_is_fork_initialized() };
+        let safety = match status {
+            ffi::IBV_FORK_UNNEEDED => ForkSafety::Unneeded,
+            ffi::IBV_FORK_ENABLED => ForkSafety::Enabled,
+            _ => ForkSafety::Disabled(if rc != 0 { rc } else { libc::EINVAL }),
+        };
+        match safety {
+            ForkSafety::Disabled(e) if e == libc::EOPNOTSUPP => {} // no libibverbs: no verbs
+            ForkSafety::Disabled(_) => tracing::warn!("railover: fork safety {safety}"),
+            _ => tracing::debug!("railover: fork safety {safety}"),
+        }
+        safety
+    })
+}
+
 /// Runs `f` over the device list and frees it.
 fn with_device_list<T>(f: impl FnOnce(&[*mut ffi::ibv_device]) -> T) -> Result<T, i32> {
+    fork_safety();
     // Preset: without libibverbs the stub does not write it.
     let mut n: c_int = 0;
     // SAFETY: `n` is a live local the call writes at most once.
@@ -1230,6 +1288,26 @@ pub fn wc_status_str(status: u32) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn fork_safety_is_decided_once_and_kept() {
+        let first = fork_safety();
+        assert_eq!(fork_safety(), first, "later calls say what the first did");
+        match first {
+            ForkSafety::Disabled(e) if e == libc::EOPNOTSUPP => {
+                println!("SKIP: no libibverbs here; ibv_fork_init answered EOPNOTSUPP");
+            }
+            // libibverbs asks a device whether the kernel copies pinned pages on fork;
+            // without one it marks registered memory DONTFORK instead. Either is safe.
+            other => assert!(
+                matches!(other, ForkSafety::Unneeded | ForkSafety::Enabled),
+                "{other}"
+            ),
+        }
+        assert!(ForkSafety::Disabled(libc::EINVAL)
+            .to_string()
+            .contains("before 5.13"));
+    }
     use super::*;
 
     #[test]
