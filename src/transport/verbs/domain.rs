@@ -65,6 +65,14 @@ impl Domain {
         note(&mut self.faults.lock(), ev);
     }
 
+    /// QPs `qps` are being destroyed: their faults go with them, since the device may
+    /// hand their numbers to new QPs, whose lanes an old fault would fail.
+    pub fn forget_qps(&self, qps: &[u32]) {
+        if !qps.is_empty() {
+            forget(&mut self.faults.lock(), qps);
+        }
+    }
+
     /// Why a lane on `port` with QPs `qps` must fail, if an event said so.
     pub fn fault(&self, port: u8, qps: &[u32]) -> Option<String> {
         fault(&self.faults.lock(), self.name(), port, qps)
@@ -83,6 +91,10 @@ impl Domain {
         let mut slot = self.flusher.lock();
         if let Some(f) = slot.as_ref().filter(|f| !f.lock().is_broken()) {
             return Ok(f.clone());
+        }
+        if let Some(old) = slot.take() {
+            let q = old.lock().qp_num();
+            self.forget_qps(&[q]);
         }
         let f = Arc::new(Mutex::new(Flusher::new(&self.pd, nic, settings)?));
         *slot = Some(f.clone());
@@ -105,6 +117,10 @@ fn note(f: &mut Faults, ev: &AsyncEvent) {
         }
         _ => {}
     }
+}
+
+fn forget(f: &mut Faults, qps: &[u32]) {
+    f.qps.retain(|(q, _)| !qps.contains(q));
 }
 
 fn fault(f: &Faults, device: &str, port: u8, qps: &[u32]) -> Option<String> {
@@ -146,6 +162,20 @@ mod tests {
             fault(&f, "rxe0", 1, &[]).is_some(),
             "every lane of the device"
         );
+    }
+
+    #[test]
+    fn a_destroyed_qps_fault_does_not_follow_its_number() {
+        let mut f = Faults::default();
+        note(&mut f, &ev(event::QP_FATAL, None, Some(7)));
+        note(&mut f, &ev(event::QP_REQ_ERR, None, Some(8)));
+        forget(&mut f, &[7]);
+        assert_eq!(
+            fault(&f, "rxe0", 1, &[7]),
+            None,
+            "a new QP given number 7 starts clean"
+        );
+        assert!(fault(&f, "rxe0", 1, &[8]).is_some(), "QP 8 still lives");
     }
 
     #[test]

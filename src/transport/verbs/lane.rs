@@ -508,6 +508,13 @@ pub struct VerbsLane {
     gpu: Option<GpuMemory>,
 }
 
+impl Drop for VerbsLane {
+    fn drop(&mut self) {
+        // Before the QPs go (fields drop after this): their numbers may be reused.
+        self.dom.forget_qps(&self.qp_nums);
+    }
+}
+
 impl VerbsLane {
     /// A lane on `nic` (a port of `dom`'s device) over the (possibly still connecting)
     /// bootstrap socket, accepted (`listener`) or ours. Only its completion channel is
