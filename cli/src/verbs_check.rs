@@ -248,9 +248,9 @@ fn flush_read(
 fn flush_check(nic: &VerbsNic, s: &VerbsSettings, timeout: Duration) -> io::Result<String> {
     let dom = Domain::open(&nic.device)?;
     let f = dom.flusher(nic, s)?;
-    let (port, qpn) = {
+    let (port, qpn, in_flight) = {
         let f = f.lock();
-        (f.port(), f.qp_num())
+        (f.port(), f.qp_num(), f.reads_in_flight())
     };
     let mut buf = vec![0u8; FLUSH_BUF].into_boxed_slice();
     let mr = UserMr::register(&dom.pd, buf.as_ptr() as usize, buf.len())?;
@@ -307,7 +307,7 @@ fn flush_check(nic: &VerbsNic, s: &VerbsSettings, timeout: Duration) -> io::Resu
     flush_read(&fresh, &buf, &mr, 0, timeout)
         .map_err(|e| io::Error::new(e.kind(), format!("the fresh flusher: {e}")))?;
     Ok(format!(
-        "QP {qpn} on port {port} connected to itself: {reads} READs of {FLUSH_BYTES} B from a {FLUSH_BUF} B registered buffer brought back its bytes through two patterns in {:.1} ms; a READ under the deregistered key {stale:#x} failed as {:?} and stayed failed: {failed}; a fresh flusher then read correctly",
+        "QP {qpn} on port {port} connected to itself, {in_flight} READ(s) in flight at most: {reads} READs of {FLUSH_BYTES} B from a {FLUSH_BUF} B registered buffer brought back its bytes through two patterns in {:.1} ms; a READ under the deregistered key {stale:#x} failed as {:?} and stayed failed: {failed}; a fresh flusher then read correctly",
         took.as_secs_f64() * 1e3,
         failed.kind()
     ))
@@ -609,8 +609,8 @@ fn rail(
         }
     }
     for (qp, t) in r.qps.iter().zip(transitions(nic, settings, &mine, &theirs)) {
-        qp.to_rtr(&t.port, &t.remote)?;
-        qp.to_rts(t.psn, t.timing)?;
+        qp.to_rtr(&t.port, &t.remote, 1)?;
+        qp.to_rts(t.psn, t.timing, 1)?;
     }
     let qp_nums: Vec<u32> = r.qps.iter().map(Qp::qp_num).collect();
     // Both sides at RTS before any write: a one-byte barrier over the bootstrap socket.

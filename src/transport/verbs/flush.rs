@@ -36,6 +36,10 @@ pub const FLUSH_BYTES: usize = 1;
 /// receive comm's flush QP `NET_IB_MAX_REQUESTS` (32) slots; this QP serves every comm of
 /// the device.
 pub const FLUSH_DEPTH: u32 = 128;
+/// READs one flush QP keeps in flight at most (the device may allow fewer): it serves
+/// every receive comm of its device, so one at a time would queue each comm's flush
+/// behind every other's round trip. mlx5 allows 16.
+pub const FLUSH_READS_IN_FLIGHT: i32 = 16;
 /// The flush QP's packet sequence number; it only ever talks to itself.
 const FLUSH_PSN: u32 = 0;
 
@@ -252,6 +256,8 @@ pub struct Flusher {
     cq: Arc<PolledCq>,
     landing: Mr,
     port: u8,
+    /// RDMA READs the QP may have in flight (initiator and target).
+    reads: u8,
     tickets: Tickets,
     wcs: Vec<Completion>,
 }
@@ -288,13 +294,19 @@ impl Flusher {
             len: landing.len() as u64,
         };
         let remote = remote_qp(&me, needs_grh(nic), me.mtu);
-        qp.to_rtr(&local_port(nic, settings), &remote)?;
-        qp.to_rts(FLUSH_PSN, qp_timing(settings))?;
+        // The QP is both ends of its READs: as many in flight as the device lets one
+        // QP have, as initiator and as target, up to FLUSH_READS_IN_FLIGHT.
+        let reads = ctx.query_device().map_or(1, |a| {
+            (a.max_qp_rd_atom.min(a.max_qp_init_rd_atom)).clamp(1, FLUSH_READS_IN_FLIGHT)
+        }) as u8;
+        qp.to_rtr(&local_port(nic, settings), &remote, reads)?;
+        qp.to_rts(FLUSH_PSN, qp_timing(settings), reads)?;
         Ok(Flusher {
             qp,
             cq,
             landing,
             port: nic.port,
+            reads,
             tickets: Tickets::new(FLUSH_DEPTH),
             wcs: Vec::with_capacity(FLUSH_DEPTH as usize),
         })
@@ -349,6 +361,11 @@ impl Flusher {
     /// Whether a READ failed: the flusher posts nothing more.
     pub fn is_broken(&self) -> bool {
         self.tickets.error.is_some()
+    }
+
+    /// RDMA READs the QP keeps in flight at most.
+    pub fn reads_in_flight(&self) -> u8 {
+        self.reads
     }
 
     /// The device's port the QP is on.

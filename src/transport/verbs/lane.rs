@@ -715,8 +715,9 @@ impl VerbsLane {
             ));
         }
         for ((qp, mine), peer) in self.qps.iter().zip(&self.mine).zip(&peers) {
-            qp.to_rtr(&self.port, &remote_qp(peer, self.grh, mine.mtu))?;
-            qp.to_rts(mine.psn, self.timing)?;
+            // A lane only WRITEs: one READ slot each way is the least a QP takes.
+            qp.to_rtr(&self.port, &remote_qp(peer, self.grh, mine.mtu), 1)?;
+            qp.to_rts(mine.psn, self.timing, 1)?;
             for _ in 0..MAX_RECV {
                 qp.post_recv(WR_RECV)?;
             }

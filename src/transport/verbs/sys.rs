@@ -223,6 +223,9 @@ pub struct DeviceAttr {
     pub max_qp_wr: i32,
     pub max_cqe: i32,
     pub vendor_part_id: u32,
+    /// RDMA READs a QP may have outstanding as their target, and as their initiator.
+    pub max_qp_rd_atom: i32,
+    pub max_qp_init_rd_atom: i32,
 }
 
 /// The attributes of a port that the fabric uses.
@@ -301,6 +304,8 @@ impl Context {
             max_qp_wr: a.max_qp_wr,
             max_cqe: a.max_cqe,
             vendor_part_id: a.vendor_part_id,
+            max_qp_rd_atom: a.max_qp_rd_atom,
+            max_qp_init_rd_atom: a.max_qp_init_rd_atom,
         })
     }
 
@@ -1076,15 +1081,16 @@ impl Qp {
         )
     }
 
-    /// INIT -> RTR towards `remote`.
-    pub fn to_rtr(&self, local: &LocalPort, remote: &RemoteQp) -> io::Result<()> {
+    /// INIT -> RTR towards `remote`, which may have `reads` RDMA READs outstanding
+    /// against this QP (1 where it never READs: a lane).
+    pub fn to_rtr(&self, local: &LocalPort, remote: &RemoteQp, reads: u8) -> io::Result<()> {
         use ffi::ibv_qp_attr_mask as m;
         let mut a = Self::zeroed_attr();
         a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTR;
         a.path_mtu = remote.mtu;
         a.dest_qp_num = remote.qp_num;
         a.rq_psn = remote.psn;
-        a.max_dest_rd_atomic = 1;
+        a.max_dest_rd_atomic = reads.max(1);
         a.min_rnr_timer = 12;
         a.ah_attr.dlid = remote.lid;
         a.ah_attr.sl = local.service_level;
@@ -1109,8 +1115,8 @@ impl Qp {
         )
     }
 
-    /// RTR -> RTS.
-    pub fn to_rts(&self, psn: u32, timing: QpTiming) -> io::Result<()> {
+    /// RTR -> RTS, with at most `reads` of its own RDMA READs outstanding.
+    pub fn to_rts(&self, psn: u32, timing: QpTiming, reads: u8) -> io::Result<()> {
         use ffi::ibv_qp_attr_mask as m;
         let mut a = Self::zeroed_attr();
         a.qp_state = ffi::ibv_qp_state::IBV_QPS_RTS;
@@ -1118,7 +1124,7 @@ impl Qp {
         a.timeout = timing.timeout;
         a.retry_cnt = timing.retry_cnt;
         a.rnr_retry = 7;
-        a.max_rd_atomic = 1;
+        a.max_rd_atomic = reads.max(1);
         self.modify(
             &mut a,
             m::IBV_QP_STATE
