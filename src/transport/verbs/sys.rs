@@ -581,13 +581,53 @@ const USER_ACCESS: ffi::ibv_access_flags = ffi::ibv_access_flags(
         | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
 );
 
+/// PCIe relaxed ordering on user registrations, as NCCL asks for it
+/// (`NCCL_IB_PCI_RELAXED_ORDERING`'s default): the NIC's writes into GPU memory may then
+/// pass each other on the way, which is where a GPU behind a PCIe switch gets its full
+/// rate. It is an optional access flag: a driver or a platform without it ignores it.
+/// libibverbs older than 1.8 (rdma-core 27) has no `ibv_reg_mr_iova2` to carry it; the
+/// first registration that finds so turns it off for the process.
+const RELAXED: u32 = ffi::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING.0;
+static NO_RELAXED_ORDERING: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Whether user registrations ask for relaxed ordering (until one found libibverbs
+/// without it).
+pub fn relaxed_ordering() -> bool {
+    !NO_RELAXED_ORDERING.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 impl UserMr {
-    /// Registers `[addr, addr + len)` with `pd`.
+    /// Registers `[addr, addr + len)` with `pd`, with relaxed ordering where libibverbs
+    /// carries it (see [`relaxed_ordering`]).
     pub fn register(pd: &Arc<Pd>, addr: usize, len: usize) -> io::Result<UserMr> {
-        let access = USER_ACCESS.0 as c_int;
-        // SAFETY: the kernel pins and checks the range (EFAULT if it is not mapped); the
-        // call itself reads nothing through the pointer.
-        let mr = unsafe { ffi::ibv_reg_mr(pd.pd.as_ptr(), addr as *mut c_void, len, access) };
+        let mut mr = null_mut();
+        if relaxed_ordering() {
+            // SAFETY: as below; the iova is the address, as for `ibv_reg_mr`.
+            mr = unsafe {
+                ffi::ibv_reg_mr_iova2(
+                    pd.pd.as_ptr(),
+                    addr as *mut c_void,
+                    len,
+                    addr as u64,
+                    USER_ACCESS.0 | RELAXED,
+                )
+            };
+            if mr.is_null() && errno() == libc::EOPNOTSUPP {
+                NO_RELAXED_ORDERING.store(true, std::sync::atomic::Ordering::Relaxed);
+                tracing::debug!(
+                    "railover: libibverbs has no ibv_reg_mr_iova2: registrations without relaxed ordering"
+                );
+            } else if mr.is_null() {
+                return Err(null_err("ibv_reg_mr_iova2"));
+            }
+        }
+        if mr.is_null() {
+            let access = USER_ACCESS.0 as c_int;
+            // SAFETY: the kernel pins and checks the range (EFAULT if it is not mapped);
+            // the call itself reads nothing through the pointer.
+            mr = unsafe { ffi::ibv_reg_mr(pd.pd.as_ptr(), addr as *mut c_void, len, access) };
+        }
         let mr = NonNull::new(mr).ok_or_else(|| null_err("ibv_reg_mr"))?;
         Ok(UserMr {
             mr,
@@ -626,7 +666,7 @@ impl UserMr {
                 len,
                 iova as u64,
                 fd.as_raw_fd(),
-                USER_ACCESS.0 as c_int,
+                (USER_ACCESS.0 | RELAXED) as c_int,
             )
         };
         let mr = NonNull::new(mr).ok_or_else(|| null_err("ibv_reg_dmabuf_mr"))?;
