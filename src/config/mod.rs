@@ -18,7 +18,7 @@ use crate::topology::rails::RailMap;
 use crate::topology::{PathType, RailRule};
 
 pub use router::RouterConfig;
-pub use verbs::{AddrFamily, Gdr, GidPolicy, VerbsSettings, ZeroCopy};
+pub use verbs::{AddrFamily, Gdr, GidPolicy, NcclIbEnv, VerbsSettings, ZeroCopy};
 
 /// A rejected environment value. The message shows the value through [`shown_value`],
 /// so a huge one still leaves room in the WARN line for what is accepted.
@@ -258,6 +258,8 @@ pub struct Config {
     pub gdr_hca: HcaFilter,
     /// `RAILOVER_IB_*` and `RAILOVER_QPS_PER_LANE`: GID choice and QP settings of verbs lanes.
     pub verbs: VerbsSettings,
+    /// The `NCCL_IB_*` values taken for unset `RAILOVER_*` twins, and those left alone.
+    pub nccl_ib: NcclIbEnv,
     /// `RAILOVER_UNMATCHED_WARN_MS`: how long sends may find no receive for their tags
     /// in the peer's oldest posted receive before one WARN per comm names them (the comm
     /// stays open).
@@ -283,6 +285,7 @@ impl Default for Config {
             hca: HcaFilter::default(),
             gdr_hca: HcaFilter::default(),
             verbs: VerbsSettings::default(),
+            nccl_ib: NcclIbEnv::default(),
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
             unmatched_warn: Duration::from_secs(10),
@@ -471,7 +474,7 @@ impl Config {
                 })?;
             }
         }
-        cfg.verbs = VerbsSettings::from_lookup(&get)?;
+        cfg.verbs = VerbsSettings::from_lookup(&get, &mut cfg.nccl_ib)?;
         if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
             cfg.router.failback_probes_k = parse_u64(&v, 1, 1000).ok_or(ConfigError {
                 var: "RAILOVER_FAILBACK_PROBES",
@@ -719,6 +722,11 @@ mod tests {
             ("RAILOVER_QPS_PER_LANE", "0"),
             ("RAILOVER_QPS_PER_LANE", "17"),
             ("RAILOVER_ZERO_COPY", "sometimes"),
+            ("NCCL_IB_GID_INDEX", "256"),
+            ("NCCL_IB_ROCE_VERSION_NUM", "3"),
+            ("NCCL_IB_ADDR_FAMILY", "AF_UNIX"),
+            ("NCCL_IB_TC", "256"),
+            ("NCCL_IB_SL", "16"),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();
             assert_eq!(err.var, var);
@@ -906,6 +914,22 @@ mod tests {
         for padded in ["eth0, eth1", " lo", "lo ", "lo\n", "^ lo"] {
             assert!(IfFilter::parse(padded).is_err(), "{padded:?}");
         }
+    }
+
+    #[test]
+    fn nccl_ib_twins_reach_the_config() {
+        let c = cfg(&[
+            ("NCCL_IB_TC", "106"),
+            ("RAILOVER_IB_SL", "3"),
+            ("NCCL_IB_SL", "5"),
+            ("NCCL_IB_TIMEOUT", "22"),
+        ])
+        .unwrap();
+        assert_eq!((c.verbs.traffic_class, c.verbs.service_level), (106, 3));
+        assert_eq!(c.verbs.timeout, VerbsSettings::default().timeout);
+        assert_eq!(c.nccl_ib.taken, [("NCCL_IB_TC", "106".to_string())]);
+        assert_eq!(c.nccl_ib.ignored.len(), 1);
+        assert_eq!(c.nccl_ib.ignored[0].0, "NCCL_IB_TIMEOUT");
     }
 
     #[test]
