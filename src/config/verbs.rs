@@ -4,7 +4,8 @@
 //!
 //! A `RAILOVER_IB_*` variable that is unset takes its `NCCL_IB_*` twin's value, read as
 //! NCCL reads it, so that a cluster's lossless traffic class, service level and GID choice
-//! apply without being set twice. The QP timing twins are the exception ([`NcclIbEnv`]
+//! apply without being set twice (`RAILOVER_HCA` takes `NCCL_IB_HCA` likewise, in
+//! [`super`]). The QP timing twins are the exception ([`NcclIbEnv`]
 //! records both what was taken and what was not).
 
 use std::fmt;
