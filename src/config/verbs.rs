@@ -87,6 +87,10 @@ impl fmt::Display for Gdr {
 pub struct GidPolicy {
     /// `RAILOVER_IB_GID_INDEX`: `None` is `auto`.
     pub index: Option<u32>,
+    /// `index` came from `NCCL_IB_GID_INDEX`, which NCCL applies to RoCE ports only: a
+    /// site may set it for its RoCE ports in an environment its InfiniBand ports share,
+    /// where it would skip an IB port that lacks that GID.
+    pub index_from_nccl: bool,
     /// `RAILOVER_IB_ROCE_VERSION`: 1 or 2.
     pub roce_version: u8,
     /// `RAILOVER_IB_ADDR_FAMILY`.
@@ -97,6 +101,7 @@ impl Default for GidPolicy {
     fn default() -> Self {
         GidPolicy {
             index: None,
+            index_from_nccl: false,
             roce_version: 2,
             family: AddrFamily::Inet,
         }
@@ -280,6 +285,7 @@ impl VerbsSettings {
         )? {
             // NCCL's -1 is auto, as railover's default.
             s.gid.index = u32::try_from(n).ok();
+            s.gid.index_from_nccl = s.gid.index.is_some();
         }
         if let Some(n) = int("RAILOVER_IB_ROCE_VERSION", 1, 2, "1 or 2")? {
             s.gid.roce_version = n as u8;
@@ -458,6 +464,7 @@ mod tests {
             s.gid,
             GidPolicy {
                 index: Some(3),
+                index_from_nccl: false,
                 roce_version: 1,
                 family: AddrFamily::Inet6
             }
@@ -497,6 +504,7 @@ mod tests {
             s.gid,
             GidPolicy {
                 index: Some(3),
+                index_from_nccl: true,
                 roce_version: 1,
                 family: AddrFamily::Inet6
             }
