@@ -18,7 +18,7 @@ use crate::topology::rails::RailMap;
 use crate::topology::{PathType, RailRule};
 
 pub use router::RouterConfig;
-pub use verbs::{AddrFamily, Gdr, GidPolicy, VerbsSettings, ZeroCopy};
+pub use verbs::{AddrFamily, Gdr, GidPolicy, NcclIbEnv, VerbsSettings, ZeroCopy};
 
 /// A rejected environment value. The message shows the value through [`shown_value`],
 /// so a huge one still leaves room in the WARN line for what is accepted.
@@ -141,6 +141,19 @@ impl HcaFilter {
     /// Parses the `NCCL_IB_HCA`-style value. Blanks are not trimmed: device names hold
     /// none, so a value with blanks anywhere is refused; ports are plain decimal numbers.
     pub fn parse(value: &str) -> Result<HcaFilter, String> {
+        HcaFilter::parse_fields(value, false).map(|(f, _)| f)
+    }
+
+    /// Parses an `NCCL_IB_HCA` value: [`HcaFilter::parse`]'s grammar and what NCCL's
+    /// parser takes beyond it, an empty port (every port) and `:RAIL:PLANE` after the
+    /// port, so that a site's value means here what it means to NCCL. railover's rails
+    /// come from `RAILOVER_RAILS` or PCI order, so those fields are checked but not used;
+    /// the flag says whether any was given.
+    pub fn parse_nccl(value: &str) -> Result<(HcaFilter, bool), String> {
+        HcaFilter::parse_fields(value, true)
+    }
+
+    fn parse_fields(value: &str, nccl: bool) -> Result<(HcaFilter, bool), String> {
         let mut rest = value;
         let exclude = rest.starts_with('^');
         if exclude {
@@ -151,18 +164,34 @@ impl HcaFilter {
             rest = &rest[1..];
         }
         let mut entries = Vec::new();
+        let mut rail_fields = false;
         for item in rest.split(',').filter(|s| !s.is_empty()) {
-            let (name, port) = match item.split_once(':') {
-                Some((n, p)) => {
-                    let port = parse_u64(p, 1, u64::from(u8::MAX))
-                        .ok_or_else(|| format!("{p:?} is not a port number"))?;
-                    (n, Some(port as u8))
-                }
-                None => (item, None),
+            let mut fields = item.split(':');
+            let name = fields.next().unwrap_or_default();
+            let port = match fields.next() {
+                None => None,
+                Some("") if nccl => None,
+                Some(p) => Some(
+                    parse_u64(p, 1, u64::from(u8::MAX))
+                        .ok_or_else(|| format!("{p:?} is not a port number"))?
+                        as u8,
+                ),
             };
+            let extra: Vec<&str> = fields.collect();
+            if !extra.is_empty() {
+                if !nccl
+                    || extra.len() > 2
+                    || extra
+                        .iter()
+                        .any(|f| !f.is_empty() && strict_u64(f).is_none())
+                {
+                    return Err(format!("{item:?} has more fields than device:port"));
+                }
+                rail_fields |= extra.iter().any(|f| !f.is_empty());
+            }
             if name.is_empty()
                 || name.len() > 63
-                || name.contains(|c: char| c.is_whitespace() || c == '/' || c == ':')
+                || name.contains(|c: char| c.is_whitespace() || c == '/')
             {
                 return Err(format!("{name:?} is not a device name"));
             }
@@ -171,12 +200,13 @@ impl HcaFilter {
         if entries.is_empty() {
             return Err("an empty device list".into());
         }
-        Ok(HcaFilter {
+        let filter = HcaFilter {
             given: true,
             exclude,
             exact,
             entries,
-        })
+        };
+        Ok((filter, rail_fields))
     }
 
     /// Does the filter select port `port` of device `dev`?
@@ -258,6 +288,8 @@ pub struct Config {
     pub gdr_hca: HcaFilter,
     /// `RAILOVER_IB_*` and `RAILOVER_QPS_PER_LANE`: GID choice and QP settings of verbs lanes.
     pub verbs: VerbsSettings,
+    /// The `NCCL_IB_*` values taken for unset `RAILOVER_*` twins, and those left alone.
+    pub nccl_ib: NcclIbEnv,
     /// `RAILOVER_UNMATCHED_WARN_MS`: how long sends may find no receive for their tags
     /// in the peer's oldest posted receive before one WARN per comm names them (the comm
     /// stays open).
@@ -283,6 +315,7 @@ impl Default for Config {
             hca: HcaFilter::default(),
             gdr_hca: HcaFilter::default(),
             verbs: VerbsSettings::default(),
+            nccl_ib: NcclIbEnv::default(),
             sysfs_root: PathBuf::from("/sys"),
             rails: None,
             unmatched_warn: Duration::from_secs(10),
@@ -471,7 +504,25 @@ impl Config {
                 })?;
             }
         }
-        cfg.verbs = VerbsSettings::from_lookup(&get)?;
+        if !cfg.hca.given {
+            if let Some(v) = verbs::nccl_value(&get, "NCCL_IB_HCA") {
+                let (filter, rail_fields) = HcaFilter::parse_nccl(&v).map_err(|_| ConfigError {
+                    var: "NCCL_IB_HCA",
+                    value: v.clone(),
+                    accepted: "a comma-separated list of RDMA device names or prefixes, each optionally :PORT and NCCL's :RAIL:PLANE (e.g. mlx5_0:1 or mlx5_0:1:0), optionally starting with ^ (exclude) and/or = (exact)",
+                })?;
+                cfg.hca = filter;
+                cfg.nccl_ib.taken.push(("NCCL_IB_HCA", v.clone()));
+                if rail_fields {
+                    cfg.nccl_ib.ignored.push((
+                        "NCCL_IB_HCA",
+                        v,
+                        "its rail and plane fields: railover's rails come from RAILOVER_RAILS or PCI order",
+                    ));
+                }
+            }
+        }
+        cfg.verbs = VerbsSettings::from_lookup(&get, &mut cfg.nccl_ib)?;
         if let Some(v) = get("RAILOVER_FAILBACK_PROBES") {
             cfg.router.failback_probes_k = parse_u64(&v, 1, 1000).ok_or(ConfigError {
                 var: "RAILOVER_FAILBACK_PROBES",
@@ -719,6 +770,16 @@ mod tests {
             ("RAILOVER_QPS_PER_LANE", "0"),
             ("RAILOVER_QPS_PER_LANE", "17"),
             ("RAILOVER_ZERO_COPY", "sometimes"),
+            ("NCCL_IB_GID_INDEX", "256"),
+            ("NCCL_IB_ROCE_VERSION_NUM", "3"),
+            ("NCCL_IB_ADDR_FAMILY", "AF_UNIX"),
+            ("NCCL_IB_TC", "256"),
+            ("NCCL_IB_SL", "16"),
+            ("NCCL_IB_HCA", "^"),
+            ("NCCL_IB_HCA", "mlx5_0:x"),
+            ("NCCL_IB_HCA", "mlx5_0:1:0:0:0"),
+            ("NCCL_IB_HCA", "mlx5_0:1:r"),
+            ("NCCL_IB_HCA", "mlx5_0, mlx5_1"),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();
             assert_eq!(err.var, var);
@@ -906,6 +967,72 @@ mod tests {
         for padded in ["eth0, eth1", " lo", "lo ", "lo\n", "^ lo"] {
             assert!(IfFilter::parse(padded).is_err(), "{padded:?}");
         }
+    }
+
+    #[test]
+    fn nccl_ib_twins_reach_the_config() {
+        let c = cfg(&[
+            ("NCCL_IB_TC", "106"),
+            ("RAILOVER_IB_SL", "3"),
+            ("NCCL_IB_SL", "5"),
+            ("NCCL_IB_TIMEOUT", "22"),
+        ])
+        .unwrap();
+        assert_eq!((c.verbs.traffic_class, c.verbs.service_level), (106, 3));
+        assert_eq!(c.verbs.timeout, VerbsSettings::default().timeout);
+        assert_eq!(c.nccl_ib.taken, [("NCCL_IB_TC", "106".to_string())]);
+        assert_eq!(c.nccl_ib.ignored.len(), 1);
+        assert_eq!(c.nccl_ib.ignored[0].0, "NCCL_IB_TIMEOUT");
+    }
+
+    #[test]
+    fn nccl_ib_hca_stands_in_for_an_unset_railover_hca() {
+        let c = cfg(&[("NCCL_IB_HCA", "^=mlx5_0:1,mlx5_1")]).unwrap();
+        assert!(c.hca.given && c.hca.exclude && c.hca.exact);
+        assert!(!c.hca.selects("mlx5_0", 1) && c.hca.selects("mlx5_0", 2));
+        assert!(!c.hca.selects("mlx5_1", 1) && c.hca.selects("mlx5_10", 1));
+        assert_eq!(
+            c.nccl_ib.taken,
+            [("NCCL_IB_HCA", "^=mlx5_0:1,mlx5_1".to_string())]
+        );
+        assert!(c.nccl_ib.ignored.is_empty());
+        assert!(
+            c.gdr_hca.selects("mlx5_0", 1),
+            "RAILOVER_GDR_HCA has no twin"
+        );
+        // RAILOVER_HCA wins, and then a bad NCCL_IB_HCA does not matter.
+        let c = cfg(&[("RAILOVER_HCA", "rxe0"), ("NCCL_IB_HCA", "^")]).unwrap();
+        assert_eq!(c.hca.entries, vec![("rxe0".to_string(), None)]);
+        assert!(c.nccl_ib.taken.is_empty());
+        // Empty is unset, as NCCL reads it.
+        assert_eq!(cfg(&[("NCCL_IB_HCA", "")]).unwrap(), Config::default());
+        // NCCL's empty port is every port; its rail and plane fields are checked, not used.
+        let c = cfg(&[("NCCL_IB_HCA", "mlx5_0:,mlx5_1:1:0,mlx5_2::3:1")]).unwrap();
+        assert_eq!(
+            c.hca.entries,
+            vec![
+                ("mlx5_0".to_string(), None),
+                ("mlx5_1".to_string(), Some(1)),
+                ("mlx5_2".to_string(), None)
+            ]
+        );
+        assert_eq!(c.nccl_ib.taken.len(), 1);
+        assert_eq!(c.nccl_ib.ignored.len(), 1);
+        let line = c.nccl_ib.summary().unwrap();
+        assert!(
+            line.ends_with("; ignored: NCCL_IB_HCA=\"mlx5_0:,mlx5_1:1:0,mlx5_2::3:1\" (its rail and plane fields: railover's rails come from RAILOVER_RAILS or PCI order)"),
+            "{line}"
+        );
+        // RAILOVER_HCA keeps its own grammar.
+        for v in ["mlx5_0:", "mlx5_0:1:0"] {
+            let e = cfg(&[("RAILOVER_HCA", v)]).unwrap_err();
+            assert_eq!((e.var, e.value.as_str()), ("RAILOVER_HCA", v));
+        }
+        let e = cfg(&[("NCCL_IB_HCA", "mlx5 0")]).unwrap_err();
+        assert!(
+            e.to_string().starts_with("NCCL_IB_HCA=\"mlx5 0\" is not valid: expected a comma-separated list of RDMA device names"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,10 +1,16 @@
 //! The verbs fabric's QP settings (`RAILOVER_IB_*`, `RAILOVER_QPS_PER_LANE`), parsed into
 //! types ([`super`] calls [`VerbsSettings::from_lookup`]). They follow NCCL's `NCCL_IB_*`
 //! namesakes, except for the QP timing defaults (see [`VerbsSettings::default`]).
+//!
+//! A `RAILOVER_IB_*` variable that is unset takes its `NCCL_IB_*` twin's value, read as
+//! NCCL reads it, so that a cluster's lossless traffic class, service level and GID choice
+//! apply without being set twice (`RAILOVER_HCA` takes `NCCL_IB_HCA` likewise, in
+//! [`super`]). The QP timing twins are the exception ([`NcclIbEnv`]
+//! records both what was taken and what was not).
 
 use std::fmt;
 
-use super::{parse_keyword, parse_u64, ConfigError};
+use super::{parse_keyword, parse_u64, shown_value, ConfigError};
 
 /// Which address family a RoCE GID must carry (`NCCL_IB_ADDR_FAMILY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -81,6 +87,10 @@ impl fmt::Display for Gdr {
 pub struct GidPolicy {
     /// `RAILOVER_IB_GID_INDEX`: `None` is `auto`.
     pub index: Option<u32>,
+    /// `index` came from `NCCL_IB_GID_INDEX`, which NCCL applies to RoCE ports only: a
+    /// site may set it for its RoCE ports in an environment its InfiniBand ports share,
+    /// where it would skip an IB port that lacks that GID.
+    pub index_from_nccl: bool,
     /// `RAILOVER_IB_ROCE_VERSION`: 1 or 2.
     pub roce_version: u8,
     /// `RAILOVER_IB_ADDR_FAMILY`.
@@ -91,6 +101,7 @@ impl Default for GidPolicy {
     fn default() -> Self {
         GidPolicy {
             index: None,
+            index_from_nccl: false,
             roce_version: 2,
             family: AddrFamily::Inet,
         }
@@ -135,6 +146,81 @@ impl Default for VerbsSettings {
     }
 }
 
+/// Which `NCCL_IB_*` values stood in for unset `RAILOVER_*` twins and which were set but
+/// not used, for one INFO line at init: a site's NCCL setting quietly taken, or quietly
+/// dropped, would each surprise whoever reads the job's log.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NcclIbEnv {
+    /// `(variable, value)` of each `NCCL_IB_*` value in use.
+    pub taken: Vec<(&'static str, String)>,
+    /// `(variable, value, why)` of each `NCCL_IB_*` value set but not (wholly) used.
+    pub ignored: Vec<(&'static str, String, &'static str)>,
+}
+
+/// Why `NCCL_IB_TIMEOUT` is not inherited: sites raise it so that NCCL rides out a
+/// switch reboot before it aborts (NCCL's own 20 with 7 retries already keeps a dead path
+/// for about 34 s, 22 for about 137 s), which would hold a dead path far past railover's
+/// completion timeout.
+const TIMEOUT_IGNORED: &str =
+    "railover detects failures in about a second; set RAILOVER_IB_TIMEOUT to override";
+/// Why `NCCL_IB_RETRY_CNT` is not inherited (as [`TIMEOUT_IGNORED`]; 7 is also "forever"
+/// to Soft-RoCE).
+const RETRY_CNT_IGNORED: &str =
+    "railover detects failures in about a second; set RAILOVER_IB_RETRY_CNT to override";
+
+impl NcclIbEnv {
+    /// The INFO line's text, or `None` when no `NCCL_IB_*` variable was set.
+    pub fn summary(&self) -> Option<String> {
+        let taken: Vec<String> = self
+            .taken
+            .iter()
+            .map(|(var, v)| format!("{var}={}", shown_value(v)))
+            .collect();
+        let ignored: Vec<String> = self
+            .ignored
+            .iter()
+            .map(|(var, v, why)| format!("{var}={} ({why})", shown_value(v)))
+            .collect();
+        let mut parts = Vec::new();
+        if !taken.is_empty() {
+            parts.push(format!("taken from NCCL_IB_*: {}", taken.join(", ")));
+        }
+        if !ignored.is_empty() {
+            parts.push(format!("ignored: {}", ignored.join(", ")));
+        }
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
+
+/// The value of the `NCCL_IB_*` variable `var`; empty is unset, as NCCL reads it.
+pub(super) fn nccl_value(
+    get: &impl Fn(&'static str) -> Option<String>,
+    var: &'static str,
+) -> Option<String> {
+    get(var).filter(|v| !v.is_empty())
+}
+
+/// `s` as NCCL reads a numeric variable (`strtoll(s, NULL, 0)`): decimal, `0x` hex, or
+/// octal after a leading `0`, with an optional `-`, so that `NCCL_IB_TC=010` means 8 to
+/// railover as it does to NCCL. Stricter than `strtoll`, which reads `"5x"` as 5 and
+/// `"x"` as 0: a value NCCL would misread is refused rather than misread alike.
+fn nccl_int(s: &str) -> Option<i64> {
+    let (neg, body) = match s.strip_prefix('-') {
+        Some(b) => (true, b),
+        None => (false, s),
+    };
+    let (radix, digits) = match body.strip_prefix("0x").or(body.strip_prefix("0X")) {
+        Some(hex) => (16, hex),
+        None if body.len() > 1 && body.starts_with('0') => (8, &body[1..]),
+        None => (10, body),
+    };
+    if digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+        return None;
+    }
+    let n = i64::from_str_radix(digits, radix).ok()?;
+    Some(if neg { -n } else { n })
+}
+
 impl VerbsSettings {
     /// How long the NIC retries a write to a dead peer before it fails it:
     /// 4.096 us x 2^timeout x (retry_cnt + 1).
@@ -143,8 +229,11 @@ impl VerbsSettings {
         std::time::Duration::from_nanos(ns * (u64::from(self.retry_cnt) + 1))
     }
 
+    /// Parses the settings from `get`, taking `NCCL_IB_*` twins for unset variables and
+    /// recording in `noted` what was taken from them and what was not.
     pub fn from_lookup(
         get: &impl Fn(&'static str) -> Option<String>,
+        noted: &mut NcclIbEnv,
     ) -> Result<VerbsSettings, ConfigError> {
         let mut s = VerbsSettings::default();
         let int = |var: &'static str, min: u64, max: u64, accepted: &'static str| {
@@ -158,6 +247,26 @@ impl VerbsSettings {
                 })
                 .transpose()
         };
+        // NCCL's twin of an unset variable, within `min..=max` as NCCL reads numbers.
+        let nccl = |var: &'static str,
+                    min: i64,
+                    max: i64,
+                    accepted: &'static str,
+                    noted: &mut NcclIbEnv|
+         -> Result<Option<i64>, ConfigError> {
+            let Some(v) = nccl_value(get, var) else {
+                return Ok(None);
+            };
+            let n = nccl_int(&v)
+                .filter(|n| (min..=max).contains(n))
+                .ok_or_else(|| ConfigError {
+                    var,
+                    value: v.clone(),
+                    accepted,
+                })?;
+            noted.taken.push((var, v));
+            Ok(Some(n))
+        };
         if let Some(v) = get("RAILOVER_IB_GID_INDEX") {
             s.gid.index = match v.to_ascii_lowercase().as_str() {
                 "auto" | "-1" => None,
@@ -167,8 +276,26 @@ impl VerbsSettings {
                     accepted: "auto (by RAILOVER_IB_ROCE_VERSION and RAILOVER_IB_ADDR_FAMILY) or a GID index from 0 to 255",
                 })? as u32),
             };
+        } else if let Some(n) = nccl(
+            "NCCL_IB_GID_INDEX",
+            -1,
+            255,
+            "-1 (auto) or a GID index from 0 to 255, in decimal, 0x hex or 0-led octal as NCCL reads it",
+            noted,
+        )? {
+            // NCCL's -1 is auto, as railover's default.
+            s.gid.index = u32::try_from(n).ok();
+            s.gid.index_from_nccl = s.gid.index.is_some();
         }
         if let Some(n) = int("RAILOVER_IB_ROCE_VERSION", 1, 2, "1 or 2")? {
+            s.gid.roce_version = n as u8;
+        } else if let Some(n) = nccl(
+            "NCCL_IB_ROCE_VERSION_NUM",
+            1,
+            2,
+            "1 or 2, in decimal, 0x hex or 0-led octal as NCCL reads it",
+            noted,
+        )? {
             s.gid.roce_version = n as u8;
         }
         if let Some(v) = get("RAILOVER_IB_ADDR_FAMILY") {
@@ -183,6 +310,21 @@ impl VerbsSettings {
                     })
                 }
             };
+        } else if let Some(v) = nccl_value(get, "NCCL_IB_ADDR_FAMILY") {
+            // Exactly NCCL's two spellings: NCCL reads any other value as AF_INET, so
+            // railover taking, say, `inet6` would choose a GID NCCL would not.
+            s.gid.family = match v.as_str() {
+                "AF_INET" => AddrFamily::Inet,
+                "AF_INET6" => AddrFamily::Inet6,
+                _ => {
+                    return Err(ConfigError {
+                        var: "NCCL_IB_ADDR_FAMILY",
+                        value: v,
+                        accepted: "AF_INET or AF_INET6, in capitals as NCCL reads it",
+                    })
+                }
+            };
+            noted.taken.push(("NCCL_IB_ADDR_FAMILY", v));
         }
         if let Some(n) = int(
             "RAILOVER_IB_TIMEOUT",
@@ -191,15 +333,38 @@ impl VerbsSettings {
             "an ACK timeout exponent from 1 to 31 (4.096 us x 2^n per attempt)",
         )? {
             s.timeout = n as u8;
+        } else if let Some(v) = nccl_value(get, "NCCL_IB_TIMEOUT") {
+            noted.ignored.push(("NCCL_IB_TIMEOUT", v, TIMEOUT_IGNORED));
         }
         if let Some(n) = int("RAILOVER_IB_RETRY_CNT", 0, 7, "a retry count from 0 to 7")? {
             s.retry_cnt = n as u8;
+        } else if let Some(v) = nccl_value(get, "NCCL_IB_RETRY_CNT") {
+            noted
+                .ignored
+                .push(("NCCL_IB_RETRY_CNT", v, RETRY_CNT_IGNORED));
         }
+        // NCCL's -1 for these is its default, 0, as railover's.
         if let Some(n) = int("RAILOVER_IB_TC", 0, 255, "a traffic class from 0 to 255")? {
             s.traffic_class = n as u8;
+        } else if let Some(n) = nccl(
+            "NCCL_IB_TC",
+            -1,
+            255,
+            "-1 (the default, 0) or a traffic class from 0 to 255, in decimal, 0x hex or 0-led octal as NCCL reads it",
+            noted,
+        )? {
+            s.traffic_class = n.max(0) as u8;
         }
         if let Some(n) = int("RAILOVER_IB_SL", 0, 15, "a service level from 0 to 15")? {
             s.service_level = n as u8;
+        } else if let Some(n) = nccl(
+            "NCCL_IB_SL",
+            -1,
+            15,
+            "-1 (the default, 0) or a service level from 0 to 15, in decimal, 0x hex or 0-led octal as NCCL reads it",
+            noted,
+        )? {
+            s.service_level = n.max(0) as u8;
         }
         if let Some(n) = int("RAILOVER_QPS_PER_LANE", 1, 16, "an integer from 1 to 16")? {
             s.qps_per_lane = n as u8;
@@ -266,8 +431,17 @@ mod tests {
     use std::time::Duration;
 
     fn parse(pairs: &[(&'static str, &str)]) -> Result<VerbsSettings, ConfigError> {
+        parse_noting(pairs).map(|(s, _)| s)
+    }
+
+    /// The settings and what they took from, or left of, the `NCCL_IB_*` variables.
+    fn parse_noting(
+        pairs: &[(&'static str, &str)],
+    ) -> Result<(VerbsSettings, NcclIbEnv), ConfigError> {
         let pairs: Vec<(&str, String)> = pairs.iter().map(|(k, v)| (*k, v.to_string())).collect();
-        VerbsSettings::from_lookup(&|k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+        let mut noted = NcclIbEnv::default();
+        let get = |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        VerbsSettings::from_lookup(&get, &mut noted).map(|s| (s, noted))
     }
 
     #[test]
@@ -290,6 +464,7 @@ mod tests {
             s.gid,
             GidPolicy {
                 index: Some(3),
+                index_from_nccl: false,
                 roce_version: 1,
                 family: AddrFamily::Inet6
             }
@@ -312,6 +487,152 @@ mod tests {
                 .gid
                 .index,
             None
+        );
+    }
+
+    #[test]
+    fn nccl_ib_twins_stand_in_for_unset_variables() {
+        let (s, noted) = parse_noting(&[
+            ("NCCL_IB_GID_INDEX", "3"),
+            ("NCCL_IB_ROCE_VERSION_NUM", "1"),
+            ("NCCL_IB_ADDR_FAMILY", "AF_INET6"),
+            ("NCCL_IB_TC", "106"),
+            ("NCCL_IB_SL", "3"),
+        ])
+        .unwrap();
+        assert_eq!(
+            s.gid,
+            GidPolicy {
+                index: Some(3),
+                index_from_nccl: true,
+                roce_version: 1,
+                family: AddrFamily::Inet6
+            }
+        );
+        assert_eq!((s.traffic_class, s.service_level), (106, 3));
+        assert_eq!(
+            noted.taken,
+            [
+                ("NCCL_IB_GID_INDEX", "3".to_string()),
+                ("NCCL_IB_ROCE_VERSION_NUM", "1".to_string()),
+                ("NCCL_IB_ADDR_FAMILY", "AF_INET6".to_string()),
+                ("NCCL_IB_TC", "106".to_string()),
+                ("NCCL_IB_SL", "3".to_string()),
+            ]
+        );
+        assert!(noted.ignored.is_empty());
+        assert_eq!(
+            noted.summary().unwrap(),
+            "taken from NCCL_IB_*: NCCL_IB_GID_INDEX=\"3\", NCCL_IB_ROCE_VERSION_NUM=\"1\", \
+             NCCL_IB_ADDR_FAMILY=\"AF_INET6\", NCCL_IB_TC=\"106\", NCCL_IB_SL=\"3\""
+        );
+        // Numbers as NCCL's strtoll(.., 0) reads them; -1 is NCCL's "unset".
+        let (s, noted) = parse_noting(&[
+            ("NCCL_IB_GID_INDEX", "-1"),
+            ("NCCL_IB_TC", "0x68"),
+            ("NCCL_IB_SL", "010"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (s.gid.index, s.traffic_class, s.service_level),
+            (None, 0x68, 8)
+        );
+        assert_eq!(noted.taken.len(), 3, "{noted:?}");
+        let s = parse(&[("NCCL_IB_TC", "-1"), ("NCCL_IB_SL", "-1")]).unwrap();
+        assert_eq!((s.traffic_class, s.service_level), (0, 0));
+        // Empty is unset to NCCL, and so here.
+        let (s, noted) = parse_noting(&[("NCCL_IB_TC", ""), ("NCCL_IB_TIMEOUT", "")]).unwrap();
+        assert_eq!(s, VerbsSettings::default());
+        assert_eq!(noted, NcclIbEnv::default());
+        assert_eq!(noted.summary(), None);
+    }
+
+    #[test]
+    fn a_railover_variable_wins_over_its_nccl_twin() {
+        let (s, noted) = parse_noting(&[
+            ("RAILOVER_IB_GID_INDEX", "auto"),
+            ("NCCL_IB_GID_INDEX", "3"),
+            ("RAILOVER_IB_ROCE_VERSION", "2"),
+            ("NCCL_IB_ROCE_VERSION_NUM", "1"),
+            ("RAILOVER_IB_ADDR_FAMILY", "AF_INET"),
+            ("NCCL_IB_ADDR_FAMILY", "AF_INET6"),
+            ("RAILOVER_IB_TC", "41"),
+            ("NCCL_IB_TC", "106"),
+            ("RAILOVER_IB_SL", "1"),
+            // A bad twin does not matter when the railover variable is set.
+            ("NCCL_IB_SL", "high"),
+            ("RAILOVER_IB_TIMEOUT", "18"),
+            ("NCCL_IB_TIMEOUT", "22"),
+            ("RAILOVER_IB_RETRY_CNT", "5"),
+            ("NCCL_IB_RETRY_CNT", "7"),
+        ])
+        .unwrap();
+        assert_eq!(s.gid, GidPolicy::default());
+        assert_eq!(
+            (s.traffic_class, s.service_level, s.timeout, s.retry_cnt),
+            (41, 1, 18, 5)
+        );
+        assert_eq!(
+            noted,
+            NcclIbEnv::default(),
+            "nothing taken, nothing to note"
+        );
+    }
+
+    #[test]
+    fn a_bad_nccl_value_is_named_as_nccl_s() {
+        for (var, value) in [
+            ("NCCL_IB_GID_INDEX", "256"),
+            ("NCCL_IB_GID_INDEX", "-2"),
+            ("NCCL_IB_GID_INDEX", "auto"),
+            ("NCCL_IB_GID_INDEX", " 3"),
+            ("NCCL_IB_GID_INDEX", "3\n"),
+            ("NCCL_IB_ROCE_VERSION_NUM", "3"),
+            ("NCCL_IB_ROCE_VERSION_NUM", "0"),
+            ("NCCL_IB_ADDR_FAMILY", "af_inet6"),
+            ("NCCL_IB_ADDR_FAMILY", "AF_UNIX"),
+            ("NCCL_IB_TC", "256"),
+            ("NCCL_IB_TC", "0x"),
+            ("NCCL_IB_TC", "08"),
+            ("NCCL_IB_TC", "+106"),
+            ("NCCL_IB_TC", "106abc"),
+            ("NCCL_IB_SL", "16"),
+            ("NCCL_IB_SL", "0x10"),
+        ] {
+            let e = parse(&[(var, value)]).unwrap_err();
+            assert_eq!((e.var, e.value.as_str()), (var, value));
+            let msg = e.to_string();
+            assert!(
+                msg.starts_with(&format!("{var}={value:?} is not valid: expected ")),
+                "{msg}"
+            );
+        }
+        let e = parse(&[("NCCL_IB_TC", "256")]).unwrap_err();
+        assert!(e.accepted.contains("0 to 255"), "{e}");
+    }
+
+    #[test]
+    fn nccl_qp_timing_is_not_inherited_but_noted() {
+        let (s, noted) =
+            parse_noting(&[("NCCL_IB_TIMEOUT", "22"), ("NCCL_IB_RETRY_CNT", "7")]).unwrap();
+        assert_eq!(s, VerbsSettings::default(), "railover's 16 and 6 stay");
+        assert!(noted.taken.is_empty());
+        assert_eq!(
+            noted.summary().unwrap(),
+            "ignored: NCCL_IB_TIMEOUT=\"22\" (railover detects failures in about a second; \
+             set RAILOVER_IB_TIMEOUT to override), NCCL_IB_RETRY_CNT=\"7\" (railover detects \
+             failures in about a second; set RAILOVER_IB_RETRY_CNT to override)"
+        );
+        // Not parsed, as not used: any value is only noted.
+        let (s, noted) =
+            parse_noting(&[("NCCL_IB_TIMEOUT", "long"), ("NCCL_IB_TC", "106")]).unwrap();
+        assert_eq!((s.timeout, s.traffic_class), (16, 106));
+        let line = noted.summary().unwrap();
+        assert!(
+            line.starts_with(
+                "taken from NCCL_IB_*: NCCL_IB_TC=\"106\"; ignored: NCCL_IB_TIMEOUT=\"long\" ("
+            ),
+            "{line}"
         );
     }
 

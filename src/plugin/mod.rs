@@ -230,6 +230,12 @@ fn choose_fabric(config: &Config) -> Result<Option<Vec<VerbsNic>>, Error> {
         Some(_) => tracing::info!("railover: {line}; {}", config.verbs),
         None => tracing::info!("railover: {line}"),
     }
+    // Once, beside the line whose NICs and settings they shaped; `tcp` uses none of them.
+    if config.transport != TransportChoice::Tcp {
+        if let Some(noted) = config.nccl_ib.summary() {
+            tracing::info!("railover: {noted}");
+        }
+    }
     Ok(nics)
 }
 

@@ -340,7 +340,8 @@ pub struct GidChoice {
 }
 
 /// The GID index a path uses, as NCCL picks it (`NCCL_IB_GID_INDEX`,
-/// `NCCL_IB_ROCE_VERSION_NUM`, `NCCL_IB_ADDR_FAMILY`). A fixed index must hold a GID. On
+/// `NCCL_IB_ROCE_VERSION_NUM`, `NCCL_IB_ADDR_FAMILY`). A fixed index must hold a GID;
+/// one taken from `NCCL_IB_GID_INDEX` applies to RoCE ports only, as in NCCL. On
 /// InfiniBand `auto` is the lowest index (0). On RoCE `auto` is the lowest index of the
 /// asked RoCE version and family (for IPv6, global before link-local); when the port has
 /// none, the nearest other RoCE GID with a `fallback` note saying so (the peer must end up
@@ -354,15 +355,24 @@ pub fn choose_gid(
         index,
         fallback: None,
     };
-    if let Some(i) = policy.index {
+    let fixed = match policy.index {
+        Some(_) if policy.index_from_nccl && link_layer == LINK_LAYER_INFINIBAND => None,
+        i => i,
+    };
+    if let Some(i) = fixed {
         if gids.iter().any(|g| g.index == i)
             || (link_layer == LINK_LAYER_INFINIBAND && gids.is_empty() && i == 0)
         {
             return Ok(exact(i));
         }
         let have: Vec<String> = gids.iter().map(|g| g.index.to_string()).collect();
+        let var = if policy.index_from_nccl {
+            "NCCL_IB_GID_INDEX"
+        } else {
+            "RAILOVER_IB_GID_INDEX"
+        };
         return Err(format!(
-            "RAILOVER_IB_GID_INDEX={i}, but the port has no GID {i} (it has {})",
+            "{var}={i}, but the port has no GID {i} (it has {})",
             if have.is_empty() {
                 "none".to_string()
             } else {
@@ -495,6 +505,7 @@ mod tests {
         ];
         let pol = |index, roce_version, family| GidPolicy {
             index,
+            index_from_nccl: false,
             roce_version,
             family,
         };
@@ -530,6 +541,36 @@ mod tests {
     }
 
     #[test]
+    fn an_nccl_gid_index_binds_roce_ports_only() {
+        let nccl = GidPolicy {
+            index: Some(3),
+            index_from_nccl: true,
+            ..GidPolicy::default()
+        };
+        let roce = [gid(0, 1, "fe80::1"), gid(3, 2, "192.0.2.1")];
+        assert_eq!(
+            choose_gid(&roce, LINK_LAYER_ETHERNET, &nccl).map(|c| c.index),
+            Ok(3)
+        );
+        let e = choose_gid(&roce[..1], LINK_LAYER_ETHERNET, &nccl).unwrap_err();
+        assert!(
+            e.starts_with("NCCL_IB_GID_INDEX=3, but the port has no GID 3"),
+            "{e}"
+        );
+        // NCCL ignores it on InfiniBand, where the port takes its lowest GID as on auto.
+        let ib = [gid(0, 0, "fe80::1")];
+        assert_eq!(
+            choose_gid(&ib, LINK_LAYER_INFINIBAND, &nccl).map(|c| c.index),
+            Ok(0)
+        );
+        let own = GidPolicy {
+            index_from_nccl: false,
+            ..nccl
+        };
+        assert!(choose_gid(&ib, LINK_LAYER_INFINIBAND, &own).is_err());
+    }
+
+    #[test]
     fn a_missing_gid_kind_falls_back_with_a_note_or_fails() {
         let pick = |t: &[GidEntry], roce_version, family| {
             choose_gid(
@@ -537,6 +578,7 @@ mod tests {
                 LINK_LAYER_ETHERNET,
                 &GidPolicy {
                     index: None,
+                    index_from_nccl: false,
                     roce_version,
                     family,
                 },
