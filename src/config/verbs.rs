@@ -385,7 +385,7 @@ impl VerbsSettings {
             get,
             "RAILOVER_GDR",
             &[("auto", Gdr::Auto), ("force", Gdr::Force), ("off", Gdr::Off)],
-            "auto (GPU memory when nvidia-peermem or dma-buf registration is there), force or off (host memory only)",
+            "auto (plain GPU addresses with nvidia-peermem, dma-bufs where the NIC registers them), force or off (host memory only)",
         )? {
             s.gdr = g;
         }
