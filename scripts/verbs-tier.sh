@@ -618,6 +618,11 @@ check fo "sender's rail 0 down: a comm left rxe0, striped over both survivors" h
 check fo "sender's rail 0 down: eth0 up reached the engine as rxe0's carrier" back fo rxe0 "$b"
 check fo "sender's rail 0 down: traffic failed back onto rxe0" has 'VT: fo.err\| .*failback comm=[0-9]+ .* => rxe0->' "$b" "$a"
 check fo "sender's rail 0 down: the moved comm's memory registered on the backups when it moved" regs_grew fo 12
+# regMr registers on the comm's own NIC at once (3 comms x depth 4 buffers), before any
+# lane moved a byte: the backups' registrations above came later, when comms moved there.
+regs_at_connect() { [ "$(grep -ao "VT: $1| {\"event\":\"connected\".*" "$2" | grep -o '"registrations":[0-9]*' | tail -1 | sed 's/.*://')" = "$3" ]; }
+check fo "sender's rail 0 down: regMr registered each comm's 4 buffers on its own NIC before traffic (12 at connect)" regs_at_connect fo "$b" 12
+check fo "receiver: regMr registered each comm's 4 buffers on its own NIC before traffic (12 at connect)" regs_at_connect fo "$a" 12
 # rd: the receiver's rail 0 down for 3 s.
 exactly_once rd "receiver's rail 0 down"
 lost_and_back() { lost "$1" "$2" "$3" && back "$1" "$2" "$3"; }

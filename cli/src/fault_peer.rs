@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use railover::engine::ReactorStats;
 use railover::ffi::types::{NCCL_PTR_CUDA, NCCL_PTR_HOST};
 use railover::transport::frames;
-use railover::transport::verbs::{flush, lane};
+use railover::transport::verbs::{flush, lane, register};
 use railover_testkit::driver::{Buffer, Code, Ctx, RecvComm, Request, SendComm};
 use railover_testkit::fault_line::{Command, Event, Handle, Link, Op, Summary, HANDLE_LEN};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -378,7 +378,7 @@ impl Tally {
             evicted_handshakes: gate(|s| &s.evicted_handshakes),
             handshakes_peak: gate(|s| &s.handshakes_peak),
             placed_bytes: lane::PLACED_BYTES.load(Ordering::Relaxed),
-            registrations: lane::USER_REGISTRATIONS.load(Ordering::Relaxed),
+            registrations: register::USER_REGISTRATIONS.load(Ordering::Relaxed),
             streamed_in: frames::STREAMED_IN.load(Ordering::Relaxed),
             streamed_out: frames::STREAMED_OUT.load(Ordering::Relaxed),
             flushes: self.flushes,
@@ -744,6 +744,7 @@ fn receiver(o: &Opts) -> i32 {
     say(&Event::Connected {
         comms: lanes.len(),
         t: unix_ms(),
+        registrations: register::USER_REGISTRATIONS.load(Ordering::Relaxed),
     });
 
     let mut tally = Tally::default();
@@ -1016,6 +1017,7 @@ fn sender(o: &Opts) -> i32 {
     say(&Event::Connected {
         comms: lanes.len(),
         t: unix_ms(),
+        registrations: register::USER_REGISTRATIONS.load(Ordering::Relaxed),
     });
     // From here on stdin carries fault injections and, at the end, `close` (or EOF).
     let (closed_tx, closed_rx) = std::sync::mpsc::channel();
@@ -1248,6 +1250,7 @@ fn pingpong(o: &Opts, ping: bool) -> i32 {
     say(&Event::Connected {
         comms: 1,
         t: unix_ms(),
+        registrations: register::USER_REGISTRATIONS.load(Ordering::Relaxed),
     });
     let mut t0 = Instant::now();
     for round in 0..WARM_ROUNDS + o.rounds {
@@ -1391,6 +1394,7 @@ fn tcp_recv(o: &Opts) -> i32 {
     say(&Event::Connected {
         comms: 1,
         t: unix_ms(),
+        registrations: register::USER_REGISTRATIONS.load(Ordering::Relaxed),
     });
     let end = Instant::now() + Duration::from_secs_f64(o.seconds);
     let mut ticker = Ticker::new(o.tick, None);
@@ -1448,6 +1452,7 @@ fn tcp_send(o: &Opts) -> i32 {
     say(&Event::Connected {
         comms: 1,
         t: unix_ms(),
+        registrations: register::USER_REGISTRATIONS.load(Ordering::Relaxed),
     });
     let end = Instant::now() + Duration::from_secs_f64(o.seconds);
     let buf = vec![0x5au8; 64 << 10];

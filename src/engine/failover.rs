@@ -17,7 +17,7 @@ use crate::routing::{FailReason, MoveReason};
 use crate::telemetry::metrics::{Failback, Failover, GiveUp, NicPair};
 use crate::telemetry::sampler::{NicNow, Totals};
 use crate::transport::fair::LaneSample;
-use crate::transport::verbs::lane::USER_REGISTRATIONS;
+use crate::transport::verbs::register::USER_REGISTRATIONS;
 
 impl Engine {
     /// A send comm was just connected: tell the router about both NIC lists.

@@ -47,6 +47,8 @@ pub struct NicInfo {
     pub rail: Option<u32>,
     /// The memory NCCL may register with it (`NCCL_PTR_HOST`, `_CUDA`, `_DMABUF`).
     pub ptr_support: i32,
+    /// Where `regMr` registers memory with its device now (verbs only).
+    pub registrar: Option<verbs::Registrar>,
 }
 
 /// Everything alive between the first `init` and the last `finalize`.
@@ -95,6 +97,10 @@ impl Runtime {
             Some(f) => f.gpu_memory(&config.sysfs_root, &config.gdr_hca),
             None => Vec::new(),
         };
+        let mut registrars = match verbs_fabric.as_mut() {
+            Some(f) => f.registrars(),
+            None => Vec::new(),
+        };
         let topo = match Topology::discover_fabric(&config.sysfs_root, kind) {
             Ok(t) => Some(t),
             Err(e) => {
@@ -115,6 +121,7 @@ impl Runtime {
                 guid: 0x7261_696c_0000_0000 | i as u64,
                 rail,
                 ptr_support: gpu.get(i).map_or(NCCL_PTR_HOST, ptr_support),
+                registrar: registrars.get_mut(i).and_then(Option::take),
                 tcp,
             })
             .collect();
@@ -638,9 +645,9 @@ pub fn close_listen(listen: &Arc<ListenShared>) {
 }
 
 /// Registers `[addr, addr + len)` for use with `comm`: host memory, or GPU memory
-/// (`NCCL_PTR_CUDA`) where the comm's NIC reported it can take it. Nothing is registered
-/// with a NIC here: each device registers the range the first time one of its lanes moves
-/// a buffer of it, so a backup NIC only when a comm moves there.
+/// (`NCCL_PTR_CUDA`) where the comm's NIC reported it can take it. A verbs NIC registers
+/// it with the comm's own device now; any other device registers it the first time one
+/// of its lanes moves a buffer of it, so a backup NIC only when a comm moves there.
 pub fn reg_mr(
     comm: &Arc<CommShared>,
     addr: usize,
@@ -711,6 +718,14 @@ fn register(
         return Err(Error::InvalidArgument("comm is closed".into()));
     }
     let r = Arc::new(MemoryRegion::new(comm.clone(), addr, len, ptr_type, memory));
+    // On the comm's own NIC now, as NCCL's IB transport registers: the registration
+    // stays off the reactor, and a failure reaches NCCL here instead of failing the comm
+    // at its first message. Backups register when a failover moves the comm there.
+    let rt = runtime()?;
+    if let Some(reg) = rt.nics.get(comm.nic()).and_then(|n| n.registrar.as_ref()) {
+        reg.register(&r.region)
+            .map_err(|e| Error::System(format!("regMr of {addr:#x}+{len}: {e}")))?;
+    }
     comm.remember_region(&r);
     Ok(r)
 }

@@ -145,6 +145,10 @@ pub enum Event {
     Connected {
         comms: usize,
         t: u64,
+        /// Ranges registered with an RDMA device so far: by `regMr` on each comm's own
+        /// NIC, before any lane moved a byte.
+        #[serde(default)]
+        registrations: u64,
     },
     /// Bytes per comm since the previous tick (receiver: verified deliveries; sender:
     /// completed sends); `el` is milliseconds since the endpoint started ticking.

@@ -24,7 +24,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::device::VerbsNic;
-use super::lane::{local_gid, local_port, needs_grh, remote_qp, QpHello, Registration};
+use super::lane::{local_gid, local_port, needs_grh, remote_qp, QpHello};
+use super::register::Registration;
 use super::sys::{wc, Completion, Mr, Pd, PolledCq, Qp, Read};
 use super::{completion_error, qp_timing};
 use crate::config::VerbsSettings;

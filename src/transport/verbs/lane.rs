@@ -37,7 +37,6 @@
 //! comm moves to another pair.
 
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::io::{self, IoSlice, Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -46,11 +45,11 @@ use std::time::{Duration, Instant};
 use super::bootstrap::{Bootstrap, Want};
 use super::device::VerbsNic;
 use super::domain::Domain;
-use super::flush::{DeviceFlush, PendingFlush};
-use super::gpu::{self, GpuMemory};
+use super::gpu::GpuMemory;
+use super::register::{register, Registration};
 use super::sys::{
-    wc, CompChannel, Completion, Cq, LocalPort, Mr, Qp, RawWrite, RemoteQp, UserMr,
-    Write as RdmaWrite, LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
+    wc, CompChannel, Completion, Cq, LocalPort, Mr, Qp, RawWrite, RemoteQp, Write as RdmaWrite,
+    LINK_LAYER_ETHERNET, QPF_GRH_REQUIRED,
 };
 use super::{completion_error, qp_timing};
 use crate::config::{Gdr, VerbsSettings, ZeroCopy};
@@ -78,7 +77,6 @@ const PLACE_MAX: u64 = 1 << 30;
 
 /// Payload bytes written in place, and registrations of NCCL's memory made, process-wide.
 pub static PLACED_BYTES: AtomicU64 = AtomicU64::new(0);
-pub static USER_REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
 
 /// How long a graceful close waits for the peer to acknowledge what was posted.
 const LINGER: Duration = Duration::from_millis(200);
@@ -995,121 +993,20 @@ impl VerbsLane {
         self.offers.len()
     }
 
-    /// This device's registration of the range `buf` lies in: made the first time a lane
-    /// of the device needs it. `Ok(None)` when NCCL named no range, or registering host
-    /// memory failed (said once per range and device; the payload then goes through the
-    /// ring); an error when GPU memory cannot be registered here, which the ring cannot
-    /// carry either.
+    /// This device's registration of the range `buf` lies in (see [`register`]): made
+    /// the first time a lane of the device needs it, unless `regMr` made it already.
     fn registration(&self, buf: &LentBuf) -> io::Result<Option<Arc<Registration>>> {
         let Some(region) = buf.region() else {
             return Ok(None);
         };
-        let dom = &self.dom;
-        let nic = self.nic.label();
-        if let Some(why) = (self.gpu.as_ref()).and_then(|g| gpu::refusal(g, &nic, &region.memory)) {
-            return Err(io::Error::other(MemoryUnreachable(format!(
-                "{} at {:#x}+{} is refused: {why}",
-                region.memory, region.base, region.len
-            ))));
-        }
-        let mr = region
-            .key(dom.id, || {
-                let made = match region.dmabuf() {
-                    Some((fd, offset)) => {
-                        UserMr::register_dmabuf(&dom.pd, fd, offset, region.base, region.len)
-                    }
-                    None => UserMr::register(&dom.pd, region.base, region.len),
-                };
-                let flush = (!region.cpu_reachable()).then(|| FlushVia {
-                    dom: dom.clone(),
-                    nic: self.nic.clone(),
-                    settings: self.settings,
-                });
-                Ok::<_, Infallible>(match made {
-                    Ok(mr) => {
-                        USER_REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(
-                            "railover: registered {:#x}+{} ({}) on {} (first use there)",
-                            region.base,
-                            region.len,
-                            region.memory,
-                            dom.name()
-                        );
-                        Registration {
-                            mr: Some(mr),
-                            flush,
-                        }
-                    }
-                    Err(e) => {
-                        tracing::warn!(
-                            "railover: cannot register {:#x}+{} ({}) on {}: {e}{}",
-                            region.base,
-                            region.len,
-                            region.memory,
-                            dom.name(),
-                            if region.cpu_reachable() {
-                                "; messages in it are copied through the lanes' rings there"
-                            } else {
-                                "; comms whose messages are in it leave this device"
-                            }
-                        );
-                        Registration { mr: None, flush }
-                    }
-                })
-            })
-            .unwrap_or_else(|e| match e {});
-        if mr.mr.is_some() {
-            return Ok(Some(mr));
-        }
-        if region.cpu_reachable() {
-            return Ok(None);
-        }
-        Err(io::Error::other(MemoryUnreachable(format!(
-            "{} at {:#x}+{} cannot be registered on {}",
-            region.memory,
-            region.base,
-            region.len,
-            dom.name()
-        ))))
-    }
-}
-
-/// A device's registration of a range NCCL registered, as the range keeps it (one per
-/// device: see [`Region::key`](crate::transport::memory::Region::key)).
-#[derive(Debug)]
-pub struct Registration {
-    /// `None` when registering failed (said once; host memory then goes through rings).
-    pub mr: Option<UserMr>,
-    /// GPU memory: the device whose writes into it a flush must make visible.
-    flush: Option<FlushVia>,
-}
-
-/// The device a registration's flush READs go through.
-#[derive(Debug)]
-pub(super) struct FlushVia {
-    pub(super) dom: Arc<Domain>,
-    pub(super) nic: VerbsNic,
-    pub(super) settings: VerbsSettings,
-}
-
-impl Registration {
-    /// The flush of what the device wrote into the range, READ at `addr` (inside it): see
-    /// [`Flush`](super::flush::Flush). `None` for host memory, which needs none, and where
-    /// nothing was registered (the device wrote none).
-    pub fn flush(this: &Arc<Registration>, addr: u64) -> Option<PendingFlush> {
-        this.flush.as_ref()?;
-        this.mr.as_ref()?;
-        Some(PendingFlush::new(DeviceFlush::new(this.clone()), addr))
-    }
-
-    /// The device a flush READs through (GPU memory only).
-    pub(super) fn flush_via(&self) -> Option<&FlushVia> {
-        self.flush.as_ref()
-    }
-
-    /// The key a flush READs the range under.
-    pub(super) fn rkey(&self) -> Option<u32> {
-        self.mr.as_ref().map(|m| m.rkey())
+        register(
+            &self.dom,
+            &self.nic,
+            &self.settings,
+            self.gpu.as_ref(),
+            region,
+            "first use there",
+        )
     }
 }
 

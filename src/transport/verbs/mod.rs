@@ -7,7 +7,8 @@
 //! registered rings ([`lane`]), set up over a bootstrap TCP connection to the address the
 //! trait passes. [`flush`] is a device's loopback QP whose RDMA READ makes the NIC's
 //! earlier writes into a buffer visible (NCCL's `iflush`), and [`gpu`] says whether the
-//! NICs take GPU memory (`ptrSupport`). Tested on Soft-RoCE in QEMU
+//! NICs take GPU memory (`ptrSupport`); [`register`] registers NCCL's memory with a
+//! device, from `regMr` or from a lane. Tested on Soft-RoCE in QEMU
 //! (`scripts/verbs-tier.sh`); `RAILOVER_TRANSPORT=verbs` selects it, and so does `auto`
 //! when a usable port exists.
 
@@ -17,6 +18,7 @@ pub mod domain;
 pub mod flush;
 pub mod gpu;
 pub mod lane;
+pub mod register;
 pub mod sys;
 
 pub use device::{discover, Discovery, VerbsNic};
@@ -24,6 +26,7 @@ pub use domain::Domain;
 pub use flush::Flusher;
 pub use gpu::GpuMemory;
 pub use lane::VerbsLane;
+pub use register::Registrar;
 
 /// The default QP timing (`RAILOVER_IB_TIMEOUT`, `RAILOVER_IB_RETRY_CNT`): 4.096 us * 2^16
 /// = 268 ms per attempt, 7 attempts, so the NIC gives up after about 1.9 s. railover's own
@@ -127,6 +130,24 @@ impl VerbsFabric {
             })
             .collect();
         self.gpu.clone()
+    }
+
+    /// What `regMr` registers with on each NIC (after [`VerbsFabric::gpu_memory`], whose
+    /// verdicts they apply): every NIC's device opened now, as its first lane would, so
+    /// the reactor reads its async events from the start. `None` for a NIC whose device
+    /// cannot be opened; its lanes will say why.
+    pub fn registrars(&mut self) -> Vec<Option<Registrar>> {
+        (0..self.verbs.len())
+            .map(|nic| {
+                let dom = self.domain(nic).ok()?;
+                Some(Registrar::new(
+                    dom,
+                    self.verbs[nic].clone(),
+                    self.settings,
+                    self.gpu.get(nic).cloned(),
+                ))
+            })
+            .collect()
     }
 
     /// The device of NIC `nic`, opened the first time.
