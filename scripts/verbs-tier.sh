@@ -24,7 +24,8 @@
 #         receiver's 3 s, both sides' at once, rail 0 flapping 3 x 1 s, rxe0 and rxe1
 #         down on the sender (all on rxe2) 4 s. Each: every byte once and in order, no
 #         failed request, the carrier reaching the engine, failover and fail-back lines;
-#         payloads written in place by the sender's NIC, memory registered lazily;
+#         payloads written in place by the sender's NIC, memory registered by regMr on
+#         each comm's own NIC and lazily on the backups;
 #   q2    two QPs per lane (RAILOVER_QPS_PER_LANE=2) through the sender's rail 0 down;
 #   za    every payload in place (RAILOVER_ZERO_COPY=always), resent ones included, through
 #         the sender's rail 0 down;
