@@ -140,6 +140,9 @@ struct VerbsSection {
     /// What `ibv_fork_init` made of registered memory across `fork()`; `None` without
     /// verbs devices.
     fork_safety: Option<String>,
+    /// The site's `NCCL_IB_*` values taken for unset `RAILOVER_*` twins, and those
+    /// ignored, as the plugin logs them at init.
+    nccl_ib: Option<String>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -219,6 +222,7 @@ fn summarize(found: &Discovery, config: &Config, topo: Option<&Topology>) -> Ver
         settings: config.verbs.to_string(),
         notes: found.notes.clone(),
         fork_safety: None,
+        nccl_ib: config.nccl_ib.summary(),
         nics: found
             .nics
             .iter()
@@ -254,6 +258,9 @@ fn render_verbs(v: &VerbsSection) -> String {
         "\nVerbs NICs (RDMA; RAILOVER_TRANSPORT=auto or verbs carries lanes over the ACTIVE ones with an IP address):\n",
     );
     let _ = writeln!(o, "  QP settings: {}", v.settings);
+    if let Some(n) = &v.nccl_ib {
+        let _ = writeln!(o, "  {n}");
+    }
     if v.nics.is_empty() {
         let why = v.absent.as_deref().unwrap_or("libibverbs lists no device");
         let _ = writeln!(o, "  none: {why}");
@@ -410,6 +417,24 @@ mod tests {
             text.contains("QP settings: gid index 1, timeout 20 retry 6")
                 && text.contains("4 QP(s) per lane")
                 && text.contains("note: rxe0:1: no RoCE v2 GID"),
+            "{text}"
+        );
+        assert!(!text.contains("NCCL_IB_"), "none set: {text}");
+        // The site's NCCL_IB_* values, as the plugin takes and ignores them.
+        let site = |k: &str| match k {
+            "NCCL_IB_TC" => Some("106".to_string()),
+            "NCCL_IB_TIMEOUT" => Some("22".to_string()),
+            _ => None,
+        };
+        let text = render_verbs(&summarize(
+            &found,
+            &Config::from_lookup(site).unwrap(),
+            None,
+        ));
+        assert!(
+            text.contains("taken from NCCL_IB_*: NCCL_IB_TC=")
+                && text.contains("ignored: NCCL_IB_TIMEOUT=")
+                && text.contains("tc 106"),
             "{text}"
         );
         let none = render_verbs(&summarize(
