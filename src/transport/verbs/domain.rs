@@ -37,7 +37,9 @@ struct Faults {
     qps: Vec<(u32, u32)>,
     /// Ports down since their `PORT_ERR`, until `PORT_ACTIVE`.
     ports_down: Vec<u8>,
-    /// `DEVICE_FATAL` or `CQ_ERR`: every lane of the device fails.
+    /// CQs an event declared overrun (`CQ_ERR`): their lanes fail, no other.
+    cqs: Vec<usize>,
+    /// `DEVICE_FATAL`: every lane of the device fails.
     fatal: Option<u32>,
 }
 
@@ -63,6 +65,23 @@ impl Domain {
     /// Files async event `ev` for the lanes.
     pub fn note(&self, ev: &AsyncEvent) {
         note(&mut self.faults.lock(), ev);
+    }
+
+    /// Why the CQ `cq` ([`Cq::id`](super::sys::Cq::id)) lost completions, if an event
+    /// said so: what waits on it must not wait any longer.
+    pub fn cq_fault(&self, cq: usize) -> Option<String> {
+        let f = self.faults.lock();
+        f.cqs.contains(&cq).then(|| {
+            format!(
+                "verbs async event CQ_ERR on {}: a completion queue overran",
+                self.name()
+            )
+        })
+    }
+
+    /// CQ `cq` is being destroyed: its fault goes with it (the address may be reused).
+    pub fn forget_cq(&self, cq: usize) {
+        self.faults.lock().cqs.retain(|&c| c != cq);
     }
 
     /// QPs `qps` are being destroyed: their faults go with them, since the device may
@@ -93,8 +112,12 @@ impl Domain {
             return Ok(f.clone());
         }
         if let Some(old) = slot.take() {
-            let q = old.lock().qp_num();
+            let (q, cq) = {
+                let o = old.lock();
+                (o.qp_num(), o.cq_id())
+            };
             self.forget_qps(&[q]);
+            self.forget_cq(cq);
         }
         let f = Arc::new(Mutex::new(Flusher::new(&self.pd, nic, settings)?));
         *slot = Some(f.clone());
@@ -106,7 +129,19 @@ fn note(f: &mut Faults, ev: &AsyncEvent) {
     match (ev.kind, ev.port, ev.qp_num) {
         (event::PORT_ERR, Some(p), _) if !f.ports_down.contains(&p) => f.ports_down.push(p),
         (event::PORT_ACTIVE, Some(p), _) => f.ports_down.retain(|&d| d != p),
-        (event::DEVICE_FATAL | event::CQ_ERR, _, _) => {
+        (event::CQ_ERR, _, _) => match ev.cq {
+            Some(cq) => {
+                if f.cqs.len() == MAX_FAULTED_QPS {
+                    f.cqs.remove(0);
+                }
+                f.cqs.push(cq);
+            }
+            // Which CQ is not known: every lane's may be the one.
+            None => {
+                f.fatal.get_or_insert(ev.kind);
+            }
+        },
+        (event::DEVICE_FATAL, _, _) => {
             f.fatal.get_or_insert(ev.kind);
         }
         (event::QP_FATAL | event::QP_REQ_ERR | event::QP_ACCESS_ERR, _, Some(q)) => {
@@ -143,7 +178,12 @@ mod tests {
     use super::*;
 
     fn ev(kind: u32, port: Option<u8>, qp_num: Option<u32>) -> AsyncEvent {
-        AsyncEvent { kind, port, qp_num }
+        AsyncEvent {
+            kind,
+            port,
+            qp_num,
+            cq: None,
+        }
     }
 
     #[test]
@@ -162,6 +202,28 @@ mod tests {
             fault(&f, "rxe0", 1, &[]).is_some(),
             "every lane of the device"
         );
+    }
+
+    #[test]
+    fn an_overrun_cq_fails_its_own_lanes_not_the_device() {
+        let mut f = Faults::default();
+        note(
+            &mut f,
+            &AsyncEvent {
+                cq: Some(0x1000),
+                ..ev(event::CQ_ERR, None, None)
+            },
+        );
+        assert_eq!(f.fatal, None, "one CQ, not the device");
+        assert_eq!(f.cqs, [0x1000]);
+        assert_eq!(
+            fault(&f, "rxe0", 1, &[7]),
+            None,
+            "lanes are asked by their CQ"
+        );
+        // An overrun whose CQ is not known may be anyone's.
+        note(&mut f, &ev(event::CQ_ERR, None, None));
+        assert!(fault(&f, "rxe0", 1, &[7]).is_some());
     }
 
     #[test]

@@ -242,10 +242,17 @@ impl FlushPath for DeviceFlush {
     }
 
     fn done(&mut self, ticket: Ticket) -> io::Result<bool> {
-        match &self.flusher {
-            Some(f) => f.lock().done(ticket),
-            None => Err(io::Error::other("flush ticket without a flusher")),
+        let (Some(f), Some(via)) = (&self.flusher, self.reg.flush_via()) else {
+            return Err(io::Error::other("flush ticket without a flusher"));
+        };
+        let mut f = f.lock();
+        // An overrun CQ lost completions: this ticket's may never come. The flusher is
+        // done for, and the device hands out a fresh one.
+        if let Some(why) = via.dom.cq_fault(f.cq_id()) {
+            f.broke(&why);
+            return Err(io::Error::other(why));
         }
+        f.done(ticket)
     }
 }
 
@@ -357,6 +364,19 @@ impl Flusher {
         let mut b = [0u8; FLUSH_BYTES];
         self.landing.read(self.tickets.slot(ticket), &mut b).ok()?;
         Some(b)
+    }
+
+    /// Its CQ's identity, as a `CQ_ERR` event names it.
+    pub fn cq_id(&self) -> usize {
+        self.cq.id()
+    }
+
+    /// Something other than a completion broke the flusher (its CQ overran): every
+    /// outstanding and later ticket fails with `why`.
+    pub fn broke(&mut self, why: &str) {
+        self.tickets
+            .error
+            .get_or_insert((io::ErrorKind::Other, why.to_string()));
     }
 
     /// Whether a READ failed: the flusher posts nothing more.

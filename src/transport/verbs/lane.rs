@@ -508,8 +508,12 @@ pub struct VerbsLane {
 
 impl Drop for VerbsLane {
     fn drop(&mut self) {
-        // Before the QPs go (fields drop after this): their numbers may be reused.
+        // Before the QPs and the CQ go (fields drop after this): their numbers and
+        // addresses may be reused.
         self.dom.forget_qps(&self.qp_nums);
+        if let Some(cq) = &self.cq {
+            self.dom.forget_cq(cq.id());
+        }
     }
 }
 
@@ -818,7 +822,10 @@ impl VerbsLane {
         if self.fenced {
             return Ok(());
         }
-        match self.dom.fault(self.port.port, &self.qp_nums) {
+        let cq = self.cq.as_ref().map(|c| c.id());
+        let why = (self.dom.fault(self.port.port, &self.qp_nums))
+            .or_else(|| cq.and_then(|c| self.dom.cq_fault(c)));
+        match why {
             Some(why) => Err(self.fail(io::ErrorKind::Other, why)),
             None => Ok(()),
         }

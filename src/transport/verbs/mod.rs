@@ -497,6 +497,7 @@ pub(crate) mod tests {
             kind,
             port,
             qp_num: None,
+            cq: None,
         };
         use sys::event::*;
         assert_eq!(

@@ -263,6 +263,8 @@ pub struct AsyncEvent {
     pub port: Option<u8>,
     /// The QP number, for QP events.
     pub qp_num: Option<u32>,
+    /// The CQ's identity ([`Cq::id`], [`PolledCq::id`]), for `CQ_ERR`.
+    pub cq: Option<usize>,
 }
 
 impl Context {
@@ -392,10 +394,22 @@ impl Context {
         } else {
             None
         };
+        let cq = if kind == event::CQ_ERR {
+            // SAFETY: for CQ events the element is the CQ; only its address is kept, as
+            // the identity `Cq::id` gives.
+            Some(unsafe { e.element.cq } as usize)
+        } else {
+            None
+        };
         // SAFETY: acknowledges exactly the event just read (destroying its object waits
         // for this).
         unsafe { ffi::ibv_ack_async_event(ev.as_mut_ptr().cast::<ffi::ibv_async_event>()) };
-        Some(AsyncEvent { kind, port, qp_num })
+        Some(AsyncEvent {
+            kind,
+            port,
+            qp_num,
+            cq,
+        })
     }
 }
 
@@ -812,6 +826,11 @@ unsafe impl Send for Cq {}
 unsafe impl Sync for Cq {}
 
 impl Cq {
+    /// The CQ's identity, as a `CQ_ERR` event names it.
+    pub fn id(&self) -> usize {
+        self.cq.as_ptr() as usize
+    }
+
     /// A CQ of at least `cqe` entries on `channel`, armed.
     pub fn new(ctx: &Arc<Context>, channel: &Arc<CompChannel>, cqe: i32) -> io::Result<Arc<Cq>> {
         // SAFETY: context and channel are open; no cq_context is used.
@@ -891,6 +910,11 @@ unsafe impl Send for PolledCq {}
 unsafe impl Sync for PolledCq {}
 
 impl PolledCq {
+    /// The CQ's identity, as a `CQ_ERR` event names it.
+    pub fn id(&self) -> usize {
+        self.cq.as_ptr() as usize
+    }
+
     /// A CQ of at least `cqe` entries with no completion channel.
     pub fn new(ctx: &Arc<Context>, cqe: i32) -> io::Result<Arc<PolledCq>> {
         // SAFETY: the context is open; no cq_context, no channel.
