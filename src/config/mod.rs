@@ -57,6 +57,30 @@ pub fn strict_u64(s: &str) -> Option<u64> {
     s.parse().ok()
 }
 
+/// The prefix grammar `NCCL_SOCKET_IFNAME` and `NCCL_IB_HCA` share: a leading `^` makes
+/// the list an exclusion list, and a leading `=` (after any `^`) makes names exact
+/// instead of prefixes. Returns (exclude, exact, the list).
+fn list_flags(value: &str) -> (bool, bool, &str) {
+    let (exclude, rest) = match value.strip_prefix('^') {
+        Some(r) => (true, r),
+        None => (false, value),
+    };
+    let (exact, rest) = match rest.strip_prefix('=') {
+        Some(r) => (true, r),
+        None => (false, rest),
+    };
+    (exclude, exact, rest)
+}
+
+/// Whether list entry `entry` names `name`: exactly, or as a prefix.
+fn names(exact: bool, entry: &str, name: &str) -> bool {
+    if exact {
+        name == entry
+    } else {
+        name.starts_with(entry)
+    }
+}
+
 /// Which network interfaces become railover TCP NICs: `NCCL_SOCKET_IFNAME` syntax.
 ///
 /// A comma-separated list of name prefixes; a leading `^` turns the list into an
@@ -74,15 +98,7 @@ impl IfFilter {
     /// Parses the `NCCL_SOCKET_IFNAME`-style value. Blanks are not trimmed: interface
     /// names hold none, so a value with blanks anywhere is refused.
     pub fn parse(value: &str) -> Result<IfFilter, String> {
-        let mut rest = value;
-        let exclude = rest.starts_with('^');
-        if exclude {
-            rest = &rest[1..];
-        }
-        let exact = rest.starts_with('=');
-        if exact {
-            rest = &rest[1..];
-        }
+        let (exclude, exact, rest) = list_flags(value);
         let names: Vec<String> = rest
             .split(',')
             .filter(|s| !s.is_empty())
@@ -107,13 +123,7 @@ impl IfFilter {
 
     /// Does the explicit list select `ifname`? (Only meaningful when `given`.)
     pub fn matches(&self, ifname: &str) -> bool {
-        let listed = self.names.iter().any(|n| {
-            if self.exact {
-                ifname == n
-            } else {
-                ifname.starts_with(n.as_str())
-            }
-        });
+        let listed = self.names.iter().any(|n| names(self.exact, n, ifname));
         listed != self.exclude
     }
 
@@ -154,15 +164,7 @@ impl HcaFilter {
     }
 
     fn parse_fields(value: &str, nccl: bool) -> Result<(HcaFilter, bool), String> {
-        let mut rest = value;
-        let exclude = rest.starts_with('^');
-        if exclude {
-            rest = &rest[1..];
-        }
-        let exact = rest.starts_with('=');
-        if exact {
-            rest = &rest[1..];
-        }
+        let (exclude, exact, rest) = list_flags(value);
         let mut entries = Vec::new();
         let mut rail_fields = false;
         for item in rest.split(',').filter(|s| !s.is_empty()) {
@@ -214,14 +216,8 @@ impl HcaFilter {
         if !self.given {
             return true;
         }
-        let listed = self.entries.iter().any(|(n, p)| {
-            let name_ok = if self.exact {
-                dev == n
-            } else {
-                dev.starts_with(n.as_str())
-            };
-            name_ok && p.map_or(true, |p| p == port)
-        });
+        let listed = (self.entries.iter())
+            .any(|(n, p)| names(self.exact, n, dev) && p.map_or(true, |p| p == port));
         listed != self.exclude
     }
 }
