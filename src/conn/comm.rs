@@ -12,9 +12,7 @@
 //! [`CommMachine::poll_outcome`] gives.
 
 use super::wire::{Group, Header, Kind, STALLED_MEMORY};
-use super::{
-    ConnError, Control, Placement, RecvEvent, RecvMachine, SendEvent, SendMachine, Transmit,
-};
+use super::{ConnError, Control, Outcome, Placement, RecvMachine, SendMachine, Transmit};
 
 /// What a frame without payload meant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,12 +195,12 @@ impl<T> CommMachine<T> {
     pub fn poll_outcome(&mut self) -> Option<(T, Result<u64, ConnError>)> {
         match self {
             CommMachine::Send(m) => m.poll_event().map(|e| match e {
-                SendEvent::Completed { len, token, .. } => (token, Ok(len)),
-                SendEvent::Failed { token, error, .. } => (token, Err(error)),
+                Outcome::Completed { len, token, .. } => (token, Ok(len)),
+                Outcome::Failed { token, error, .. } => (token, Err(error)),
             }),
             CommMachine::Recv(m) => m.poll_event().map(|e| match e {
-                RecvEvent::Completed { len, token, .. } => (token, Ok(len)),
-                RecvEvent::Failed { token, error, .. } => (token, Err(error)),
+                Outcome::Completed { len, token, .. } => (token, Ok(len)),
+                Outcome::Failed { token, error, .. } => (token, Err(error)),
             }),
         }
     }

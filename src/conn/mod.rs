@@ -22,9 +22,25 @@ pub mod recv;
 pub mod send;
 pub mod wire;
 
-pub use recv::{Control, Placement, RecvEvent, RecvMachine};
-pub use send::{SendEvent, SendMachine, Transmit};
+pub use recv::{Control, Placement, RecvMachine};
+pub use send::{SendMachine, Transmit};
 pub use wire::Group;
+
+/// What became of a message, sent or received, for its owner (the token it was posted
+/// with).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome<T> {
+    Completed {
+        seq: u64,
+        len: u64,
+        token: T,
+    },
+    Failed {
+        seq: u64,
+        token: T,
+        error: ConnError,
+    },
+}
 
 /// Why a message or a comm failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -152,7 +168,7 @@ mod tests {
     }
 
     /// Runs a full exchange with the given send sizes and receive capacities.
-    fn exchange(sends: &[u64], caps: &[u64]) -> (Vec<RecvEvent<usize>>, Vec<SendEvent<usize>>) {
+    fn exchange(sends: &[u64], caps: &[u64]) -> (Vec<Outcome<usize>>, Vec<Outcome<usize>>) {
         let mut s = Sender::new();
         let mut r = RecvMachine::default();
         for (i, &len) in sends.iter().enumerate() {
@@ -247,15 +263,15 @@ mod tests {
             }
             while let Some(e) = r.poll_event() {
                 match e {
-                    RecvEvent::Completed { seq, len, token } => {
+                    Outcome::Completed { seq, len, token } => {
                         check(seq, len, token);
                         completed.push(seq);
                     }
-                    RecvEvent::Failed { .. } => panic!("{e:?}"),
+                    Outcome::Failed { .. } => panic!("{e:?}"),
                 }
             }
             while let Some(e) = s.s.poll_event() {
-                assert!(matches!(e, SendEvent::Completed { .. }), "{e:?}");
+                assert!(matches!(e, Outcome::Completed { .. }), "{e:?}");
             }
             if s.pending() == 0 && r.pending() == 0 {
                 return (completed, step);
@@ -325,8 +341,8 @@ mod tests {
         }
         let got: Vec<(char, u64)> = std::iter::from_fn(|| r.poll_event())
             .map(|e| match e {
-                RecvEvent::Completed { len, token, .. } => (token, len),
-                RecvEvent::Failed { .. } => panic!("{e:?}"),
+                Outcome::Completed { len, token, .. } => (token, len),
+                Outcome::Failed { .. } => panic!("{e:?}"),
             })
             .collect();
         assert_eq!(got, vec![('a', 7), ('b', 0), ('c', 50), ('d', 5)]);
@@ -340,8 +356,8 @@ mod tests {
         let got: Vec<(u64, u64)> = recvd
             .iter()
             .map(|e| match e {
-                RecvEvent::Completed { seq, len, .. } => (*seq, *len),
-                RecvEvent::Failed { .. } => panic!("{e:?}"),
+                Outcome::Completed { seq, len, .. } => (*seq, *len),
+                Outcome::Failed { .. } => panic!("{e:?}"),
             })
             .collect();
         let want: Vec<(u64, u64)> = sends
@@ -351,19 +367,17 @@ mod tests {
             .collect();
         assert_eq!(got, want);
         assert_eq!(sent.len(), sends.len());
-        assert!(sent
-            .iter()
-            .all(|e| matches!(e, SendEvent::Completed { .. })));
+        assert!(sent.iter().all(|e| matches!(e, Outcome::Completed { .. })));
     }
 
     #[test]
     fn an_oversized_send_is_cut_to_its_receive_on_both_sides() {
         let (recvd, sent) = exchange(&[10, 3], &[9, 9]);
-        let sizes = |e: &[RecvEvent<usize>]| -> Vec<u64> {
+        let sizes = |e: &[Outcome<usize>]| -> Vec<u64> {
             e.iter()
                 .map(|e| match e {
-                    RecvEvent::Completed { len, .. } => *len,
-                    RecvEvent::Failed { .. } => panic!("{e:?}"),
+                    Outcome::Completed { len, .. } => *len,
+                    Outcome::Failed { .. } => panic!("{e:?}"),
                 })
                 .collect()
         };
@@ -371,8 +385,8 @@ mod tests {
         let sent: Vec<u64> = sent
             .iter()
             .map(|e| match e {
-                SendEvent::Completed { len, .. } => *len,
-                SendEvent::Failed { .. } => panic!("{e:?}"),
+                Outcome::Completed { len, .. } => *len,
+                Outcome::Failed { .. } => panic!("{e:?}"),
             })
             .collect();
         assert_eq!(sent, [9, 3]);

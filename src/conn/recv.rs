@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use super::wire::Group;
-use super::{ConnError, Stats};
+use super::{ConnError, Outcome, Stats};
 
 /// Control frames the receiver owes the sender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,20 +37,6 @@ pub enum Placement {
     Deliver { seq: u64, len: u64 },
     /// A duplicate of something already delivered (a replay overlap): read and drop.
     Discard { len: u64 },
-}
-
-#[derive(Debug, PartialEq, Eq)]
-pub enum RecvEvent<T> {
-    Completed {
-        seq: u64,
-        len: u64,
-        token: T,
-    },
-    Failed {
-        seq: u64,
-        token: T,
-        error: ConnError,
-    },
 }
 
 #[derive(Debug)]
@@ -75,7 +61,7 @@ pub struct RecvMachine<T> {
     writing: BTreeMap<usize, u64>,
     ctrl: VecDeque<Control>,
     ack_owed: bool,
-    events: VecDeque<RecvEvent<T>>,
+    events: VecDeque<Outcome<T>>,
     failed: Option<ConnError>,
     pub stats: Stats,
 }
@@ -132,8 +118,7 @@ impl<T> RecvMachine<T> {
         self.next_seq += 1;
         if let Some(error) = self.failed.clone() {
             self.delivered = self.delivered.max(seq + 1);
-            self.events
-                .push_back(RecvEvent::Failed { seq, token, error });
+            self.events.push_back(Outcome::Failed { seq, token, error });
         } else {
             self.posted.push_back(Posted {
                 seq,
@@ -231,7 +216,7 @@ impl<T> RecvMachine<T> {
             let len = p.done.expect("front checked");
             self.stats.messages += 1;
             self.stats.bytes += len;
-            self.events.push_back(RecvEvent::Completed {
+            self.events.push_back(Outcome::Completed {
                 seq: p.seq,
                 len,
                 token: p.token,
@@ -257,7 +242,7 @@ impl<T> RecvMachine<T> {
     }
 
     #[must_use]
-    pub fn poll_event(&mut self) -> Option<RecvEvent<T>> {
+    pub fn poll_event(&mut self) -> Option<Outcome<T>> {
         self.events.pop_front()
     }
 
@@ -288,7 +273,7 @@ impl<T> RecvMachine<T> {
         self.writing.clear();
         self.delivered = self.next_seq;
         while let Some(p) = self.posted.pop_front() {
-            self.events.push_back(RecvEvent::Failed {
+            self.events.push_back(Outcome::Failed {
                 seq: p.seq,
                 token: p.token,
                 error: error.clone(),
@@ -315,7 +300,7 @@ mod tests {
         std::iter::from_fn(|| m.poll_transmit()).collect()
     }
 
-    fn events<T>(m: &mut RecvMachine<T>) -> Vec<RecvEvent<T>> {
+    fn events<T>(m: &mut RecvMachine<T>) -> Vec<Outcome<T>> {
         std::iter::from_fn(|| m.poll_event()).collect()
     }
 
@@ -355,7 +340,7 @@ mod tests {
         assert!(m.payload_done(0, 0, 40).unwrap().is_empty());
         assert_eq!(
             m.poll_event(),
-            Some(RecvEvent::Completed {
+            Some(Outcome::Completed {
                 seq: 0,
                 len: 40,
                 token: 'a'
@@ -429,8 +414,8 @@ mod tests {
         let seqs: Vec<u64> = events(&mut m)
             .iter()
             .map(|e| match e {
-                RecvEvent::Completed { seq, .. } => *seq,
-                RecvEvent::Failed { .. } => panic!("{e:?}"),
+                Outcome::Completed { seq, .. } => *seq,
+                Outcome::Failed { .. } => panic!("{e:?}"),
             })
             .collect();
         assert_eq!(seqs, vec![0, 1, 2]);
@@ -530,16 +515,16 @@ mod tests {
         m.handle_lane_lost(ConnError::PeerClosed);
         assert!(matches!(
             m.poll_event(),
-            Some(RecvEvent::Failed { token: 'a', .. })
+            Some(Outcome::Failed { token: 'a', .. })
         ));
         assert!(matches!(
             m.poll_event(),
-            Some(RecvEvent::Failed { token: 'b', .. })
+            Some(Outcome::Failed { token: 'b', .. })
         ));
         m.post(1, 'c');
         assert!(matches!(
             m.poll_event(),
-            Some(RecvEvent::Failed { token: 'c', .. })
+            Some(Outcome::Failed { token: 'c', .. })
         ));
         assert!(m.poll_transmit().is_none());
     }

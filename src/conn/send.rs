@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 
-use super::{ConnError, Stats};
+use super::{ConnError, Outcome, Stats};
 
 /// What the reactor must put on the lane next: header `Data{seq, len}` followed by the
 /// `len` bytes of message `seq`.
@@ -23,21 +23,6 @@ use super::{ConnError, Stats};
 pub struct Transmit {
     pub seq: u64,
     pub len: u64,
-}
-
-/// Outcomes for the owner of a message.
-#[derive(Debug, PartialEq, Eq)]
-pub enum SendEvent<T> {
-    Completed {
-        seq: u64,
-        len: u64,
-        token: T,
-    },
-    Failed {
-        seq: u64,
-        token: T,
-        error: ConnError,
-    },
 }
 
 #[derive(Debug)]
@@ -66,7 +51,7 @@ pub struct SendMachine<T> {
     acked: u64,
     /// One past the highest sequence number ever transmitted.
     sent_end: u64,
-    events: VecDeque<SendEvent<T>>,
+    events: VecDeque<Outcome<T>>,
     failed: Option<ConnError>,
     /// A send the receiver's acknowledgements contradict, for the owner to fail the comm
     /// with.
@@ -93,8 +78,7 @@ impl<T> SendMachine<T> {
     /// and no other message fills. On a failed comm the message fails at once.
     pub fn post(&mut self, seq: u64, len: u64, token: T) {
         if let Some(error) = self.failed.clone() {
-            self.events
-                .push_back(SendEvent::Failed { seq, token, error });
+            self.events.push_back(Outcome::Failed { seq, token, error });
             return;
         }
         if seq < self.acked {
@@ -139,7 +123,7 @@ impl<T> SendMachine<T> {
             }
             self.stats.messages += 1;
             self.stats.bytes += m.len;
-            self.events.push_back(SendEvent::Completed {
+            self.events.push_back(Outcome::Completed {
                 seq: m.seq,
                 len: m.len,
                 token: m.token,
@@ -181,7 +165,7 @@ impl<T> SendMachine<T> {
     }
 
     #[must_use]
-    pub fn poll_event(&mut self) -> Option<SendEvent<T>> {
+    pub fn poll_event(&mut self) -> Option<Outcome<T>> {
         self.events.pop_front()
     }
 
@@ -219,7 +203,7 @@ impl<T> SendMachine<T> {
     /// The comm is lost and will not be restored: every pending message fails.
     pub fn handle_lane_lost(&mut self, error: ConnError) {
         while let Some(m) = self.queue.pop_front() {
-            self.events.push_back(SendEvent::Failed {
+            self.events.push_back(Outcome::Failed {
                 seq: m.seq,
                 token: m.token,
                 error: error.clone(),
@@ -291,12 +275,12 @@ mod tests {
         assert_eq!(
             done,
             vec![
-                SendEvent::Completed {
+                Outcome::Completed {
                     seq: 0,
                     len: 1,
                     token: 0
                 },
-                SendEvent::Completed {
+                Outcome::Completed {
                     seq: 1,
                     len: 2,
                     token: 1
@@ -306,7 +290,7 @@ mod tests {
         m.handle_ack(3).unwrap();
         assert_eq!(
             m.poll_event(),
-            Some(SendEvent::Completed {
+            Some(Outcome::Completed {
                 seq: 2,
                 len: 3,
                 token: 2
@@ -388,16 +372,16 @@ mod tests {
         m.handle_lane_lost(ConnError::PeerClosed);
         assert!(matches!(
             m.poll_event(),
-            Some(SendEvent::Failed { seq: 0, .. })
+            Some(Outcome::Failed { seq: 0, .. })
         ));
         assert!(matches!(
             m.poll_event(),
-            Some(SendEvent::Failed { seq: 1, .. })
+            Some(Outcome::Failed { seq: 1, .. })
         ));
         m.post(2, 3, 3);
         assert!(matches!(
             m.poll_event(),
-            Some(SendEvent::Failed { seq: 2, .. })
+            Some(Outcome::Failed { seq: 2, .. })
         ));
         assert!(m.poll_transmit(0).is_none());
         assert_eq!(m.pending(), 0);
