@@ -84,6 +84,7 @@ fn record_all(t: &Telemetry, nic: &str) {
             tx_messages: 16,
             rx_messages: 8,
             placed_bytes: 3 << 18,
+            down_seconds: u64::from(!up) * 90,
         });
     }
     let from = NicPair {
@@ -131,6 +132,9 @@ fn record_all(t: &Telemetry, nic: &str) {
     t.record_comms_given_up(1);
     t.record_link_events(2);
     t.set_memory_registrations(5);
+    t.record_comm_displaced(12);
+    t.set_comms_displaced(2);
+    t.set_degraded(true);
 }
 
 /// The sample value of the series whose name-and-labels text is exactly `series`.
