@@ -642,6 +642,7 @@ fn alert_rules_use_only_exported_metrics() {
         "railover_comms_without_backup",
         "railover_failbacks_total",
         "railover_failovers_total",
+        "railover_nic_down_seconds_total",
     ] {
         assert!(used.contains(needed), "no alert on {needed}");
     }
@@ -1015,6 +1016,31 @@ tests:
         "",
     );
     assert!(ok, "promtool test rules:\n{out}");
+}
+
+/// `dashboards/alerts_test.yml`, the rules' unit tests that operators can run beside
+/// alerts.yml when they tune a threshold, passes; and it still holds cases where the
+/// downtime alert fires and where it must not.
+#[test]
+fn alert_rule_unit_tests_pass() {
+    let test = root().join("dashboards/alerts_test.yml");
+    let text = std::fs::read_to_string(&test).unwrap();
+    let downtime = text.matches("alertname: RailoverNicDowntime").count();
+    let quiet = text.matches("exp_alerts: []").count();
+    let firing = text.matches("exp_alerts:\n").count();
+    assert!(
+        downtime >= 4 && quiet >= 2 && firing >= 2,
+        "alerts_test.yml lost its downtime cases ({downtime} tests, {quiet} quiet, {firing} firing)"
+    );
+    let Some(promtool) = tool("promtool") else {
+        return;
+    };
+    let (ok, out) = run_with_stdin(
+        Command::new(&promtool).args(["test", "rules"]).arg(&test),
+        "",
+    );
+    assert!(ok, "promtool test rules {}:\n{out}", test.display());
+    assert!(out.contains("SUCCESS"), "{out}");
 }
 
 /// Kills and reaps a child process on drop, so a failing assertion leaves nothing running.
