@@ -453,6 +453,10 @@ fn dashboard_queries_use_only_exported_metrics() {
         "railover_unmatched_sends_total",
         "railover_link_events_total",
         "railover_memory_exclusions_total",
+        "increase(railover_nic_down_seconds_total",
+        "increase(railover_comm_displaced_seconds_total",
+        "railover_comms_displaced",
+        "railover_degraded",
     ] {
         assert!(all.contains(needed), "no panel query contains {needed:?}");
     }
@@ -482,6 +486,49 @@ fn zero_copy_panel_is_placed_over_sent_bytes_per_nic() {
     assert_eq!(p["fieldConfig"]["defaults"]["unit"], "percentunit");
     assert_eq!(p["fieldConfig"]["defaults"]["max"], 1);
     panel(&dashboard(), "Memory registrations");
+}
+
+/// The downtime panels sum each NIC's downtime over the dashboard's range per process and
+/// NIC (every rank of a node reports the node's NICs, so adding across them would
+/// multiply), and the degraded timeline shows each process's flag.
+#[test]
+fn downtime_panels_read_cumulative_downtime_per_process_and_nic() {
+    let d = dashboard();
+    let per_nic = panel(&d, "Downtime per NIC (range)");
+    let expr = per_nic["targets"][0]["expr"].as_str().unwrap();
+    assert!(
+        expr.starts_with("sum by (instance, nic) (increase(railover_nic_down_seconds_total{")
+            && expr.ends_with("[$__range]))"),
+        "{expr}"
+    );
+    assert_eq!(per_nic["fieldConfig"]["defaults"]["unit"], "s");
+    let longest = panel(&d, "Longest NIC downtime (range)");
+    let expr = longest["targets"][0]["expr"].as_str().unwrap();
+    assert!(expr.starts_with("max(sum by (instance, nic) ("), "{expr}");
+    let spec = |n| metrics::spec(n).unwrap();
+    assert_eq!(
+        (
+            spec(metrics::NIC_DOWN_SECONDS_TOTAL).kind,
+            spec(metrics::NIC_DOWN_SECONDS_TOTAL).labels
+        ),
+        (metrics::MetricKind::Counter, &["nic"][..])
+    );
+    for name in [
+        metrics::COMM_DISPLACED_SECONDS_TOTAL,
+        metrics::COMMS_DISPLACED,
+        metrics::DEGRADED,
+    ] {
+        assert!(spec(name).labels.is_empty(), "{name}: no per-comm label");
+    }
+    let degraded = panel(&d, "Degraded");
+    assert_eq!(degraded["type"], "state-timeline");
+    let expr = degraded["targets"][0]["expr"].as_str().unwrap();
+    assert!(
+        expr.starts_with("max by (instance) (railover_degraded{"),
+        "{expr}"
+    );
+    panel(&d, "Comm time displaced (range)");
+    panel(&d, "Comms displaced over time");
 }
 
 /// The panel titled `title`.
