@@ -84,6 +84,7 @@ fn record_all(t: &Telemetry, nic: &str) {
             tx_messages: 16,
             rx_messages: 8,
             placed_bytes: 3 << 18,
+            down_seconds: u64::from(!up) * 90,
         });
     }
     let from = NicPair {
@@ -131,6 +132,9 @@ fn record_all(t: &Telemetry, nic: &str) {
     t.record_comms_given_up(1);
     t.record_link_events(2);
     t.set_memory_registrations(5);
+    t.record_comm_displaced(12);
+    t.set_comms_displaced(2);
+    t.set_degraded(true);
 }
 
 /// The sample value of the series whose name-and-labels text is exactly `series`.
@@ -449,6 +453,10 @@ fn dashboard_queries_use_only_exported_metrics() {
         "railover_unmatched_sends_total",
         "railover_link_events_total",
         "railover_memory_exclusions_total",
+        "increase(railover_nic_down_seconds_total",
+        "increase(railover_comm_displaced_seconds_total",
+        "railover_comms_displaced",
+        "railover_degraded",
     ] {
         assert!(all.contains(needed), "no panel query contains {needed:?}");
     }
@@ -478,6 +486,49 @@ fn zero_copy_panel_is_placed_over_sent_bytes_per_nic() {
     assert_eq!(p["fieldConfig"]["defaults"]["unit"], "percentunit");
     assert_eq!(p["fieldConfig"]["defaults"]["max"], 1);
     panel(&dashboard(), "Memory registrations");
+}
+
+/// The downtime panels sum each NIC's downtime over the dashboard's range per process and
+/// NIC (every rank of a node reports the node's NICs, so adding across them would
+/// multiply), and the degraded timeline shows each process's flag.
+#[test]
+fn downtime_panels_read_cumulative_downtime_per_process_and_nic() {
+    let d = dashboard();
+    let per_nic = panel(&d, "Downtime per NIC (range)");
+    let expr = per_nic["targets"][0]["expr"].as_str().unwrap();
+    assert!(
+        expr.starts_with("sum by (instance, nic) (increase(railover_nic_down_seconds_total{")
+            && expr.ends_with("[$__range]))"),
+        "{expr}"
+    );
+    assert_eq!(per_nic["fieldConfig"]["defaults"]["unit"], "s");
+    let longest = panel(&d, "Longest NIC downtime (range)");
+    let expr = longest["targets"][0]["expr"].as_str().unwrap();
+    assert!(expr.starts_with("max(sum by (instance, nic) ("), "{expr}");
+    let spec = |n| metrics::spec(n).unwrap();
+    assert_eq!(
+        (
+            spec(metrics::NIC_DOWN_SECONDS_TOTAL).kind,
+            spec(metrics::NIC_DOWN_SECONDS_TOTAL).labels
+        ),
+        (metrics::MetricKind::Counter, &["nic"][..])
+    );
+    for name in [
+        metrics::COMM_DISPLACED_SECONDS_TOTAL,
+        metrics::COMMS_DISPLACED,
+        metrics::DEGRADED,
+    ] {
+        assert!(spec(name).labels.is_empty(), "{name}: no per-comm label");
+    }
+    let degraded = panel(&d, "Degraded");
+    assert_eq!(degraded["type"], "state-timeline");
+    let expr = degraded["targets"][0]["expr"].as_str().unwrap();
+    assert!(
+        expr.starts_with("max by (instance) (railover_degraded{"),
+        "{expr}"
+    );
+    panel(&d, "Comm time displaced (range)");
+    panel(&d, "Comms displaced over time");
 }
 
 /// The panel titled `title`.
@@ -638,6 +689,7 @@ fn alert_rules_use_only_exported_metrics() {
         "railover_comms_without_backup",
         "railover_failbacks_total",
         "railover_failovers_total",
+        "railover_nic_down_seconds_total",
     ] {
         assert!(used.contains(needed), "no alert on {needed}");
     }
@@ -1011,6 +1063,31 @@ tests:
         "",
     );
     assert!(ok, "promtool test rules:\n{out}");
+}
+
+/// `dashboards/alerts_test.yml`, the rules' unit tests that operators can run beside
+/// alerts.yml when they tune a threshold, passes; and it still holds cases where the
+/// downtime alert fires and where it must not.
+#[test]
+fn alert_rule_unit_tests_pass() {
+    let test = root().join("dashboards/alerts_test.yml");
+    let text = std::fs::read_to_string(&test).unwrap();
+    let downtime = text.matches("alertname: RailoverNicDowntime").count();
+    let quiet = text.matches("exp_alerts: []").count();
+    let firing = text.matches("exp_alerts:\n").count();
+    assert!(
+        downtime >= 4 && quiet >= 2 && firing >= 2,
+        "alerts_test.yml lost its downtime cases ({downtime} tests, {quiet} quiet, {firing} firing)"
+    );
+    let Some(promtool) = tool("promtool") else {
+        return;
+    };
+    let (ok, out) = run_with_stdin(
+        Command::new(&promtool).args(["test", "rules"]).arg(&test),
+        "",
+    );
+    assert!(ok, "promtool test rules {}:\n{out}", test.display());
+    assert!(out.contains("SUCCESS"), "{out}");
 }
 
 /// Kills and reaps a child process on drop, so a failing assertion leaves nothing running.

@@ -1401,7 +1401,9 @@ fn prom_wait(
 
 fault_test! {
     /// Real Prometheus scrapes the sending plugin while a link fails and comes back; its
-    /// query API shows the bytes, the NIC going 1 -> 0 -> 1, the failover and the fail-back.
+    /// query API shows the bytes, the NIC going 1 -> 0 -> 1, the failover and the fail-back,
+    /// and the NIC's downtime growing while it is down, its comms displaced and the process
+    /// degraded until they are home.
     fn failover_prometheus_sees_the_failover_and_the_failback() {
         if needs_failover() {
             return;
@@ -1449,11 +1451,23 @@ fault_test! {
         // rv1 now carries every comm's lane: they share it under pacing caps.
         let paced = prom_wait(&tb, prom, "railover_paced_lanes{nic=\"rv1\"}", t, |v| v >= 2.0);
         let b2 = prom_wait(&tb, prom, sent, t, |v| v > b1);
+        // While rv0 is still down its downtime grows, its comms count as displaced and the
+        // process as degraded.
+        let down = "railover_nic_down_seconds_total{nic=\"rv0\"}";
+        let down1 = prom_wait(&tb, prom, down, t, |v| v >= 1.0);
+        prom_wait(&tb, prom, down, t, |v| v > down1);
+        let displaced = prom_wait(&tb, prom, "railover_comms_displaced", t, |v| v >= 1.0);
+        prom_wait(&tb, prom, "railover_degraded", t, |v| v == 1.0);
         tb.link_up(Side::A, 0);
         prom_wait(&tb, prom, "railover_nic_up{nic=\"rv0\"}", t, |v| v == 1.0);
         let back = prom_wait(&tb, prom, "sum(railover_failbacks_total)", t, |v| v >= 1.0);
         prom_wait(&tb, prom, sent, t, |v| v > b2);
-        println!("Prometheus saw: bytes {b1:.0} -> {b2:.0}, failovers {moved}, paced lanes on rv1 {paced}, failbacks {back}");
+        // Every comm home again: no longer degraded; the time away stays counted.
+        prom_wait(&tb, prom, "railover_degraded", t, |v| v == 0.0);
+        prom_wait(&tb, prom, "railover_comms_displaced", t, |v| v == 0.0);
+        let away = prom_wait(&tb, prom, "railover_comm_displaced_seconds_total", t, |v| v >= 1.0);
+        let down2 = prom_wait(&tb, prom, down, t, |v| v > down1);
+        println!("Prometheus saw: bytes {b1:.0} -> {b2:.0}, failovers {moved}, paced lanes on rv1 {paced}, failbacks {back}, rv0 down {down2:.0} s, {displaced:.0} comms displaced for {away:.0} comm-seconds");
         let (recv, send) = flow.finish();
         assert_delivered_exactly_once(&recv, &send, comms);
         let _ = std::fs::remove_dir_all(&dir);

@@ -254,6 +254,7 @@ impl Engine {
     /// using it and every lane on it fails.
     fn nic_lost(&mut self, i: usize, cut: bool, now: Instant, io: &mut dyn Io) {
         self.nic_up[i] = false;
+        self.metrics.link(i, false, now);
         self.routes_dirty = true;
         self.router.handle_nic_down(NicId(i as u32), now);
         let name = self.setup.nics[i].name.clone();
@@ -276,6 +277,7 @@ impl Engine {
     /// Local NIC `i` has its link again (carrier, or the end of an injected cut).
     fn nic_restored(&mut self, i: usize, now: Instant) {
         self.nic_up[i] = true;
+        self.metrics.link(i, true, now);
         self.routes_dirty = true;
         self.router.handle_nic_up(NicId(i as u32), now);
     }
@@ -573,6 +575,10 @@ impl Engine {
             }
         }
         if std::mem::take(&mut self.routes_dirty) {
+            // Displacement starts and ends with the router's decisions: counted here it
+            // is timed to the turn, not to the next sample.
+            let displaced = self.router.displaced_comms() as u64;
+            self.metrics.set_displaced(displaced, now);
             let snap = self.router.snapshot();
             self.setup
                 .telemetry
@@ -1039,6 +1045,10 @@ impl Engine {
             link_events: load(&st.link_events),
             memory_registrations: USER_REGISTRATIONS.load(Ordering::Relaxed),
         };
+        // Some router changes (a probe's answer, its timers) publish no routes of their
+        // own; counted again here, they are late by one sample at most.
+        let displaced = self.router.displaced_comms() as u64;
+        self.metrics.set_displaced(displaced, now);
         let t = &self.setup.telemetry;
         self.metrics.sample(t, now, &nics, &totals);
     }

@@ -455,6 +455,47 @@ fn an_injected_cut_buries_its_lanes_and_the_restore_closes_them() {
 }
 
 #[test]
+fn a_nic_counts_as_down_from_the_engines_clock_by_carrier_or_cut() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs;
+    let mut a = engine(1, t0);
+    let mut io = Mem::default();
+    a.carrier(0, false, t0 + s(1), &mut io);
+    assert_eq!(a.metrics.down_pending(t0 + s(2)), [s(1)], "under way");
+    a.carrier(0, true, t0 + s(4), &mut io);
+    assert_eq!(a.metrics.down_pending(t0 + s(10)), [s(3)]);
+    a.inject_link(0, false, t0 + s(20), &mut io);
+    a.inject_link(0, true, t0 + s(22), &mut io);
+    assert_eq!(a.metrics.down_pending(t0 + s(30)), [s(5)]);
+}
+
+#[test]
+fn a_comm_is_displaced_from_its_failure_until_it_is_gone() {
+    let t0 = Instant::now();
+    let mut p = connected(t0);
+    assert_eq!(p.a.metrics.displaced_comms(), 0);
+    p.ma.broken.insert(0);
+    p.a.service_lane(0, t0, &mut p.ma);
+    p.a.drive(t0, &mut p.ma);
+    assert_eq!(p.a.comms.len(), 1, "the comm waits for a pair");
+    assert_eq!(p.a.metrics.displaced_comms(), 1);
+    let later = t0 + Duration::from_secs(2);
+    assert_eq!(p.a.metrics.displaced_pending(later), Duration::from_secs(2));
+    // The receiver has no route of its own: its sender counts the comm.
+    assert_eq!(p.b.metrics.displaced_comms(), 0);
+    let shared = p.a.comms[0].shared.clone();
+    p.a.close_comm(&shared, later, &mut p.ma);
+    p.a.drive(later, &mut p.ma);
+    assert_eq!(p.a.metrics.displaced_comms(), 0);
+    let much_later = later + Duration::from_secs(60);
+    assert_eq!(
+        p.a.metrics.displaced_pending(much_later),
+        Duration::from_secs(2),
+        "a closed comm counts no more"
+    );
+}
+
+#[test]
 fn a_refused_connect_fails_the_pending_connect_and_keeps_no_lane() {
     let now = Instant::now();
     let mut a = engine(1, now);

@@ -1024,6 +1024,15 @@ impl Router {
         loads
     }
 
+    /// Comms with a lane away from its original pair: on a backup, or waiting for one.
+    /// A count without a snapshot's allocations, cheap enough to take at every metrics
+    /// sample.
+    pub fn displaced_comms(&self) -> usize {
+        (self.comms.values())
+            .filter(|c| c.lanes.iter().any(Lane::displaced))
+            .count()
+    }
+
     fn displaced_originals(&self) -> BTreeSet<Pair> {
         self.comms
             .values()

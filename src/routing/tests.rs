@@ -1129,6 +1129,33 @@ fn a_probe_still_out_is_not_sent_again() {
 }
 
 #[test]
+fn comms_count_as_displaced_from_the_failure_until_they_are_home() {
+    // Three comms with a lane on each of two rails: NIC 0 going down displaces all
+    // three, and they stay displaced until fail-back brings their lane 0 home.
+    let mut sim = router_with_rails(2, 3, config(0));
+    assert_eq!(sim.router.displaced_comms(), 0);
+    sim.nic_down(0);
+    assert_eq!(sim.router.displaced_comms(), 3);
+    sim.nic_up(0);
+    sim.advance_to(ms(2_999));
+    assert_eq!(
+        sim.router.displaced_comms(),
+        3,
+        "up, but not failed back yet"
+    );
+    sim.advance_to(ms(3_000));
+    assert_eq!(sim.router.stats().failbacks, 3);
+    assert_eq!(sim.router.displaced_comms(), 0);
+    // A comm waiting for a pair is displaced too, and a removed one no longer counts.
+    sim.nic_down(0);
+    sim.nic_down(1);
+    assert_eq!(no_eligible_pair(&sim), 6);
+    assert_eq!(sim.router.displaced_comms(), 3);
+    sim.router.remove_comm(CommId(1));
+    assert_eq!(sim.router.displaced_comms(), 2);
+}
+
+#[test]
 fn failback_waits_while_the_original_nic_is_down() {
     let mut sim = router_with_rails(2, 1, config(0));
     sim.nic_down(0);

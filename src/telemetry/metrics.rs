@@ -39,6 +39,8 @@ pub const LANES: &str = "railover_lanes";
 pub const PACED_LANES: &str = "railover_paced_lanes";
 /// `railover_nic_up{nic}`.
 pub const NIC_UP: &str = "railover_nic_up";
+/// `railover_nic_down_seconds_total{nic}`.
+pub const NIC_DOWN_SECONDS_TOTAL: &str = "railover_nic_down_seconds_total";
 /// `railover_nic_info{nic,rail}`.
 pub const NIC_INFO: &str = "railover_nic_info";
 /// `railover_failovers_total{nic,reason}`.
@@ -83,6 +85,13 @@ pub const COMMS_GIVEN_UP_TOTAL: &str = "railover_comms_given_up_total";
 pub const LINK_EVENTS_TOTAL: &str = "railover_link_events_total";
 /// `railover_memory_registrations_total`.
 pub const MEMORY_REGISTRATIONS_TOTAL: &str = "railover_memory_registrations_total";
+
+/// `railover_comm_displaced_seconds_total`.
+pub const COMM_DISPLACED_SECONDS_TOTAL: &str = "railover_comm_displaced_seconds_total";
+/// `railover_comms_displaced`.
+pub const COMMS_DISPLACED: &str = "railover_comms_displaced";
+/// `railover_degraded`.
+pub const DEGRADED: &str = "railover_degraded";
 
 /// Histogram bucket bounds, in seconds, for [`FAILOVER_SECONDS`] and [`DETECTION_SECONDS`]:
 /// fine below the default 1 s completion timeout (P1), coarse up to NCCL's own ~30 s.
@@ -185,6 +194,13 @@ pub const METRICS: &[MetricSpec] = &[
         help: "1 while the local NIC has carrier and no fatal error, 0 while it is down.",
     },
     MetricSpec {
+        name: NIC_DOWN_SECONDS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["nic"],
+        unit: "seconds",
+        help: "Time the local NIC spent down (carrier lost, or cut by fault injection), from when railover marked it down until it was up again; an outage under way adds to it at every sample, not only when it ends. Whole seconds, the fraction carried to the next sample.",
+    },
+    MetricSpec {
         name: NIC_INFO,
         kind: MetricKind::Gauge,
         labels: &["nic", "rail"],
@@ -253,6 +269,27 @@ pub const METRICS: &[MetricSpec] = &[
         labels: &[],
         unit: "comms",
         help: "Comms with a failed lane and no eligible backup pair right now (their requests fail).",
+    },
+    MetricSpec {
+        name: COMM_DISPLACED_SECONDS_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &[],
+        unit: "seconds",
+        help: "Time the process's send comms spent displaced, summed over them: a comm counts while a lane of it is off its own NIC pair (failed over, being moved, or with no eligible pair) until it has failed back, and adds at every sample while that lasts. Whole seconds, the fraction carried to the next sample.",
+    },
+    MetricSpec {
+        name: COMMS_DISPLACED,
+        kind: MetricKind::Gauge,
+        labels: &[],
+        unit: "comms",
+        help: "Send comms displaced now: a lane of theirs is off its own NIC pair (failed over, being moved, or with no eligible pair).",
+    },
+    MetricSpec {
+        name: DEGRADED,
+        kind: MetricKind::Gauge,
+        labels: &[],
+        unit: "boolean",
+        help: "1 while any comm of the process is displaced or any of its local NICs is down, else 0: for schedulers.",
     },
     MetricSpec {
         name: NO_ELIGIBLE_PAIR_TOTAL,
@@ -417,6 +454,8 @@ pub struct NicSample<'a> {
     /// Payload bytes written in place since the previous sample: a part of what
     /// `tx_bytes` counts, taken when posted (`transport::LaneProgress::placed` deltas).
     pub placed_bytes: u64,
+    /// Whole seconds it was down since the previous sample (`sampler::Accrual`).
+    pub down_seconds: u64,
 }
 
 /// Turns one cumulative counter (`ReactorStats`, `conn::Stats`, `routing::Stats`) into the
@@ -669,6 +708,7 @@ impl Telemetry {
         metrics::gauge!(LANES, "nic" => nic.clone()).set(s.lanes as f64);
         metrics::gauge!(PACED_LANES, "nic" => nic.clone()).set(s.paced_lanes as f64);
         metrics::gauge!(NIC_UP, "nic" => nic.clone()).set(if s.up { 1.0 } else { 0.0 });
+        metrics::counter!(NIC_DOWN_SECONDS_TOTAL, "nic" => nic.clone()).increment(s.down_seconds);
         let rail = s.rail.map_or_else(|| "none".to_owned(), |r| r.to_string());
         metrics::gauge!(NIC_INFO, "nic" => nic, "rail" => rail).set(1.0);
     }
@@ -729,6 +769,21 @@ impl Telemetry {
     /// Comms that now have a stranded lane (`routing::LaneStatus::Stranded`).
     pub fn set_comms_without_backup(&self, n: u64) {
         metrics::gauge!(COMMS_WITHOUT_BACKUP).set(n as f64);
+    }
+
+    /// Whole seconds comms spent displaced since the last call, summed over them.
+    pub fn record_comm_displaced(&self, secs: u64) {
+        metrics::counter!(COMM_DISPLACED_SECONDS_TOTAL).increment(secs);
+    }
+
+    /// Comms displaced now.
+    pub fn set_comms_displaced(&self, n: u64) {
+        metrics::gauge!(COMMS_DISPLACED).set(n as f64);
+    }
+
+    /// Whether the process runs degraded now: a comm displaced or a local NIC down.
+    pub fn set_degraded(&self, degraded: bool) {
+        metrics::gauge!(DEGRADED).set(if degraded { 1.0 } else { 0.0 });
     }
 
     /// Fraction of the last interval the reactor worked; clamped to 0..=1, NaN ignored.
@@ -1119,6 +1174,7 @@ mod tests {
             r#"railover_probe_failures_total{nic="unit_decl1"} 0"#.to_owned(),
             r#"railover_messages_total{nic="unit_decl0",direction="rx"} 0"#.to_owned(),
             r#"railover_placed_bytes_total{nic="unit_decl1"} 0"#.to_owned(),
+            r#"railover_nic_down_seconds_total{nic="unit_decl0"} 0"#.to_owned(),
         ];
         for r in FailReason::ALL {
             want.push(format!(
@@ -1139,6 +1195,9 @@ mod tests {
             COMMS_GIVEN_UP_TOTAL,
             LINK_EVENTS_TOTAL,
             MEMORY_REGISTRATIONS_TOTAL,
+            COMM_DISPLACED_SECONDS_TOTAL,
+            COMMS_DISPLACED,
+            DEGRADED,
         ] {
             assert!(text.contains(&format!("\n{name} ")), "no {name} in\n{text}");
         }
@@ -1188,6 +1247,7 @@ mod tests {
             tx_messages: 2,
             rx_messages: 1,
             placed_bytes: 3072,
+            down_seconds: 7,
         });
         t.record_failover(&Failover {
             comm: 1,
@@ -1207,6 +1267,7 @@ mod tests {
             r#"railover_paced_lanes{nic="unit_nic0"} 2"#,
             r#"railover_nic_up{nic="unit_nic0"} 1"#,
             r#"railover_nic_info{nic="unit_nic0",rail="2"} 1"#,
+            r#"railover_nic_down_seconds_total{nic="unit_nic0"} 7"#,
             r#"railover_failovers_total{nic="unit_nic0",reason="nic_error"} 1"#,
             "# TYPE railover_failover_seconds histogram",
         ] {

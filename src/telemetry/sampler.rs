@@ -44,6 +44,72 @@ pub struct LanePlaced {
     last: u64,
 }
 
+/// Time some number of things spent in a state (local NICs down, comms displaced), summed
+/// over them: each second with `n` of them in it adds `n` seconds. It reads no clock:
+/// every change and every look says when it happens. Looks add the time up to them as well
+/// as changes do, so a state that lasts shows while it lasts, not only once it ends.
+#[derive(Debug, Clone, Copy)]
+pub struct Accrual {
+    count: u64,
+    /// Accrued up to here.
+    since: Instant,
+    /// Accrued and not taken yet, in nanoseconds.
+    owed: u128,
+}
+
+const NANOS_PER_SEC: u128 = 1_000_000_000;
+
+impl Accrual {
+    /// Nothing in the state, from `now`.
+    pub fn new(now: Instant) -> Accrual {
+        Accrual {
+            count: 0,
+            since: now,
+            owed: 0,
+        }
+    }
+
+    /// How many are in the state now.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// From `now` on, `count` are in the state.
+    pub fn set(&mut self, count: u64, now: Instant) {
+        self.advance(now);
+        self.count = count;
+    }
+
+    /// Accrued up to `now` and not taken yet.
+    pub fn pending(&self, now: Instant) -> Duration {
+        let mut a = *self;
+        a.advance(now);
+        let secs = a.owed / NANOS_PER_SEC;
+        let nanos = (a.owed % NANOS_PER_SEC) as u32;
+        Duration::new(u64::try_from(secs).unwrap_or(u64::MAX), nanos)
+    }
+
+    /// Whole seconds accrued up to `now` since the last call. The counters it feeds take
+    /// whole numbers, so the fraction stays for the next call: however often it is called,
+    /// the seconds handed over add up to the time accrued.
+    pub fn take_secs(&mut self, now: Instant) -> u64 {
+        self.advance(now);
+        let secs = self.owed / NANOS_PER_SEC;
+        self.owed %= NANOS_PER_SEC;
+        u64::try_from(secs).unwrap_or(u64::MAX)
+    }
+
+    /// Adds the time from the last change or look up to `now`. A `now` before it (a caller
+    /// whose clock reading is older) adds nothing, and the next later one counts from the
+    /// last point already accrued, so no interval counts twice.
+    fn advance(&mut self, now: Instant) {
+        if now > self.since {
+            self.owed += (now - self.since).as_nanos() * u128::from(self.count);
+            self.since = now;
+        }
+    }
+}
+
 /// Counts since the last sample.
 #[derive(Debug)]
 pub struct Sampler {
@@ -52,6 +118,11 @@ pub struct Sampler {
     /// Per local NIC: payload bytes its lanes wrote in place.
     placed: Vec<u64>,
     probe_failures: Vec<u64>,
+    /// Per local NIC: its time down, from the engine's link changes.
+    down: Vec<Accrual>,
+    /// Comms away from their own NIC pair (failed over, or waiting for a pair), and their
+    /// time away summed.
+    displaced: Accrual,
     last_sample: Instant,
     idle: Duration,
     replayed: Delta,
@@ -71,6 +142,8 @@ impl Sampler {
             nic: vec![[0; 4]; nics],
             placed: vec![0; nics],
             probe_failures: vec![0; nics],
+            down: vec![Accrual::new(now); nics],
+            displaced: Accrual::new(now),
             last_sample: now,
             idle: Duration::ZERO,
             replayed: Delta::default(),
@@ -118,6 +191,34 @@ impl Sampler {
         }
     }
 
+    /// Local NIC `nic` went down (`up` false) or came back at `now`: its downtime counts
+    /// from the one to the other. Saying the same again changes nothing.
+    pub fn link(&mut self, nic: usize, up: bool, now: Instant) {
+        if let Some(d) = self.down.get_mut(nic) {
+            d.set(u64::from(!up), now);
+        }
+    }
+
+    /// Per local NIC, time down not handed over yet, up to `now`.
+    pub fn down_pending(&self, now: Instant) -> Vec<Duration> {
+        self.down.iter().map(|d| d.pending(now)).collect()
+    }
+
+    /// From `now` on, `comms` comms are displaced.
+    pub fn set_displaced(&mut self, comms: u64, now: Instant) {
+        self.displaced.set(comms, now);
+    }
+
+    /// Comms displaced now.
+    pub fn displaced_comms(&self) -> u64 {
+        self.displaced.count()
+    }
+
+    /// Time comms spent displaced, summed over them, not handed over yet, up to `now`.
+    pub fn displaced_pending(&self, now: Instant) -> Duration {
+        self.displaced.pending(now)
+    }
+
     /// The reactor waited `d` for events that did not come.
     pub fn idle(&mut self, d: Duration) {
         self.idle += d;
@@ -139,6 +240,7 @@ impl Sampler {
         for (i, nic) in nics.iter().enumerate() {
             let c = self.nic.get_mut(i).map(std::mem::take).unwrap_or_default();
             let placed = self.placed.get_mut(i).map_or(0, std::mem::take);
+            let down = self.down.get_mut(i).map_or(0, |d| d.take_secs(now));
             t.record_nic(&NicSample {
                 nic: nic.name,
                 rail: nic.rail,
@@ -150,6 +252,7 @@ impl Sampler {
                 tx_messages: c[2],
                 rx_messages: c[3],
                 placed_bytes: placed,
+                down_seconds: down,
             });
             let probes = self.probe_failures.get_mut(i).map_or(0, std::mem::take);
             if probes > 0 {
@@ -167,6 +270,10 @@ impl Sampler {
         t.record_comms_given_up(self.gave_up.take(st.gave_up));
         t.record_link_events(self.link_events.take(st.link_events));
         t.set_memory_registrations(st.memory_registrations);
+        t.record_comm_displaced(self.displaced.take_secs(now));
+        let displaced = self.displaced.count();
+        t.set_comms_displaced(displaced);
+        t.set_degraded(displaced > 0 || nics.iter().any(|n| !n.up));
     }
 }
 
@@ -281,6 +388,86 @@ mod tests {
                 "{n} grew by {added}, not {want}: counted once per increase"
             );
         }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_nic_down_from_1_s_to_4_s_counts_3_s() {
+        let t = Telemetry::start(&ExporterConfig::off(), None);
+        let t0 = Instant::now();
+        let names = ["unit_down0", "unit_down1"];
+        let mut s = Sampler::new(2, t0);
+        s.link(0, false, t0 + ms(1000));
+        // Said again while down: the outage still began at 1 s.
+        s.link(0, false, t0 + ms(2000));
+        s.link(0, true, t0 + ms(4000));
+        s.link(0, true, t0 + ms(4500));
+        assert_eq!(s.down_pending(t0 + ms(9000)), [ms(3000), Duration::ZERO]);
+        s.sample(&t, t0 + ms(9000), &nics(&names), &Totals::default());
+        let series = |n: &str| format!(r#"railover_nic_down_seconds_total{{nic="{n}"}}"#);
+        assert_eq!(value(&t, &series(names[0])), 3);
+        assert_eq!(value(&t, &series(names[1])), 0, "the other NIC was up");
+        s.sample(&t, t0 + ms(20_000), &nics(&names), &Totals::default());
+        assert_eq!(value(&t, &series(names[0])), 3, "up since: nothing more");
+    }
+
+    #[test]
+    fn an_outage_under_way_counts_up_to_each_sample() {
+        let t = Telemetry::start(&ExporterConfig::off(), None);
+        let t0 = Instant::now();
+        let names = ["unit_ongoing0"];
+        let series = r#"railover_nic_down_seconds_total{nic="unit_ongoing0"}"#;
+        let mut s = Sampler::new(1, t0);
+        let mut down = nics(&names);
+        down[0].up = false;
+        s.link(0, false, t0 + ms(1000));
+        s.sample(&t, t0 + ms(2500), &down, &Totals::default());
+        assert_eq!(value(&t, series), 1, "whole seconds so far");
+        assert_eq!(s.down_pending(t0 + ms(2500)), [ms(500)], "the rest is kept");
+        // Twenty minutes down: the counter grows at every sample, not at the recovery.
+        for minute in 1..=20 {
+            let now = t0 + ms(1000 + 60_000 * minute);
+            s.sample(&t, now, &down, &Totals::default());
+            assert_eq!(value(&t, series), 60 * minute);
+        }
+        s.link(0, true, t0 + ms(1_201_700));
+        s.sample(&t, t0 + ms(1_300_000), &nics(&names), &Totals::default());
+        assert_eq!(value(&t, series), 1200);
+        assert_eq!(s.down_pending(t0 + ms(1_400_000)), [ms(700)]);
+    }
+
+    #[test]
+    fn displaced_time_of_two_comms_adds_up() {
+        let t0 = Instant::now();
+        let mut a = Accrual::new(t0);
+        a.set(2, t0 + ms(1000));
+        assert_eq!(a.pending(t0 + ms(2000)), ms(2000), "two comms, one second");
+        assert_eq!(a.take_secs(t0 + ms(2250)), 2);
+        a.set(1, t0 + ms(3000));
+        a.set(0, t0 + ms(5000));
+        // 2 × 2 s, then 1 × 2 s: 6 s in all, 2 of them taken already.
+        assert_eq!(a.take_secs(t0 + ms(9000)), 4);
+        assert_eq!(a.pending(t0 + ms(9000)), Duration::ZERO);
+        assert_eq!(a.count(), 0);
+
+        let mut s = Sampler::new(0, t0);
+        s.set_displaced(2, t0);
+        s.set_displaced(3, t0 + ms(1000));
+        assert_eq!(s.displaced_comms(), 3);
+        assert_eq!(s.displaced_pending(t0 + ms(2000)), ms(5000));
+    }
+
+    #[test]
+    fn an_older_now_adds_nothing_and_counts_nothing_twice() {
+        let t0 = Instant::now();
+        let mut a = Accrual::new(t0 + ms(2000));
+        a.set(1, t0 + ms(2000));
+        a.set(1, t0 + ms(1000));
+        assert_eq!(a.pending(t0 + ms(1500)), Duration::ZERO);
+        assert_eq!(a.pending(t0 + ms(3000)), ms(1000));
     }
 
     #[test]
