@@ -6,6 +6,7 @@
 //! taken from the medians. Costs (CPU per GB, idle CPU, reactor wake-ups, memory) come
 //! from `/proc` of both processes.
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -334,6 +335,73 @@ fn cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
+/// CPU ns of each live thread of `pid`: (tid, name, ns).
+fn thread_cpu(pid: u32) -> Vec<(u32, String, u64)> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|t| {
+            let tid = t.file_name().to_str()?.parse().ok()?;
+            let name = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            let ns = std::fs::read_to_string(t.path().join("schedstat"))
+                .ok()?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()?;
+            Some((tid, name.trim().to_string(), ns))
+        })
+        .collect()
+}
+
+/// Per thread of both processes, CPU ns summed over timed runs: (process, tid) -> (name,
+/// ns). A thread that came and went between snapshots counts from its first one.
+#[derive(Debug, Default)]
+struct ThreadTally(BTreeMap<(&'static str, u32), (String, u64)>);
+
+impl ThreadTally {
+    /// Adds what each thread used between snapshots `before` and `after` of `process`.
+    fn add(
+        &mut self,
+        process: &'static str,
+        before: &[(u32, String, u64)],
+        after: &[(u32, String, u64)],
+    ) {
+        for (tid, name, ns) in after {
+            let was = before
+                .iter()
+                .find(|(t, _, _)| t == tid)
+                .map_or(*ns, |b| b.2);
+            let e = self.0.entry((process, *tid)).or_insert((name.clone(), 0));
+            e.1 += ns.saturating_sub(was);
+        }
+    }
+
+    /// Threads that ran at least half of `wall_s`, and every thread's CPU per GB of
+    /// `gb` moved (those that used any), busiest first.
+    fn figures(&self, wall_s: f64, gb: f64) -> (usize, Vec<ThreadCpu>) {
+        let busy = (self.0.values())
+            .filter(|(_, ns)| *ns as f64 / 1e9 >= BUSY_SHARE * wall_s)
+            .count();
+        let mut threads: Vec<ThreadCpu> = (self.0.iter())
+            .filter(|(_, (_, ns))| *ns > 0)
+            .map(|((process, _), (name, ns))| ThreadCpu {
+                process,
+                name: name.clone(),
+                cpu_s_per_gb: *ns as f64 / 1e9 / gb,
+                busy_pct: *ns as f64 / 1e9 / wall_s * 100.0,
+            })
+            .collect();
+        threads.sort_by(|a, b| b.cpu_s_per_gb.total_cmp(&a.cpu_s_per_gb));
+        (busy, threads)
+    }
+}
+
+/// The share of a run's wall time a thread must have run to count as busy: a spinning
+/// thread runs nearly all of it, one that wakes per message far less.
+const BUSY_SHARE: f64 = 0.5;
+
 /// The reactor thread of `pid`: (voluntary context switches, CPU ns).
 fn reactor(pid: u32) -> Option<(u64, u64)> {
     for t in std::fs::read_dir(format!("/proc/{pid}/task"))
@@ -428,6 +496,22 @@ pub struct Figures {
     pub busbw: f64,
     /// CPU seconds of both processes per GB moved, summed over the repetitions.
     pub cpu_s_per_gb: f64,
+    /// Threads of both processes that ran at least half of the timed runs' wall time
+    /// (a socket transport keeps one per process busy at most).
+    pub busy_threads: usize,
+    /// Each thread's CPU per GB, busiest first.
+    pub threads: Vec<ThreadCpu>,
+}
+
+/// One thread's share of a mode's CPU at one size point.
+#[derive(Debug, Clone, Serialize)]
+pub struct ThreadCpu {
+    /// `recv` (this process) or `send` (the peer).
+    pub process: &'static str,
+    pub name: String,
+    pub cpu_s_per_gb: f64,
+    /// CPU time as a share of the timed runs' wall time, %.
+    pub busy_pct: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -748,6 +832,11 @@ impl Rig {
         cpu_ns(self.me) + cpu_ns(self.peer_pid)
     }
 
+    /// Each thread's CPU so far: this process (receiving), then the peer (sending).
+    fn threads(&self) -> [Vec<(u32, String, u64)>; 2] {
+        [thread_cpu(self.me), thread_cpu(self.peer_pid)]
+    }
+
     fn point(&mut self, size: usize, o: &Opts) -> Result<Point, String> {
         let (count, depth) = plan(size, o.comms, o.depth, o.quick);
         let e = |e: railover_testkit::driver::Code| e.to_string();
@@ -771,28 +860,38 @@ impl Rig {
         self.raw_run(&mut rbufs, warm)?;
         let (mut pa, mut ta) = (Vec::new(), Vec::new());
         let (mut pcpu, mut tcpu) = (0u64, 0u64);
+        let (mut pthreads, mut tthreads) = (ThreadTally::default(), ThreadTally::default());
         for _ in 0..o.reps {
-            let c0 = self.cpu();
+            let (c0, t0) = (self.cpu(), self.threads());
             pa.push(self.plugin_run(&mut pbufs, size, count)?);
-            let c1 = self.cpu();
+            let (c1, t1) = (self.cpu(), self.threads());
             ta.push(self.raw_run(&mut rbufs, count)?);
+            let t2 = self.threads();
             pcpu += c1 - c0;
             tcpu += self.cpu() - c1;
+            for (k, process) in ["recv", "send"].into_iter().enumerate() {
+                pthreads.add(process, &t0[k], &t1[k]);
+                tthreads.add(process, &t1[k], &t2[k]);
+            }
         }
         let bytes = (size * o.comms) as f64 * count as f64;
-        let side = |secs: &[f64], cpu: u64| {
+        let side = |secs: &[f64], cpu: u64, threads: &ThreadTally| {
             let bw: Vec<f64> = secs.iter().map(|s| bytes / s / 1e9).collect();
             let algbw = Summary::of(&bw);
             let t = Summary::of(secs).median;
+            let gb = bytes * o.reps as f64 / 1e9;
+            let (busy_threads, threads) = threads.figures(secs.iter().sum(), gb);
             Figures {
                 time_us: t / count as f64 * 1e6,
                 algbw,
                 busbw: algbw.median,
-                cpu_s_per_gb: cpu as f64 / 1e9 / (bytes * o.reps as f64 / 1e9),
+                cpu_s_per_gb: cpu as f64 / 1e9 / gb,
+                busy_threads,
+                threads,
             }
         };
-        let plugin = side(&pa, pcpu);
-        let tcp = side(&ta, tcpu);
+        let plugin = side(&pa, pcpu, &pthreads);
+        let tcp = side(&ta, tcpu, &tthreads);
         Ok(Point {
             size,
             count,
@@ -1108,7 +1207,7 @@ fn text(r: &Report) -> String {
     );
     s += "# time: median us per round (one message on each comm); algbw = busbw = size x comms / time (GB/s = 1e9 B/s)\n";
     s += &format!(
-        "#{:>11} {:>8} {:>5} | {:>10} {:>8} {:>8} {:>7} | {:>10} {:>8} {:>8} {:>7} | {:>6} {:>8}\n",
+        "#{:>11} {:>8} {:>5} | {:>10} {:>8} {:>8} {:>7} | {:>10} {:>8} {:>8} {:>7} | {:>6} {:>8} {:>7}\n",
         "size",
         "count",
         "depth",
@@ -1121,15 +1220,16 @@ fn text(r: &Report) -> String {
         "busbw",
         "range",
         "ratio",
-        "cpu/GB"
+        "cpu/GB",
+        "busy"
     );
     s += &format!(
-        "#{:>11} {:>8} {:>5} | {:^36} | {:^36} | {:>6} {:>8}\n",
-        "(B)", "", "", "railover", "raw TCP", "", "ratio"
+        "#{:>11} {:>8} {:>5} | {:^36} | {:^36} | {:>6} {:>8} {:>7}\n",
+        "(B)", "", "", "railover", "raw TCP", "", "ratio", "threads"
     );
     for p in &r.points {
         s += &format!(
-            "{:>12} {:>8} {:>5} | {:>10.2} {:>8} {:>8} {:>6.0}% | {:>10.2} {:>8} {:>8} {:>6.0}% | {:>6.2} {:>8.2}\n",
+            "{:>12} {:>8} {:>5} | {:>10.2} {:>8} {:>8} {:>6.0}% | {:>10.2} {:>8} {:>8} {:>6.0}% | {:>6.2} {:>8.2} {:>3}/{:<3}\n",
             p.size,
             p.count,
             p.depth,
@@ -1142,9 +1242,12 @@ fn text(r: &Report) -> String {
             bw(p.tcp.busbw),
             p.tcp.algbw.range_pct(),
             p.ratio,
-            p.cpu_ratio
+            p.cpu_ratio,
+            p.plugin.busy_threads,
+            p.tcp.busy_threads
         );
     }
+    s += "# busy threads: railover/raw TCP, both processes, that ran at least half of the timed runs\n";
     s += &summary_lines(r).join("\n");
     s += "\n";
     s
@@ -1393,6 +1496,37 @@ mod tests {
         assert_eq!(depth, 1);
     }
 
+    #[test]
+    fn busy_threads_are_those_that_ran_half_the_wall_time() {
+        let t = |tid, name: &str, ns| (tid, name.to_string(), ns);
+        let mut tally = ThreadTally::default();
+        // 2 s of runs: the reactor spins through 1.8 s, NCCL's thread 1.2 s; a thread
+        // gone by the second snapshot is not counted.
+        let before = [
+            t(1, "main", 0),
+            t(2, "railover-reactor", 0),
+            t(3, "gone", 5),
+        ];
+        let after = [
+            t(1, "main", 1_200_000_000),
+            t(2, "railover-reactor", 1_800_000_000),
+        ];
+        tally.add("recv", &before, &after);
+        tally.add("send", &[], &[t(7, "helper", 100_000_000)]);
+        let (busy, threads) = tally.figures(2.0, 4.0);
+        assert_eq!(busy, 2, "{threads:?}");
+        assert_eq!(
+            threads.len(),
+            2,
+            "threads that used CPU in the runs: {threads:?}"
+        );
+        assert_eq!(threads[0].name, "railover-reactor");
+        assert!((threads[0].cpu_s_per_gb - 0.45).abs() < 1e-9);
+        assert!((threads[0].busy_pct - 90.0).abs() < 1e-9);
+        // A thread first seen in the later snapshot counts from there, not from zero.
+        assert!(threads.iter().all(|x| x.name != "helper"), "{threads:?}");
+    }
+
     fn point(size: usize, ratio: f64) -> Point {
         let s = Summary::of(&[1.0]);
         let side = Figures {
@@ -1400,6 +1534,8 @@ mod tests {
             algbw: s,
             busbw: 1.0,
             cpu_s_per_gb: 1.0,
+            busy_threads: 1,
+            threads: Vec::new(),
         };
         Point {
             size,
