@@ -143,7 +143,7 @@ fn a_reactor_panic_fails_every_caller_and_never_hangs() {
         1,
         "one WARN with the panic's message: {warns:?}"
     );
-    assert!(warns[0].contains("reactor thread panicked"), "{}", warns[0]);
+    assert!(warns[0].contains("reactor panicked"), "{}", warns[0]);
 
     // `finalize` still joins the thread, and a new context starts a healthy reactor.
     bounded("finalize", move || ctx.finalize()).unwrap();

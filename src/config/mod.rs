@@ -232,6 +232,19 @@ pub enum TransportChoice {
     Tcp,
 }
 
+/// Who runs the reactor's turns (`RAILOVER_PROGRESS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// NCCL's own threads, in `isend`/`irecv`/`test`/`connect`/`accept`, whenever the
+    /// reactor is free; the reactor thread only covers what no caller drives (timers,
+    /// failover and keepalives while NCCL is not polling). One busy thread while traffic
+    /// flows, and no hand-off between threads on the hot path.
+    Caller,
+    /// Only the reactor thread: every command crosses to it, and it busy-polls for
+    /// `RAILOVER_SPIN_US` while requests are in flight.
+    Thread,
+}
+
 /// Level of the log lines railover writes to stderr when NCCL's logger is not in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LogLevel {
@@ -250,6 +263,8 @@ pub struct Config {
     /// `RAILOVER_SPIN_US`: how long the reactor busy-polls after its last progress
     /// while requests are in flight, before it parks in epoll.
     pub spin: Duration,
+    /// `RAILOVER_PROGRESS`: whether NCCL's threads drive the reactor themselves.
+    pub progress: Progress,
     /// `RAILOVER_LOG`: stderr log level (NCCL's own logger ignores it).
     pub log: LogLevel,
     /// `RAILOVER_COMPLETION_TIMEOUT_MS`: a lane that receives nothing for this long (its
@@ -300,6 +315,7 @@ impl Default for Config {
         Config {
             ifname: IfFilter::default(),
             spin: Duration::from_micros(200),
+            progress: Progress::Caller,
             log: LogLevel::Warn,
             completion_timeout: Duration::from_millis(1000),
             probe_timeout: Duration::from_millis(200),
@@ -324,8 +340,8 @@ impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "ifname={:?} spin={:?} log={:?}",
-            self.ifname.names, self.spin, self.log
+            "ifname={:?} spin={:?} progress={:?} log={:?}",
+            self.ifname.names, self.spin, self.progress, self.log
         )
     }
 }
@@ -366,6 +382,10 @@ impl Config {
                 accepted: "an integer number of microseconds from 0 to 1000000",
             })?;
             cfg.spin = Duration::from_micros(us);
+        }
+        let progress = [("caller", Progress::Caller), ("thread", Progress::Thread)];
+        if let Some(p) = parse_keyword(&get, "RAILOVER_PROGRESS", &progress, "caller or thread")? {
+            cfg.progress = p;
         }
         if let Some(v) = get("RAILOVER_LOG") {
             cfg.log = match v.to_ascii_lowercase().as_str() {
@@ -731,6 +751,7 @@ mod tests {
             ("RAILOVER_PROBE_BYTES", "lots"),
             ("RAILOVER_LOOPBACK_NICS", "17"),
             ("RAILOVER_FAIR_SHARE", "maybe"),
+            ("RAILOVER_PROGRESS", "both"),
             ("RAILOVER_FAILBACK_INTERVAL_MS", "0"),
             ("RAILOVER_FAILBACK_PROBES", "0"),
             ("RAILOVER_GIVEUP_MS", "forever"),
@@ -812,6 +833,7 @@ mod tests {
             ("RAILOVER_QPS_PER_LANE", "5"),
             ("RAILOVER_LOG", "info"),
             ("RAILOVER_FAIR_SHARE", "on"),
+            ("RAILOVER_PROGRESS", "thread"),
             ("RAILOVER_STRIPES", "auto"),
             ("RAILOVER_TRANSPORT", "tcp"),
             ("RAILOVER_RAIL_RULE", "any"),
@@ -1066,6 +1088,9 @@ mod tests {
         assert_eq!(cfg(&[("RAILOVER_STRIPES", "3")]).unwrap().stripes, Some(3));
         assert_eq!(cfg(&[("RAILOVER_STRIPES", "Auto")]).unwrap().stripes, None);
         assert!(!cfg(&[("RAILOVER_FAIR_SHARE", "OFF")]).unwrap().fair_share);
+        assert_eq!(Config::default().progress, Progress::Caller);
+        let thread = cfg(&[("RAILOVER_PROGRESS", "Thread")]).unwrap();
+        assert_eq!(thread.progress, Progress::Thread);
         let c = cfg(&[
             ("RAILOVER_COMPLETION_TIMEOUT_MS", "250"),
             ("RAILOVER_RAIL_RULE", "any"),

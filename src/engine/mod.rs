@@ -120,6 +120,10 @@ pub struct ReactorStats {
     pub duplicates: AtomicU64,
     /// Carrier changes seen on local NICs.
     pub link_events: AtomicU64,
+    /// Reactor turns run by NCCL's threads (`RAILOVER_PROGRESS=caller`), and by the
+    /// reactor thread.
+    pub caller_turns: AtomicU64,
+    pub thread_turns: AtomicU64,
 }
 
 /// The lanes' sockets, as the reactor lends them to one engine call. `k` is always a

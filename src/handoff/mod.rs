@@ -14,6 +14,7 @@ use std::any::Any;
 
 pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, PendingListen, Side};
 pub use error::Error;
+pub(crate) use queue::Drive;
 pub use queue::{Command, CommandQueue, Done, Signal};
 pub use request::{Request, Status};
 

@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use mio::Waker;
@@ -62,7 +62,7 @@ pub enum Command {
         up: bool,
     },
     Shutdown,
-    /// Test only: panics on the reactor thread with this message, to prove that a reactor
+    /// Test only: panics in the reactor's turn with this message, to prove that a reactor
     /// panic fails every caller instead of hanging. Pushed only by
     /// `plugin::inject_reactor_panic`, which no NCCL entry point calls.
     #[doc(hidden)]
@@ -116,8 +116,14 @@ impl Drop for Signal {
     }
 }
 
+/// Runs a turn of the reactor on the calling thread, if nobody else is running one.
+/// Never waits: a caller that finds the reactor taken goes on, and whoever holds it (or
+/// the reactor thread, woken by `push`) serves what the caller queued.
+pub(crate) trait Drive: Send + Sync {
+    fn try_drive(&self);
+}
+
 /// The producers' side of the reactor.
-#[derive(Debug)]
 pub struct CommandQueue {
     q: Mutex<VecDeque<Command>>,
     /// Commands queued and not yet taken; read without the lock by the parking check.
@@ -129,8 +135,23 @@ pub struct CommandQueue {
     /// Taken (and its eventfd closed) when the reactor exits: comms NCCL never closed keep
     /// this queue alive past `finalize`, and must not keep a file descriptor with it.
     waker: Mutex<Option<Waker>>,
-    /// Set once, before `stopped`, when the reactor thread panicked: the panic's message.
+    /// Set once, before `stopped`, when the reactor panicked: the panic's message.
     panic: OnceLock<String>,
+    /// How a caller runs the reactor's turn itself (`RAILOVER_PROGRESS=caller`). Weak:
+    /// the reactor holds this queue.
+    driver: OnceLock<Weak<dyn Drive>>,
+}
+
+impl std::fmt::Debug for CommandQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommandQueue")
+            .field("len", &self.len)
+            .field("parked", &self.parked)
+            .field("stopped", &self.stopped)
+            .field("panic", &self.panic)
+            .field("driven_by_callers", &self.driver.get().is_some())
+            .finish()
+    }
 }
 
 impl CommandQueue {
@@ -142,6 +163,31 @@ impl CommandQueue {
             stopped: AtomicBool::new(false),
             waker: Mutex::new(Some(waker)),
             panic: OnceLock::new(),
+            driver: OnceLock::new(),
+        }
+    }
+
+    /// Lets callers drive the reactor through `driver` from now on.
+    pub(crate) fn driven_by(&self, driver: Weak<dyn Drive>) {
+        let _ = self.driver.set(driver);
+    }
+
+    /// Runs a reactor turn on this thread if callers may and the reactor is free: what
+    /// this caller queued is served now, with no hop to another thread. A no-op when
+    /// progress is the reactor thread's alone, or the reactor is gone.
+    pub fn drive(&self) {
+        if let Some(d) = self.driver.get().and_then(Weak::upgrade) {
+            d.try_drive();
+        }
+    }
+
+    /// Wakes the reactor thread if it is parked in `epoll` (a caller found the reactor
+    /// taken by it and wants it handed over).
+    pub(crate) fn nudge(&self) {
+        if self.parked.swap(false, Ordering::SeqCst) {
+            if let Some(w) = self.waker.lock().as_ref() {
+                let _ = w.wake();
+            }
         }
     }
 
@@ -160,11 +206,7 @@ impl CommandQueue {
         // Dekker-style hand-off with the reactor's `park`: both sides write their flag
         // with SeqCst before reading the other's, so at least one sees the other.
         self.len.fetch_add(1, Ordering::SeqCst);
-        if self.parked.swap(false, Ordering::SeqCst) {
-            if let Some(w) = self.waker.lock().as_ref() {
-                let _ = w.wake();
-            }
-        }
+        self.nudge();
     }
 
     /// A queue no reactor serves, for unit tests of the objects that hold one.
@@ -182,7 +224,7 @@ impl CommandQueue {
     pub fn panicked(&self) -> Option<Error> {
         self.panic.get().map(|_| {
             Error::Internal(
-                "the railover reactor thread panicked (see the WARN that gives its message); \
+                "the railover reactor panicked (see the WARN that gives its message); \
                  nothing more can be sent or received until the plugin is finalised"
                     .into(),
             )
@@ -200,6 +242,10 @@ impl CommandQueue {
     }
 
     pub(crate) fn take(&self) -> VecDeque<Command> {
+        // Callers run a turn on every `test`: an empty queue costs no lock.
+        if self.len.load(Ordering::SeqCst) == 0 {
+            return VecDeque::new();
+        }
         let cmds = std::mem::take(&mut *self.q.lock());
         self.len.fetch_sub(cmds.len(), Ordering::SeqCst);
         cmds
@@ -237,13 +283,16 @@ impl CommandQueue {
         self.waker.lock().take();
     }
 
-    /// The reactor thread panicked and its state is gone: record why, say it once, and
-    /// refuse everything from now on.
+    /// The reactor panicked (on its own thread or a caller's) and its state is gone:
+    /// record why, say it once, and refuse everything from now on.
     pub(crate) fn poison(&self, message: String) {
         if self.panic.set(message.clone()).is_ok() {
+            let thread = std::thread::current();
+            let on = thread.name().unwrap_or("an unnamed thread");
             tracing::warn!(
-                "railover: the reactor thread panicked: {message}; every request in flight \
-                 and every later call fails with ncclInternalError until the plugin is finalised"
+                "railover: the reactor panicked (on thread {on}): {message}; every request \
+                 in flight and every later call fails with ncclInternalError until the \
+                 plugin is finalised"
             );
         }
         self.stop();

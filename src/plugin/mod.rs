@@ -158,10 +158,11 @@ impl Runtime {
         };
         let telemetry = setup.telemetry.clone();
         let spawned = match verbs_fabric {
-            Some(f) => ReactorHandle::spawn(setup, f),
+            Some(f) => ReactorHandle::spawn(setup, f, config.progress),
             None => ReactorHandle::spawn(
                 setup,
                 TcpFabric::new(&nics.iter().map(|n| n.tcp.clone()).collect::<Vec<_>>()),
+                config.progress,
             ),
         };
         let reactor = match spawned {
@@ -556,6 +557,7 @@ pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<Lis
         shared: shared.clone(),
         reply: reply.clone(),
     });
+    rt.reactor.queue.drive();
     let addr = reply.wait(LISTEN_REPLY).unwrap_or_else(|| {
         Err(Error::Internal(
             "the reactor did not open the listener in time".into(),
@@ -597,6 +599,8 @@ pub fn connect(
 ) -> Result<Option<Arc<CommShared>>, Error> {
     let mut h = NetHandle::decode(handle)?;
     if h.connect_id != 0 {
+        // NCCL polls here until the connect completes: run the handshake meanwhile.
+        ctx.runtime.reactor.queue.drive();
         let mut pending = PENDING.lock();
         let map = pending.get_or_insert_with(HashMap::new);
         let Some(p) = map.get(&h.connect_id) else {
@@ -629,12 +633,14 @@ pub fn connect(
         token: h.token,
         pending,
     });
+    rt.reactor.queue.drive();
     Ok(None)
 }
 
 /// Non-blocking accept: `Ok(None)` means "call again".
 pub fn accept(listen: &ListenShared) -> Result<Option<Arc<CommShared>>, Error> {
     listen.queue.check()?;
+    listen.queue.drive();
     Ok(listen.ready.lock().pop_front())
 }
 
@@ -745,7 +751,11 @@ pub fn isend(
     }
     mr.check(comm, buf.addr(), buf.len())?;
     buf.attach(mr.region.clone());
-    Ok(match comm.isend(buf, tag, Instant::now())? {
+    let posted = comm.isend(buf, tag, Instant::now())?;
+    // Send it now, on this thread; or, with nothing matched yet, read the CTS that
+    // NCCL's next call will match against.
+    comm.queue.drive();
+    Ok(match posted {
         Isend::NotNow => None,
         Isend::Failed(req) | Isend::Posted(req, _) => Some(req),
     })
@@ -771,6 +781,7 @@ pub fn irecv(
         mr.check(comm, buf.addr(), buf.len())?;
     }
     if !comm.take_slot()? {
+        comm.queue.drive();
         return Ok(None);
     }
     let req = comm.new_request(subs.len());
@@ -787,6 +798,8 @@ pub fn irecv(
             })
             .collect(),
     });
+    // The CTS leaves now, from this thread.
+    comm.queue.drive();
     Ok(Some(req))
 }
 
@@ -796,6 +809,11 @@ pub fn irecv(
 pub fn test(req: &Request) -> Result<Status, Error> {
     req.progress();
     let mut st = req.status();
+    if matches!(st, Ok(Status::Pending)) {
+        // NCCL spins here: this is where the reactor turns, on NCCL's thread.
+        req.comm.queue.drive();
+        st = req.status();
+    }
     if matches!(st, Ok(Status::Pending)) {
         // The queue is poisoned only after the reactor's state is dropped: no buffer of
         // this request is referenced any more, so NCCL may reuse it.
@@ -875,6 +893,7 @@ pub fn close_comm(comm: &Arc<CommShared>) -> Result<(), Error> {
         comm: comm.clone(),
         done: done.signaller(),
     });
+    comm.queue.drive();
     if !done.wait(std::time::Duration::from_secs(10)) {
         return Err(Error::Internal(
             "the reactor did not confirm the close within 10 s".into(),

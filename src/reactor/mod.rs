@@ -1,24 +1,30 @@
-//! The reactor: the one thread per process that owns every socket and, through its
-//! [`Engine`], drives every comm's protocol machine.
+//! The reactor: the one owner, per process, of every socket and, through its
+//! [`Engine`], of every comm's protocol machine.
 //!
 //! It opens every listener and lane itself, through a [`Fabric`] it is given at
 //! [`ReactorHandle::spawn`]; it names no fabric's types and makes no fabric's calls, so
 //! lanes may be TCP streams or RC QPs alike.
 //!
+//! Its turns run on whichever thread holds it ([`owner`]): NCCL's own, in `test` and the
+//! other calls, whenever the reactor is free (`RAILOVER_PROGRESS=caller`, the default),
+//! else the reactor thread `rlvr-reactor`, which covers what no caller drives.
+//!
 //! What producers (NCCL's threads, through [`crate::plugin`]) can rely on:
 //! * a command pushed with [`CommandQueue::push`] is seen by the reactor's next turn; if
-//!   the reactor is parked in `epoll`, `push` wakes it (one `eventfd` write), otherwise
-//!   it costs no system call;
-//! * only the reactor touches a comm's machine, lanes and buffers; outcomes reach NCCL
-//!   through each request's atomic state;
-//! * after the last context is finalised, [`Reactor::run`] returns and the thread is
-//!   joined, so the library can be unloaded;
-//! * if the reactor thread panics, it stops for good: requests in flight and every later
-//!   call fail with `ncclInternalError`, closes return at once, one WARN gives the
-//!   panic's message ([`CommandQueue::check`]).
+//!   the reactor thread is parked in `epoll`, `push` wakes it (one `eventfd` write),
+//!   otherwise it costs no system call. [`CommandQueue::drive`] then runs that turn on
+//!   the caller's thread if nobody holds the reactor, and never waits if somebody does;
+//! * only the reactor's owner of the moment touches a comm's machine, lanes and buffers;
+//!   outcomes reach NCCL through each request's atomic state;
+//! * after the last context is finalised, the reactor thread exits and is joined, so the
+//!   library can be unloaded;
+//! * if a turn panics, on any thread, the reactor stops for good: requests in flight and
+//!   every later call fail with `ncclInternalError`, closes return at once, one WARN
+//!   gives the panic's message ([`CommandQueue::check`]).
 //!
-//! Not guaranteed, merely today's behaviour: the reactor busy-polls for
-//! `RAILOVER_SPIN_US` after its last progress while requests are in flight, then parks.
+//! Not guaranteed, merely today's behaviour: the reactor thread busy-polls for
+//! `RAILOVER_SPIN_US` after its last progress while requests are in flight and no caller
+//! drives, then parks.
 //!
 //! The reactor keeps only I/O: the thread, `epoll`, the fabric's listeners and lanes,
 //! the spin budget and netlink. Everything else (comms, lane machines, handshakes,
@@ -28,29 +34,31 @@
 pub mod budget;
 #[cfg(test)]
 pub(crate) mod driven;
+pub mod owner;
 
 pub use crate::engine::gate::{IDLE_TOTAL as HANDSHAKES_IDLE_TOTAL, TOTAL as HANDSHAKES_TOTAL};
 pub use crate::engine::{LocalNic, ReactorStats, Setup};
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 use parking_lot::Mutex;
 use slab::Slab;
 
+use crate::config::Progress;
 use crate::conn::wire::NicAddr;
 use crate::engine::{self, Engine};
-use crate::handoff::{panic_message, Command, CommandQueue, Error, ListenShared};
+use crate::handoff::{Command, CommandQueue, Drive, Error, ListenShared};
 use crate::routing::RoutePublisher;
 use crate::transport::frames::{FrameReader, FrameWriter, Inbound, ReadError};
 use crate::transport::netlink::LinkWatcher;
 use crate::transport::{Fabric, LaneProgress};
 use budget::SpinBudget;
+use owner::Owner;
 
 /// Connections one listener accepts per reactor turn: between batches the reactor reads
 /// the Hellos that arrived, so a flood cannot evict a real handshake before it is seen.
@@ -85,10 +93,15 @@ pub struct ReactorHandle {
 }
 
 impl ReactorHandle {
-    /// Starts the reactor thread: one failover listener per NIC, the link watcher, the
-    /// router.
+    /// Starts the reactor: one failover listener per NIC, the link watcher, the router,
+    /// and the reactor thread. With [`Progress::Caller`], NCCL's threads also run turns
+    /// through [`CommandQueue::drive`] ([`owner`]).
     /// `fabric` drives the lanes; its NICs are `setup.nics`, index for index.
-    pub fn spawn<F: Fabric>(setup: Setup, fabric: F) -> io::Result<ReactorHandle> {
+    pub fn spawn<F: Fabric>(
+        setup: Setup,
+        fabric: F,
+        progress: Progress,
+    ) -> io::Result<ReactorHandle> {
         let mut reactor = Reactor::new(setup, fabric)?;
         reactor.watch_links()?;
         let (queue, stats, routes) = (
@@ -97,9 +110,15 @@ impl ReactorHandle {
             reactor.engine.routes().clone(),
         );
         let wire_nics = reactor.engine.wire().to_vec();
+        let owner = Arc::new(Owner::new(reactor));
+        let callers = progress == Progress::Caller;
+        if callers {
+            let weak: Weak<dyn Drive> = Arc::downgrade(&owner) as Weak<Owner<F>>;
+            queue.driven_by(weak);
+        }
         let thread = std::thread::Builder::new()
             .name(REACTOR_THREAD.into())
-            .spawn(move || run_guarded(reactor))?;
+            .spawn(move || owner.run_thread(callers))?;
         Ok(ReactorHandle {
             queue,
             stats,
@@ -109,10 +128,12 @@ impl ReactorHandle {
         })
     }
 
-    /// Stops the thread and waits for it.
+    /// Stops the reactor and waits for its thread.
     pub fn shutdown(&self) {
         if let Some(t) = self.thread.lock().take() {
             self.queue.push(Command::Shutdown);
+            // It may be sleeping while callers drive: let it see the shutdown now.
+            t.thread().unpark();
             if t.join().is_err() {
                 tracing::warn!("railover reactor thread panicked");
             }
@@ -120,21 +141,19 @@ impl ReactorHandle {
     }
 }
 
-/// Runs the reactor until shutdown, and fails loudly if it panics. The catch is around
-/// the whole loop, not each turn: a panic can leave a machine, a lane or the router
-/// half-updated, and running on from there could deliver wrongly (P4). So the state is
-/// dropped unread (closing every socket, so peers see the end at once), and the queue is
-/// poisoned: requests in flight and every later call fail with `ncclInternalError`
-/// instead of waiting forever (P5), and `finalize` still joins this thread.
-fn run_guarded<F: Fabric>(mut reactor: Reactor<F>) {
-    let queue = reactor.queue.clone();
-    let Err(panic) = catch_unwind(AssertUnwindSafe(|| reactor.run())) else {
-        return;
-    };
-    let message = panic_message(&*panic);
-    // Dropping touches no user memory; a panic in some Drop must not stop the poisoning.
-    let _ = catch_unwind(AssertUnwindSafe(move || drop(reactor)));
-    queue.poison(message);
+/// What the reactor thread's turns reuse: its event buffer.
+struct ThreadTurns {
+    events: Events,
+    ready: Vec<Token>,
+}
+
+impl ThreadTurns {
+    fn new() -> ThreadTurns {
+        ThreadTurns {
+            events: Events::with_capacity(1024),
+            ready: Vec::with_capacity(1024),
+        }
+    }
 }
 
 /// The lanes' sockets, filed under the engine's lane keys, and the fabric that drives
@@ -286,6 +305,9 @@ struct Reactor<F: Fabric> {
     backlogged: Vec<usize>,
     shutdown: bool,
     watcher: Option<LinkWatcher>,
+    /// The event buffer of callers' turns: small, so one `test` serves a bounded share.
+    caller_events: Events,
+    caller_ready: Vec<Token>,
 }
 
 impl<F: Fabric> Reactor<F> {
@@ -341,6 +363,8 @@ impl<F: Fabric> Reactor<F> {
             backlogged: Vec::new(),
             shutdown: false,
             watcher: None,
+            caller_events: Events::with_capacity(owner::CALLER_EVENTS),
+            caller_ready: Vec::with_capacity(owner::CALLER_EVENTS),
         })
     }
 
@@ -375,56 +399,86 @@ impl<F: Fabric> Reactor<F> {
         Ok(())
     }
 
-    fn run(&mut self) {
-        let mut events = Events::with_capacity(1024);
-        let mut ready = Vec::with_capacity(1024);
-        while !self.shutdown {
-            let now = Instant::now();
-            self.before_poll(now);
-            if self.shutdown {
-                break;
-            }
-            let again =
-                self.engine.has_again() || !self.accepting.is_empty() || !self.io.unread.is_empty();
-            let busy = again || self.requests_in_flight();
-            let mut timeout = self.budget.timeout(now, busy, self.next_wakeup());
-            if again {
-                timeout = Some(Duration::ZERO);
-            } else if !self.backlogged.is_empty() {
-                timeout = Some(timeout.map_or(BACKLOG_RETRY, |t| t.min(BACKLOG_RETRY)));
-            }
-            if timeout != Some(Duration::ZERO) {
-                self.queue.parked.store(true, Ordering::SeqCst);
-                if self.queue.len.load(Ordering::SeqCst) > 0 {
-                    timeout = Some(Duration::ZERO);
-                }
-            }
-            let polled = self.poll.poll(&mut events, timeout);
-            self.queue.parked.store(false, Ordering::SeqCst);
-            if events.is_empty() {
-                self.engine.idle(now.elapsed());
-            }
-            if let Err(e) = polled {
-                if e.kind() != io::ErrorKind::Interrupted {
-                    tracing::warn!("railover reactor: epoll failed: {e}");
-                }
-                continue;
-            }
-            let now = Instant::now();
-            if !events.is_empty() {
-                self.budget.progress(now);
-            } else if timeout == Some(Duration::ZERO) && !self.engine.has_again() {
-                // An empty spin turn: let other runnable threads (NCCL's own) have the
-                // core, as NCCL's proxy loop does.
-                std::thread::yield_now();
-            }
-            ready.clear();
-            ready.extend(events.iter().map(|ev| ev.token()));
-            self.after_poll(&ready, now);
+    /// One turn of the reactor thread: it may busy-poll (the spin budget) or park in
+    /// `epoll` until the next event or deadline.
+    fn thread_turn(&mut self, t: &mut ThreadTurns) {
+        self.engine
+            .stats()
+            .thread_turns
+            .fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        self.before_poll(now);
+        if self.shutdown {
+            return;
         }
-        self.close_everything();
-        // Anyone still waiting on a close: the comm is gone with the reactor.
-        self.queue.stop();
+        let again =
+            self.engine.has_again() || !self.accepting.is_empty() || !self.io.unread.is_empty();
+        let busy = again || self.requests_in_flight();
+        let mut timeout = self.budget.timeout(now, busy, self.next_wakeup());
+        if again {
+            timeout = Some(Duration::ZERO);
+        } else if !self.backlogged.is_empty() {
+            timeout = Some(timeout.map_or(BACKLOG_RETRY, |t| t.min(BACKLOG_RETRY)));
+        }
+        if timeout != Some(Duration::ZERO) {
+            self.queue.parked.store(true, Ordering::SeqCst);
+            if self.queue.len.load(Ordering::SeqCst) > 0 {
+                timeout = Some(Duration::ZERO);
+            }
+        }
+        let polled = self.poll.poll(&mut t.events, timeout);
+        self.queue.parked.store(false, Ordering::SeqCst);
+        if t.events.is_empty() {
+            self.engine.idle(now.elapsed());
+        }
+        if let Err(e) = polled {
+            if e.kind() != io::ErrorKind::Interrupted {
+                tracing::warn!("railover reactor: epoll failed: {e}");
+            }
+            return;
+        }
+        let now = Instant::now();
+        if !t.events.is_empty() {
+            self.budget.progress(now);
+        } else if timeout == Some(Duration::ZERO) && !self.engine.has_again() {
+            // An empty spin turn: let other runnable threads (NCCL's own) have the
+            // core, as NCCL's proxy loop does.
+            std::thread::yield_now();
+        }
+        t.ready.clear();
+        t.ready.extend(t.events.iter().map(|ev| ev.token()));
+        self.after_poll(&t.ready, now);
+    }
+
+    /// One turn on a caller's thread (NCCL's, in `test` and the rest): what is queued,
+    /// what `epoll` has ready now (at most [`owner::CALLER_EVENTS`]), the timers due. It
+    /// never waits and never yields: NCCL's loop decides when to call again.
+    fn caller_turn(&mut self) {
+        self.engine
+            .stats()
+            .caller_turns
+            .fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        self.before_poll(now);
+        if self.shutdown {
+            return;
+        }
+        let mut ready = std::mem::take(&mut self.caller_ready);
+        ready.clear();
+        match self
+            .poll
+            .poll(&mut self.caller_events, Some(Duration::ZERO))
+        {
+            Ok(()) => ready.extend(self.caller_events.iter().map(|ev| ev.token())),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => tracing::warn!("railover reactor: epoll failed: {e}"),
+        }
+        let now = Instant::now();
+        if !ready.is_empty() {
+            self.budget.progress(now);
+        }
+        self.after_poll(&ready, now);
+        self.caller_ready = ready;
     }
 
     /// The first half of a turn: queued commands, lanes left over from the last turn,

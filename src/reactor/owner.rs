@@ -1,0 +1,155 @@
+//! Who runs the reactor's turns: one owner at a time, behind one lock.
+//!
+//! With `RAILOVER_PROGRESS=caller` (the default) the thread NCCL already spins in
+//! (`isend`, `irecv`, `test`, `connect`, `accept`) runs a turn itself whenever the reactor
+//! is free, so a command, a completion and the next write happen on that thread, with no
+//! wake-up of another. The rules:
+//! * a caller only ever *tries* the lock ([`Owner::try_drive`]); finding it taken, it goes
+//!   on, and whoever holds it (or the reactor thread, nudged out of `epoll`) serves what
+//!   the caller queued;
+//! * a caller's turn never waits in `epoll` and serves at most [`CALLER_EVENTS`]
+//!   readiness events, besides the engine's own per-turn bounds (connects dialled, bytes
+//!   per lane): a failover's work spreads over many calls instead of landing in one;
+//! * the reactor thread stays out of the way while callers drive ([`HANDOVER`]): it
+//!   sleeps, off `epoll`, until no caller has driven or tried for that long, then takes
+//!   the reactor and runs turns as it always has (timers, failover while NCCL is not
+//!   polling, keepalives during a long GPU kernel), until a caller shows up again;
+//! * a panic in anyone's turn is caught there: the reactor's state is dropped unread, the
+//!   queue poisoned, one WARN; nothing crosses the C boundary and nobody hangs.
+//!
+//! With `RAILOVER_PROGRESS=thread` callers never drive: every turn is the thread's.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::Reactor;
+use crate::handoff::{panic_message, CommandQueue, Drive};
+use crate::transport::Fabric;
+
+/// How long after a caller last drove (or tried to) the reactor thread keeps off it. A
+/// proxy thread with requests in flight calls in every few microseconds; a gap this long
+/// means NCCL stopped polling (its requests are done, a kernel runs), and timers must run.
+/// It is also how often the idle thread looks, while callers drive: 200 cheap wake-ups a
+/// second.
+pub const HANDOVER: Duration = Duration::from_millis(5);
+
+/// Readiness events one caller's turn serves; the rest stay in `epoll`'s ready list for
+/// the next turn, whoever runs it.
+pub const CALLER_EVENTS: usize = 64;
+
+/// The reactor and the record of who drives it.
+pub(super) struct Owner<F: Fabric> {
+    reactor: Mutex<Option<Reactor<F>>>,
+    queue: Arc<CommandQueue>,
+    /// When a caller last drove or tried to: nanoseconds after `epoch`, 0 for never.
+    caller_at: AtomicU64,
+    epoch: Instant,
+}
+
+impl<F: Fabric> Owner<F> {
+    pub(super) fn new(reactor: Reactor<F>) -> Owner<F> {
+        Owner {
+            queue: reactor.queue.clone(),
+            reactor: Mutex::new(Some(reactor)),
+            caller_at: AtomicU64::new(0),
+            epoch: Instant::now(),
+        }
+    }
+
+    fn mark_caller(&self, now: Instant) {
+        let ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
+        self.caller_at.store(ns.max(1), Ordering::Relaxed);
+    }
+
+    /// How long no caller has driven or tried to, at `now`; `None` if none ever has.
+    fn callers_quiet_for(&self, now: Instant) -> Option<Duration> {
+        let at = self.caller_at.load(Ordering::Relaxed);
+        (at != 0).then(|| {
+            let since = now.saturating_duration_since(self.epoch);
+            since.saturating_sub(Duration::from_nanos(at))
+        })
+    }
+
+    /// Whether callers drove within [`HANDOVER`] of `now`.
+    fn callers_active(&self, now: Instant) -> bool {
+        self.callers_quiet_for(now).is_some_and(|q| q < HANDOVER)
+    }
+
+    /// Runs `turn` on the reactor under the held lock, catching a panic. After a panic or
+    /// a shutdown the reactor is gone from `slot`: `false` then, for "stop driving".
+    fn guarded(&self, slot: &mut Option<Reactor<F>>, turn: impl FnOnce(&mut Reactor<F>)) -> bool {
+        let Some(r) = slot.as_mut() else {
+            return false;
+        };
+        match catch_unwind(AssertUnwindSafe(|| turn(r))) {
+            Ok(()) if !r.shutdown => true,
+            Ok(()) => {
+                if let Some(mut r) = slot.take() {
+                    r.close_everything();
+                }
+                // Anyone still waiting on a close: the comm is gone with the reactor.
+                self.queue.stop();
+                false
+            }
+            Err(panic) => {
+                // A panic can leave a machine, a lane or the router half-updated, and
+                // running on from there could deliver wrongly (P4). So the state is
+                // dropped unread (closing every socket, so peers see the end at once)
+                // and the queue is poisoned: requests in flight and every later call fail
+                // with `ncclInternalError` instead of waiting forever (P5), and
+                // `finalize` still joins the thread. Dropping touches no user memory; a
+                // panic in some Drop must not stop the poisoning.
+                let message = panic_message(&*panic);
+                let r = slot.take();
+                let _ = catch_unwind(AssertUnwindSafe(move || drop(r)));
+                self.queue.poison(message);
+                false
+            }
+        }
+    }
+
+    /// The reactor thread: runs turns whenever no caller drives, until shutdown or a
+    /// panic. `callers`: whether callers may drive at all.
+    pub(super) fn run_thread(&self, callers: bool) {
+        let mut turns = super::ThreadTurns::new();
+        loop {
+            if callers {
+                let now = Instant::now();
+                if let Some(quiet) = self.callers_quiet_for(now).filter(|q| *q < HANDOVER) {
+                    // Off `epoll` too: the events are the callers' to serve. A shutdown
+                    // unparks this thread.
+                    std::thread::park_timeout(HANDOVER - quiet);
+                    continue;
+                }
+            }
+            let mut slot = self.reactor.lock();
+            loop {
+                if !self.guarded(&mut slot, |r| r.thread_turn(&mut turns)) {
+                    return;
+                }
+                // Hand over as soon as a caller shows up (it nudged us out of `epoll`).
+                if callers && self.callers_active(Instant::now()) {
+                    break;
+                }
+            }
+        }
+    }
+}
+
+impl<F: Fabric> Drive for Owner<F> {
+    fn try_drive(&self) {
+        let now = Instant::now();
+        self.mark_caller(now);
+        let Some(mut slot) = self.reactor.try_lock() else {
+            // Taken: by another caller, who serves our commands too, or by the thread,
+            // perhaps parked in `epoll`; wake it so it hands over.
+            self.queue.nudge();
+            return;
+        };
+        self.guarded(&mut slot, Reactor::caller_turn);
+    }
+}
