@@ -11,9 +11,10 @@
 //!   memory handles and requests; it picks the fabric.
 //! * `sim` — the deterministic simulation (test builds only): two reactors driven by hand
 //!   over an in-memory network in virtual time. Nothing imports it.
-//! * [`reactor`] — the one I/O thread per process: it owns every socket, QP, `epoll` and
-//!   the timers' clock, and feeds readiness and commands to the engine; NCCL's threads
-//!   only queue commands to it.
+//! * [`reactor`] — the one owner of I/O per process: it owns every socket, QP, `epoll` and
+//!   the timers' clock, and feeds readiness and commands to the engine. NCCL's threads
+//!   queue commands to it and run its turns themselves while it is free; its own thread
+//!   covers what no caller drives.
 //! * [`engine`] — sans-IO: comms, lane machines, handshakes, failover orchestration,
 //!   pacing and metric sampling; it reaches sockets only through the reactor's `Io`.
 //! * [`handoff`] — what `plugin` and `reactor` share: requests whose atomic state `test`
