@@ -123,6 +123,7 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_STRIPES", "many", "many");
   bad_value("RAILOVER_TRANSPORT", "rdma", "rdma");
   bad_value("RAILOVER_HCA", "mlx5_0:x", "mlx5_0:x");
+  bad_value("RAILOVER_PROGRESS", "both", "both");
   bad_value("RAILOVER_IB_GID_INDEX", "first", "first");
   bad_value("RAILOVER_IB_ROCE_VERSION", "3", "3");
   bad_value("RAILOVER_IB_ADDR_FAMILY", "AF_UNIX", "AF_UNIX");
@@ -225,7 +226,7 @@ int main(int argc, char** argv) {
       "RAILOVER_IB_SL",            "RAILOVER_QPS_PER_LANE",
       "RAILOVER_ZERO_COPY",        "RAILOVER_GDR",
       "RAILOVER_GDR_HCA",          "RAILOVER_UNMATCHED_WARN_MS",
-      "LOCAL_RANK",
+      "RAILOVER_PROGRESS",         "LOCAL_RANK",
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
     bad_value(vars[i], "lo\xff\xfe", "lo\xef\xbf\xbd");
