@@ -141,21 +141,6 @@ impl ReactorHandle {
     }
 }
 
-/// What the reactor thread's turns reuse: its event buffer.
-struct ThreadTurns {
-    events: Events,
-    ready: Vec<Token>,
-}
-
-impl ThreadTurns {
-    fn new() -> ThreadTurns {
-        ThreadTurns {
-            events: Events::with_capacity(1024),
-            ready: Vec::with_capacity(1024),
-        }
-    }
-}
-
 /// The lanes' sockets, filed under the engine's lane keys, and the fabric that drives
 /// them: what the reactor lends the engine as its [`engine::Io`].
 struct Sockets<F: Fabric> {
@@ -305,9 +290,12 @@ struct Reactor<F: Fabric> {
     backlogged: Vec<usize>,
     shutdown: bool,
     watcher: Option<LinkWatcher>,
-    /// The event buffer of callers' turns: small, so one `test` serves a bounded share.
+    /// The reactor thread's event buffer, and the callers': small, so one `test` serves
+    /// a bounded share.
+    events: Events,
     caller_events: Events,
-    caller_ready: Vec<Token>,
+    /// The tokens of the turn's events, handed to `after_poll`.
+    ready: Vec<Token>,
 }
 
 impl<F: Fabric> Reactor<F> {
@@ -363,8 +351,9 @@ impl<F: Fabric> Reactor<F> {
             backlogged: Vec::new(),
             shutdown: false,
             watcher: None,
+            events: Events::with_capacity(1024),
             caller_events: Events::with_capacity(owner::CALLER_EVENTS),
-            caller_ready: Vec::with_capacity(owner::CALLER_EVENTS),
+            ready: Vec::with_capacity(1024),
         })
     }
 
@@ -401,7 +390,7 @@ impl<F: Fabric> Reactor<F> {
 
     /// One turn of the reactor thread: it may busy-poll (the spin budget) or park in
     /// `epoll` until the next event or deadline.
-    fn thread_turn(&mut self, t: &mut ThreadTurns) {
+    fn thread_turn(&mut self) {
         self.engine
             .stats()
             .thread_turns
@@ -426,9 +415,9 @@ impl<F: Fabric> Reactor<F> {
                 timeout = Some(Duration::ZERO);
             }
         }
-        let polled = self.poll.poll(&mut t.events, timeout);
+        let polled = self.poll.poll(&mut self.events, timeout);
         self.queue.parked.store(false, Ordering::SeqCst);
-        if t.events.is_empty() {
+        if self.events.is_empty() {
             self.engine.idle(now.elapsed());
         }
         if let Err(e) = polled {
@@ -437,48 +426,54 @@ impl<F: Fabric> Reactor<F> {
             }
             return;
         }
-        let now = Instant::now();
-        if !t.events.is_empty() {
-            self.budget.progress(now);
-        } else if timeout == Some(Duration::ZERO) && !self.engine.has_again() {
+        if self.events.is_empty() && timeout == Some(Duration::ZERO) && !self.engine.has_again() {
             // An empty spin turn: let other runnable threads (NCCL's own) have the
             // core, as NCCL's proxy loop does.
             std::thread::yield_now();
         }
-        t.ready.clear();
-        t.ready.extend(t.events.iter().map(|ev| ev.token()));
-        self.after_poll(&t.ready, now);
+        self.serve(false);
     }
 
     /// One turn on a caller's thread (NCCL's, in `test` and the rest): what is queued,
     /// what `epoll` has ready now (at most [`owner::CALLER_EVENTS`]), the timers due. It
     /// never waits and never yields: NCCL's loop decides when to call again.
-    fn caller_turn(&mut self) {
+    fn caller_turn(&mut self, now: Instant) {
         self.engine
             .stats()
             .caller_turns
             .fetch_add(1, Ordering::Relaxed);
-        let now = Instant::now();
         self.before_poll(now);
         if self.shutdown {
             return;
         }
-        let mut ready = std::mem::take(&mut self.caller_ready);
-        ready.clear();
-        match self
+        let polled = self
             .poll
-            .poll(&mut self.caller_events, Some(Duration::ZERO))
-        {
-            Ok(()) => ready.extend(self.caller_events.iter().map(|ev| ev.token())),
+            .poll(&mut self.caller_events, Some(Duration::ZERO));
+        match polled {
+            Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => tracing::warn!("railover reactor: epoll failed: {e}"),
         }
+        self.serve(true);
+    }
+
+    /// The second half of either turn: what `epoll` reported into the caller's (`caller`)
+    /// or the thread's event buffer, then the timers due.
+    fn serve(&mut self, caller: bool) {
+        let events = if caller {
+            &self.caller_events
+        } else {
+            &self.events
+        };
+        let mut ready = std::mem::take(&mut self.ready);
+        ready.clear();
+        ready.extend(events.iter().map(|ev| ev.token()));
         let now = Instant::now();
         if !ready.is_empty() {
             self.budget.progress(now);
         }
         self.after_poll(&ready, now);
-        self.caller_ready = ready;
+        self.ready = ready;
     }
 
     /// The first half of a turn: queued commands, lanes left over from the last turn,

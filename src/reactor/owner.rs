@@ -115,7 +115,6 @@ impl<F: Fabric> Owner<F> {
     /// The reactor thread: runs turns whenever no caller drives, until shutdown or a
     /// panic. `callers`: whether callers may drive at all.
     pub(super) fn run_thread(&self, callers: bool) {
-        let mut turns = super::ThreadTurns::new();
         loop {
             if callers {
                 let now = Instant::now();
@@ -128,7 +127,7 @@ impl<F: Fabric> Owner<F> {
             }
             let mut slot = self.reactor.lock();
             loop {
-                if !self.guarded(&mut slot, |r| r.thread_turn(&mut turns)) {
+                if !self.guarded(&mut slot, Reactor::thread_turn) {
                     return;
                 }
                 // Hand over as soon as a caller shows up (it nudged us out of `epoll`).
@@ -150,6 +149,6 @@ impl<F: Fabric> Drive for Owner<F> {
             self.queue.nudge();
             return;
         };
-        self.guarded(&mut slot, Reactor::caller_turn);
+        self.guarded(&mut slot, |r| r.caller_turn(now));
     }
 }
