@@ -169,6 +169,13 @@ pub struct Args {
     /// --failover: draw the time series into this SVG file
     #[arg(long, value_name = "FILE.svg", requires = "failover")]
     pub plot: Option<std::path::PathBuf>,
+    /// Runs this bench against another build's plugin `.so` too: whole runs alternate,
+    /// this build then PATH, and every figure is compared with the run next to it
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["failover", "in_testbed"])]
+    pub baseline_plugin: Option<std::path::PathBuf>,
+    /// --baseline-plugin: A/B rounds, 1 … 50
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = int_in(1, 50), requires = "baseline_plugin")]
+    pub ab_rounds: usize,
     /// Set when the bench re-runs itself inside namespace A of its testbed.
     #[arg(long, hide = true, value_name = "RAILS:NAMESPACE", value_parser = in_testbed)]
     pub in_testbed: Option<(usize, String)>,
@@ -572,6 +579,9 @@ pub struct Report {
     pub reps: usize,
     pub points: Vec<Point>,
     pub round_trip_8b: RoundTrip,
+    /// The same with one core kept busy by a spinning process the bench started: what
+    /// a wake-up costs when the CPU is contended.
+    pub round_trip_8b_busy: RoundTrip,
     /// Plain iperf3 over the same path, GB/s, as a reference line (None: not installed).
     pub iperf3_gbps: Option<f64>,
     pub iperf3_note: String,
@@ -587,6 +597,10 @@ pub struct Report {
 pub fn run(a: Args, raw: Vec<OsString>) -> i32 {
     if a.failover {
         return crate::failover_bench::run(&crate::failover_bench::Opts::from(&a));
+    }
+    if let Some(b) = &a.baseline_plugin {
+        let out = Output::from_flags(a.json, a.markdown);
+        return crate::bench_ab::run(b, a.ab_rounds, &raw, out);
     }
     let o = match parse(a) {
         Ok(o) => o,
@@ -781,6 +795,16 @@ fn measure(o: &Opts) -> Result<Report, String> {
         rtt.tcp_us.median,
         rtt.ratio
     );
+    let rtt_busy = {
+        let _spin = Spinner::start()?;
+        rig.round_trip(o)?
+    };
+    note!(
+        "  8 B round trip, one core kept busy: railover {:.1} us, TCP {:.1} us, ratio {:.2}",
+        rtt_busy.plugin_us.median,
+        rtt_busy.tcp_us.median,
+        rtt_busy.ratio
+    );
     let idle = rig.idle(o.idle);
     note!(
         "  idle: {:.2}% / {:.2}% of a core, reactor wake-ups {:.1}/s / {:.1}/s",
@@ -812,12 +836,35 @@ fn measure(o: &Opts) -> Result<Report, String> {
         reps: o.reps,
         points,
         round_trip_8b: rtt,
+        round_trip_8b_busy: rtt_busy,
         iperf3_gbps,
         iperf3_note,
         idle,
         memory,
         targets,
     })
+}
+
+/// A process that keeps one core busy (a shell loop) until dropped: the "busy machine"
+/// of the round-trip figures, as a data loader or another rank would.
+struct Spinner(std::process::Child);
+
+impl Spinner {
+    fn start() -> Result<Spinner, String> {
+        Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .stdin(Stdio::null())
+            .spawn()
+            .map(Spinner)
+            .map_err(|e| format!("cannot start the spinning process: {e}"))
+    }
+}
+
+impl Drop for Spinner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 fn expect_ok(p: &mut Peer) -> Result<(), String> {
@@ -1253,18 +1300,26 @@ fn text(r: &Report) -> String {
     s
 }
 
+fn round_trip_line(what: &str, rt: &RoundTrip) -> String {
+    format!(
+        "{what}: railover {:.1} us [{:.1}-{:.1}], raw TCP {:.1} us [{:.1}-{:.1}], ratio {:.2}",
+        rt.plugin_us.median,
+        rt.plugin_us.min,
+        rt.plugin_us.max,
+        rt.tcp_us.median,
+        rt.tcp_us.min,
+        rt.tcp_us.max,
+        rt.ratio
+    )
+}
+
 fn summary_lines(r: &Report) -> Vec<String> {
     let rt = &r.round_trip_8b;
     let mut v = vec![
-        format!(
-            "8 B round trip: railover {:.1} us [{:.1}-{:.1}], raw TCP {:.1} us [{:.1}-{:.1}], ratio {:.2}",
-            rt.plugin_us.median,
-            rt.plugin_us.min,
-            rt.plugin_us.max,
-            rt.tcp_us.median,
-            rt.tcp_us.min,
-            rt.tcp_us.max,
-            rt.ratio
+        round_trip_line("8 B round trip", rt),
+        round_trip_line(
+            "8 B round trip, one core kept busy",
+            &r.round_trip_8b_busy,
         ),
         match r.iperf3_gbps {
             Some(g) => format!("reference: {} = {g:.3} GB/s", r.iperf3_note),

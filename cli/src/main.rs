@@ -6,6 +6,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_ab;
 mod demo;
 mod doctor;
 mod failover_bench;
@@ -59,6 +60,17 @@ pub enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Bench(_) | Command::Peer) {
+        // A baseline run of `bench --baseline-plugin`, or its peer: another build's plugin.
+        match railover_testkit::driver::use_plugin_from_env() {
+            Ok(Some(p)) => eprintln!("railover: driving the plugin {}", p.display()),
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("railover: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
     let code = match cli.command {
         Command::Demo(a) => demo::run(&a),
         // No global options, so the subcommand is always the first argument.

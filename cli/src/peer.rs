@@ -129,33 +129,18 @@ pub fn accept(l: &Listener) -> Result<RecvComm, String> {
     }
 }
 
-/// How a waiting application thread spends its time between `test` calls: a few quick
-/// retries, then short sleeps. On a machine with fewer cores than busy threads, pure
-/// spinning would take the CPU away from the reactors that do the actual work.
-#[derive(Debug, Default)]
-pub struct Backoff {
-    idle: u32,
-}
-
-impl Backoff {
-    pub fn reset(&mut self) {
-        self.idle = 0;
-    }
-
-    pub fn idle(&mut self) {
-        self.idle += 1;
-        if self.idle < 32 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
-        }
-    }
+/// How the driving thread spends a round in which nothing moved: it yields the core and
+/// calls again, as NCCL's proxy progress loop does (`std::this_thread::yield()` when no
+/// request progressed), and never sleeps. With callers driving the reactor
+/// (`RAILOVER_PROGRESS=caller`) a sleep here would be a sleep of the plugin's progress
+/// too, which NCCL's thread never takes.
+fn idle() {
+    std::thread::yield_now();
 }
 
 /// Tests `req` until done.
 pub fn wait(req: &mut Request) -> Result<usize, String> {
     let end = Instant::now() + PATIENCE;
-    let mut backoff = Backoff::default();
     loop {
         if let Some(n) = req.test().map_err(|e| format!("test: {e}"))? {
             return Ok(n);
@@ -163,7 +148,7 @@ pub fn wait(req: &mut Request) -> Result<usize, String> {
         if Instant::now() > end {
             return Err("request timed out".into());
         }
-        backoff.idle();
+        idle();
     }
 }
 
@@ -195,7 +180,6 @@ pub fn drive(
 ) -> Result<(), String> {
     let mut rings: Vec<Ring> = (0..comms).map(|_| Ring::new(depth)).collect();
     let end = Instant::now() + PATIENCE;
-    let mut backoff = Backoff::default();
     let mut finished = 0;
     while finished < comms {
         let mut moved = false;
@@ -223,13 +207,11 @@ pub fn drive(
                 }
             }
         }
-        if moved {
-            backoff.reset();
-        } else {
+        if !moved {
             if Instant::now() > end {
                 return Err("stream stalled".into());
             }
-            backoff.idle();
+            idle();
         }
     }
     Ok(())

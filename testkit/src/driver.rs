@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use railover::ffi::exports::ncclNetPlugin_v12;
+use railover::ffi::exports::{ncclNetPlugin_v12, Table};
 use railover::ffi::types::{CommConfig, NetV12, PropertiesV12, NCCL_PTR_HOST, NCCL_SUCCESS};
 
 /// An `ncclResult_t` other than success.
@@ -33,8 +33,51 @@ fn check(r: c_int) -> Result<(), Code> {
     }
 }
 
+/// The table every call goes through: the plugin linked into this program, unless
+/// [`use_plugin`] loaded another build's `.so` first.
 fn table() -> &'static NetV12 {
-    &ncclNetPlugin_v12.0
+    LOADED.get().map_or(&ncclNetPlugin_v12.0, |t| &t.0)
+}
+
+static LOADED: std::sync::OnceLock<&'static Table<NetV12>> = std::sync::OnceLock::new();
+
+/// The environment variable naming a plugin `.so` the driver calls instead of the linked
+/// plugin, in this process and in the peers it starts (they inherit it): how `railover
+/// bench --baseline-plugin` runs another build through the same bench.
+pub const PLUGIN_ENV: &str = "RAILOVER_DRIVER_PLUGIN";
+
+/// Loads the `.so` named by [`PLUGIN_ENV`], if set, for every later call; call it before
+/// any other function here. The library stays loaded for the life of the process.
+pub fn use_plugin_from_env() -> Result<Option<std::path::PathBuf>, String> {
+    match std::env::var_os(PLUGIN_ENV) {
+        Some(p) if !p.is_empty() => {
+            let p = std::path::PathBuf::from(p);
+            use_plugin(&p).map(|()| Some(p))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Calls the `ncclNetPlugin_v12` table of the plugin at `path` from now on, instead of
+/// the linked one. Fails if a table was loaded already, or `path` has none.
+pub fn use_plugin(path: &std::path::Path) -> Result<(), String> {
+    let what = |e: &dyn std::fmt::Display| format!("plugin {}: {e}", path.display());
+    // SAFETY: loading runs the library's initialisers; a railover build (or another NCCL
+    // net plugin) has none that need more than the C runtime.
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|e| what(&e))?;
+    // SAFETY: `ncclNetPlugin_v12` is, in every NCCL net plugin, a `ncclNet_v12_t`: the
+    // layout of `NetV12` (which tests/abi asserts field by field), and `Table` is a
+    // transparent wrapper of it.
+    let sym =
+        unsafe { lib.get::<*const Table<NetV12>>(b"ncclNetPlugin_v12\0") }.map_err(|e| what(&e))?;
+    let t: *const Table<NetV12> = *sym;
+    // The library is never unloaded, so its table lives as long as the process.
+    std::mem::forget(lib);
+    // SAFETY: a non-null pointer to a static table of a library that stays loaded.
+    let t = unsafe { t.as_ref() }.ok_or_else(|| what(&"ncclNetPlugin_v12 is NULL"))?;
+    LOADED
+        .set(t)
+        .map_err(|_| what(&"another plugin was loaded first"))
 }
 
 /// The plugin's name as NCCL reads it.
