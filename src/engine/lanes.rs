@@ -172,6 +172,11 @@ impl Engine {
     }
 
     fn read_lane(&mut self, k: usize, now: Instant, io: &mut dyn Io) {
+        // A service starts: a readiness edge or a retry. What the last one's reads found
+        // (an empty socket) no longer holds.
+        if let Some(lane) = self.lanes.get_mut(k) {
+            lane.reader.forget_drained();
+        }
         loop {
             let Some(lane) = self.lanes.get_mut(k) else {
                 return;

@@ -91,6 +91,12 @@ pub struct FrameReader {
     state: State,
     more: bool,
     total: u64,
+    /// The last socket read during this service came back shorter than asked, from a
+    /// socket whose short reads mean "empty" ([`FrameReader::next_stream`]): reading
+    /// again before the next readiness edge would only return `WouldBlock`.
+    drained: bool,
+    /// Whether the current call reads a kernel stream socket (see `drained`).
+    stream: bool,
 }
 
 impl Default for FrameReader {
@@ -104,6 +110,8 @@ impl Default for FrameReader {
             state: State::Header,
             more: false,
             total: 0,
+            drained: false,
+            stream: false,
         }
     }
 }
@@ -118,6 +126,29 @@ impl FrameReader {
     /// The next inbound item, `Ok(None)` when the socket has nothing more for now (or the
     /// per-call budget is spent: see [`FrameReader::wants_more`]).
     pub fn next(&mut self, sock: &mut impl Read) -> Result<Option<Inbound>, ReadError> {
+        self.stream = false;
+        self.next_item(sock)
+    }
+
+    /// [`FrameReader::next`] from a kernel TCP socket that the caller watches
+    /// edge-triggered: there a read shorter than asked took everything queued, and bytes
+    /// that arrive later raise a new edge, so until the next service
+    /// ([`FrameReader::forget_drained`]) the reader answers `Ok(None)` from what is staged
+    /// instead of making the read that could only return `WouldBlock`: one system call
+    /// less per wake-up. (A simulated or test socket may return short reads with more
+    /// queued: it goes through `next`.)
+    pub fn next_stream(&mut self, sock: &mut impl Read) -> Result<Option<Inbound>, ReadError> {
+        self.stream = true;
+        self.next_item(sock)
+    }
+
+    /// Starts a service of the lane (a readiness edge, or a retry): what an earlier read
+    /// said about the socket no longer holds.
+    pub fn forget_drained(&mut self) {
+        self.drained = false;
+    }
+
+    fn next_item(&mut self, sock: &mut impl Read) -> Result<Option<Inbound>, ReadError> {
         let mut moved = 0usize;
         self.more = false;
         loop {
@@ -192,11 +223,13 @@ impl FrameReader {
                         self.more = true;
                         return Ok(None);
                     }
-                    if want >= DIRECT_MIN {
+                    if want >= DIRECT_MIN && !self.drained {
                         if let Some(d) = dst {
-                            match sock.read(d.slice_mut(*off as usize, want.min(BUDGET))) {
+                            let ask = want.min(BUDGET);
+                            match sock.read(d.slice_mut(*off as usize, ask)) {
                                 Ok(0) => return Err(eof_mid_frame()),
                                 Ok(n) => {
+                                    self.drained = self.stream && n < ask;
                                     *off += n as u64;
                                     STREAMED_IN.fetch_add(n as u64, Ordering::Relaxed);
                                     moved += n;
@@ -214,6 +247,10 @@ impl FrameReader {
             // Not enough staged bytes for the current state: read more.
             if moved >= BUDGET {
                 self.more = true;
+                return Ok(None);
+            }
+            if self.drained {
+                // Read empty in this service already: the next edge brings more.
                 return Ok(None);
             }
             match self.fill(sock)? {
@@ -297,6 +334,7 @@ impl FrameReader {
                 Ok(n) => {
                     self.end += n;
                     self.total += n as u64;
+                    self.drained = self.stream && self.end < self.buf.len();
                     if self.end == self.buf.len() {
                         // The socket may hold more than fits: stage more next time.
                         self.size = (self.buf.len() * 2).min(self.most);
@@ -806,6 +844,111 @@ mod tests {
         }
         assert_eq!(seen, 400);
         assert_eq!(r.staging_capacity(), STAGING_FIRST);
+    }
+
+    /// A kernel stream socket's queue: reads take what is queued (short when the queue
+    /// is), `WouldBlock` when it is empty, counted.
+    #[derive(Default)]
+    struct Queue {
+        q: Vec<u8>,
+        reads: usize,
+        blocked: usize,
+    }
+
+    impl Read for Queue {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            self.reads += 1;
+            if self.q.is_empty() {
+                self.blocked += 1;
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            let n = out.len().min(self.q.len());
+            out[..n].copy_from_slice(&self.q[..n]);
+            self.q.drain(..n);
+            Ok(n)
+        }
+    }
+
+    /// One service of a lane, as the engine's `read_lane` runs it: items until `Ok(None)`.
+    fn service(
+        r: &mut FrameReader,
+        sock: &mut Queue,
+        dst: &crate::transport::memory::UserBuf,
+    ) -> Vec<String> {
+        r.forget_drained();
+        let mut got = Vec::new();
+        while let Some(item) = r.next_stream(sock).unwrap() {
+            if let Inbound::Data { .. } = item {
+                r.place(Some(dst.lend()));
+            }
+            got.push(format!("{item:?}"));
+        }
+        got
+    }
+
+    #[test]
+    fn a_short_stream_read_means_empty_until_the_next_service() {
+        let frame = |seq| Header::new(Kind::Ack, seq, 0).encode();
+        let dst = heap_buf(&[0u8; 8]);
+        let mut sock = Queue::default();
+        sock.q.extend_from_slice(&frame(1));
+        sock.q.extend_from_slice(&frame(2));
+        let mut r = FrameReader::default();
+        assert_eq!(service(&mut r, &mut sock, &dst).len(), 2);
+        assert_eq!(
+            (sock.reads, sock.blocked),
+            (1, 0),
+            "one read, none to hear WouldBlock"
+        );
+
+        // A new edge: what arrived is read, in pieces across edges too.
+        sock.q.extend_from_slice(&frame(3));
+        assert_eq!(service(&mut r, &mut sock, &dst).len(), 1);
+        sock.q.extend_from_slice(&frame(4)[..10]);
+        assert!(service(&mut r, &mut sock, &dst).is_empty(), "half a header");
+        sock.q.extend_from_slice(&frame(4)[10..]);
+        let got = service(&mut r, &mut sock, &dst);
+        assert!(got.len() == 1 && got[0].contains("seq: 4"), "{got:?}");
+        assert_eq!(sock.blocked, 0);
+
+        // A socket whose short reads say nothing (`next`) is read until WouldBlock.
+        sock.q.extend_from_slice(&frame(5));
+        r.forget_drained();
+        assert!(matches!(r.next(&mut sock), Ok(Some(Inbound::Frame(..)))));
+        assert!(matches!(r.next(&mut sock), Ok(None)));
+        assert_eq!(sock.blocked, 1);
+    }
+
+    #[test]
+    fn a_payload_read_straight_into_its_buffer_stops_at_a_short_read() {
+        let payload: Vec<u8> = (0..4 * DIRECT_MIN as u32)
+            .map(|i| (i % 249) as u8)
+            .collect();
+        let dst = heap_buf(&vec![0u8; payload.len()]);
+        let mut sock = Queue::default();
+        sock.q
+            .extend_from_slice(&Header::new(Kind::Data, 9, payload.len() as u64).encode());
+        let mut r = FrameReader::default();
+        r.enlarge();
+        let cuts = [0, 100, DIRECT_MIN + 3, 3 * DIRECT_MIN, payload.len()];
+        let mut got = Vec::new();
+        for w in cuts.windows(2) {
+            sock.q.extend_from_slice(&payload[w[0]..w[1]]);
+            if w[1] == payload.len() {
+                // A read that gets all it asked for cannot tell whether more is queued:
+                // the frame behind the payload makes the last read a short one.
+                sock.q
+                    .extend_from_slice(&Header::new(Kind::Ack, 10, 0).encode());
+            }
+            got.extend(service(&mut r, &mut sock, &dst));
+            assert!(sock.q.is_empty(), "every service took all that was queued");
+        }
+        assert_eq!(sock.blocked, 0, "no read only to hear WouldBlock");
+        assert!(
+            got.iter().any(|g| g.starts_with("PayloadDone { seq: 9")),
+            "{got:?}"
+        );
+        assert_eq!(dst.lend().slice(0, dst.len()), payload);
     }
 
     #[test]

@@ -108,7 +108,7 @@ impl Fabric for TcpFabric {
         lane: &mut TcpLane,
         reader: &mut FrameReader,
     ) -> Result<Option<Inbound>, ReadError> {
-        reader.next(&mut lane.stream)
+        reader.next_stream(&mut lane.stream)
     }
 
     fn write(&mut self, lane: &mut TcpLane, writer: &mut FrameWriter) -> io::Result<()> {
