@@ -161,6 +161,25 @@ impl<T> CommMachine<T> {
         matches!(self, CommMachine::Send(m) if m.wants_lane())
     }
 
+    /// Receiver: Acks may wait for the next turn ([`RecvMachine::hold_acks`]).
+    pub fn hold_acks(&mut self) {
+        if let CommMachine::Recv(m) = self {
+            m.hold_acks();
+        }
+    }
+
+    /// Receiver: a turn began; an Ack held in the last one goes now.
+    pub fn release_ack(&mut self) {
+        if let CommMachine::Recv(m) = self {
+            m.release_ack();
+        }
+    }
+
+    /// Receiver: an Ack is owed and waits for the next turn.
+    pub fn holds_ack(&self) -> bool {
+        matches!(self, CommMachine::Recv(m) if m.holds_ack())
+    }
+
     /// Receiver: the next control frame, to write on every lane.
     #[must_use]
     pub fn poll_control(&mut self) -> Option<Header> {

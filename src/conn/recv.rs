@@ -61,6 +61,12 @@ pub struct RecvMachine<T> {
     writing: BTreeMap<usize, u64>,
     ctrl: VecDeque<Control>,
     ack_owed: bool,
+    /// Whether an Ack may wait for the next turn ([`RecvMachine::hold_acks`]).
+    hold: bool,
+    /// The current output run sent a control frame: an owed Ack goes with it.
+    carrier: bool,
+    /// A new turn began: an Ack held in the last one goes now.
+    release: bool,
     events: VecDeque<Outcome<T>>,
     failed: Option<ConnError>,
     pub stats: Stats,
@@ -75,6 +81,9 @@ impl<T> Default for RecvMachine<T> {
             writing: BTreeMap::new(),
             ctrl: VecDeque::new(),
             ack_owed: false,
+            hold: false,
+            carrier: false,
+            release: false,
             events: VecDeque::new(),
             failed: None,
             stats: Stats::default(),
@@ -224,16 +233,43 @@ impl<T> RecvMachine<T> {
         }
     }
 
+    /// Lets an Ack wait for the caller's next turn while other receives are posted: the
+    /// receiver's next call (NCCL testing those receives, or posting the next one) comes
+    /// within microseconds, and an Ack that goes out with that turn's `Cts` costs no
+    /// segment of its own. Without other receives posted nothing may come soon, so the
+    /// Ack goes at once. The caller runs [`RecvMachine::release_ack`] at each turn's start.
+    pub fn hold_acks(&mut self) {
+        self.hold = true;
+    }
+
+    /// A new turn of the caller began: an Ack held in the last one goes with this turn's
+    /// output.
+    pub fn release_ack(&mut self) {
+        self.release = true;
+    }
+
+    /// An Ack is owed and held for the next turn.
+    pub fn holds_ack(&self) -> bool {
+        self.ack_owed && self.failed.is_none()
+    }
+
+    /// The next control frame: every `Cts`, then the Ack owed, unless it waits for the
+    /// next turn ([`RecvMachine::hold_acks`]). Call until `None`: that ends a run of output.
     #[must_use]
     pub fn poll_transmit(&mut self) -> Option<Control> {
         if self.failed.is_some() {
             return None;
         }
         if let Some(c) = self.ctrl.pop_front() {
+            self.carrier = true;
             return Some(c);
         }
+        let carrier = std::mem::take(&mut self.carrier);
+        let release = std::mem::take(&mut self.release);
+        let send = carrier || release || !self.hold || self.posted.is_empty();
         // Acks are cumulative: one carries every delivery since the last.
-        if std::mem::take(&mut self.ack_owed) {
+        if self.ack_owed && send {
+            self.ack_owed = false;
             return Some(Control::Ack {
                 delivered: self.delivered,
             });
@@ -360,6 +396,44 @@ mod tests {
             m.handle_data(0, i, 8).unwrap();
             m.payload_done(0, i, 8).unwrap();
         }
+        assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 3 }]);
+    }
+
+    #[test]
+    fn a_held_ack_rides_with_the_next_cts_or_goes_in_the_next_turn() {
+        let mut m = RecvMachine::default();
+        m.hold_acks();
+        m.post(8, 0);
+        m.post(8, 1);
+        let _ = ctrl(&mut m);
+        m.handle_data(0, 0, 8).unwrap();
+        m.payload_done(0, 0, 8).unwrap();
+        // Receive 1 is still posted: the Ack waits for the turn's end and the next one.
+        assert_eq!(ctrl(&mut m), vec![]);
+        assert!(m.holds_ack());
+        // NCCL posts the next receive: its Cts carries the Ack in the same run.
+        m.post(8, 2);
+        assert_eq!(
+            ctrl(&mut m),
+            vec![
+                Control::Cts {
+                    seq: 2,
+                    capacity: 8,
+                    group: Group::SINGLE,
+                },
+                Control::Ack { delivered: 1 }
+            ]
+        );
+        // Nothing posted next: the next turn sends the Ack on its own.
+        m.handle_data(0, 1, 8).unwrap();
+        m.payload_done(0, 1, 8).unwrap();
+        assert_eq!(ctrl(&mut m), vec![]);
+        m.release_ack();
+        assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 2 }]);
+        assert!(!m.holds_ack());
+        // The last posted receive delivered: nothing may come soon, so no hold.
+        m.handle_data(0, 2, 8).unwrap();
+        m.payload_done(0, 2, 8).unwrap();
         assert_eq!(ctrl(&mut m), vec![Control::Ack { delivered: 3 }]);
     }
 

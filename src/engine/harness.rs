@@ -204,6 +204,7 @@ impl Receiver {
             .map(|&cap| (cap, Arc::new(SimMem::new(vec![0xEE; cap]))))
             .collect();
         let user = (bufs.iter()).map(|(_, m)| (m.user_buf(), 0)).collect();
+        self.engine.start_turn();
         self.engine
             .post_recv(&self.comm, &req, user, &mut self.wire);
         self.engine.drive(self.now, &mut self.wire);
@@ -233,6 +234,7 @@ impl Receiver {
             .entry(self.lane)
             .or_default()
             .extend_from_slice(bytes);
+        self.engine.start_turn();
         self.engine
             .service_lane(self.lane, self.now, &mut self.wire);
         self.engine.drive(self.now, &mut self.wire);
@@ -242,6 +244,7 @@ impl Receiver {
     /// Time passes: the engine's timers run.
     pub fn advance(&mut self, by: Duration) {
         self.now += by;
+        self.engine.start_turn();
         self.engine.handle_timeout(self.now, &mut self.wire);
         self.engine.drive(self.now, &mut self.wire);
         self.wire.tx.clear();

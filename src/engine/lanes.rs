@@ -517,9 +517,11 @@ impl Engine {
         let key = entry.key();
         let warn = self.setup.unmatched_warn;
         let shared = Arc::new(CommShared::new(side, key, self.queue.clone(), nic, warn));
+        let mut machine = CommMachine::new(side == Side::Send);
+        machine.hold_acks();
         entry.insert(Comm {
             shared: shared.clone(),
-            machine: CommMachine::new(side == Side::Send),
+            machine,
             session,
             route: None,
             path: PathMachine::new(side == Side::Send, timeouts, lane),

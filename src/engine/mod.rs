@@ -343,6 +343,8 @@ pub struct Engine {
     dirty: Vec<usize>,
     /// Lanes that stopped on their per-call budget and must be served again.
     again: Vec<usize>,
+    /// Receive comms holding an Ack for the next turn ([`Engine::start_turn`]).
+    held: Vec<usize>,
     /// The lanes whose delivery the next tick samples: those that wrote or had bytes
     /// waiting. An idle lane costs no look and no `TIOCOUTQ` until it writes again.
     sampling: Vec<usize>,
@@ -403,6 +405,7 @@ impl Engine {
             listeners: HashMap::new(),
             dirty: Vec::new(),
             again: Vec::new(),
+            held: Vec::new(),
             sampling: Vec::new(),
             timers: timers::Timers::default(),
             lateness: lateness::Lateness::default(),
@@ -450,7 +453,22 @@ impl Engine {
     }
 
     pub fn has_again(&self) -> bool {
-        !self.again.is_empty()
+        !self.again.is_empty() || !self.held.is_empty()
+    }
+
+    /// A turn begins, after its commands: the Acks held in the last turn go out with
+    /// this one's output (a `Cts` this turn's receives queued carries them), which the
+    /// turn's [`Engine::drive`] flushes.
+    pub fn start_turn(&mut self) {
+        let mut held = std::mem::take(&mut self.held);
+        held.sort_unstable();
+        held.dedup();
+        for c in held {
+            if let Some(comm) = self.comms.get_mut(c) {
+                comm.machine.release_ack();
+                self.pump(c);
+            }
+        }
     }
 
     /// The reactor was parked for `idle` without events (for the metrics).
@@ -745,6 +763,9 @@ impl Engine {
         }
         while let Some((p, outcome)) = comm.machine.poll_outcome() {
             p.req.settle(p.sub, outcome.map_err(Into::into));
+        }
+        if comm.machine.holds_ack() {
+            self.held.push(c);
         }
     }
 

@@ -500,6 +500,7 @@ impl<F: Fabric> Reactor<F> {
         if self.shutdown {
             return;
         }
+        self.engine.start_turn();
         for k in self.engine.take_again() {
             self.engine.service_lane(k, now, &mut self.io);
         }
