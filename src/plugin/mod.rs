@@ -752,8 +752,8 @@ pub fn isend(
     mr.check(comm, buf.addr(), buf.len())?;
     buf.attach(mr.region.clone());
     let posted = comm.isend(buf, tag, Instant::now())?;
-    // Send it now, on this thread; or, with nothing matched yet, read the CTS that
-    // NCCL's next call will match against.
+    // Send it on this thread (this turn, or the next call's); or, with nothing matched
+    // yet, read the CTS that NCCL's next call will match against.
     comm.queue.drive();
     Ok(match posted {
         Isend::NotNow => None,
@@ -798,7 +798,7 @@ pub fn irecv(
             })
             .collect(),
     });
-    // The CTS leaves now, from this thread.
+    // The CTS leaves with this thread's next turn (this one, or its next call).
     comm.queue.drive();
     Ok(Some(req))
 }

@@ -7,6 +7,9 @@
 //! * a caller only ever *tries* the lock ([`Owner::try_drive`]); finding it taken, it goes
 //!   on, and whoever holds it (or the reactor thread, nudged out of `epoll`) serves what
 //!   the caller queued;
+//! * callers run at most one turn per [`CALLER_GAP`]: a call that comes sooner after a
+//!   caller's turn leaves what it queued to the next one, which batches the commands and
+//!   writes of a proxy loop's sweep over its requests;
 //! * a caller's turn never waits in `epoll` and serves at most [`CALLER_EVENTS`]
 //!   readiness events, besides the engine's own per-turn bounds (connects dialled, bytes
 //!   per lane): a failover's work spreads over many calls instead of landing in one;
@@ -41,12 +44,22 @@ pub const HANDOVER: Duration = Duration::from_millis(5);
 /// the next turn, whoever runs it.
 pub const CALLER_EVENTS: usize = 64;
 
+/// How long after a caller's turn ended a caller runs no turn of its own. NCCL's proxy
+/// loop calls `isend`, `irecv` and `test` for every request in flight, a few hundred
+/// nanoseconds apart; a turn for each costs an `epoll_wait` and a write per message,
+/// where one turn a microsecond later serves them all together (one `writev` for the
+/// messages a lane gained meanwhile). A microsecond is well under a message's round trip
+/// on any fabric, so what a caller queued still leaves within its next few calls.
+pub const CALLER_GAP: Duration = Duration::from_micros(1);
+
 /// The reactor and the record of who drives it.
 pub(super) struct Owner<F: Fabric> {
     reactor: Mutex<Option<Reactor<F>>>,
     queue: Arc<CommandQueue>,
     /// When a caller last drove or tried to: nanoseconds after `epoch`, 0 for never.
     caller_at: AtomicU64,
+    /// When a caller's last turn ended: nanoseconds after `epoch`, 0 for never.
+    turned_at: AtomicU64,
     epoch: Instant,
 }
 
@@ -56,13 +69,22 @@ impl<F: Fabric> Owner<F> {
             queue: reactor.queue.clone(),
             reactor: Mutex::new(Some(reactor)),
             caller_at: AtomicU64::new(0),
+            turned_at: AtomicU64::new(0),
             epoch: Instant::now(),
         }
     }
 
+    fn nanos(&self, now: Instant) -> u64 {
+        (now.saturating_duration_since(self.epoch).as_nanos() as u64).max(1)
+    }
+
     fn mark_caller(&self, now: Instant) {
-        let ns = now.saturating_duration_since(self.epoch).as_nanos() as u64;
-        self.caller_at.store(ns.max(1), Ordering::Relaxed);
+        self.caller_at.store(self.nanos(now), Ordering::Relaxed);
+    }
+
+    /// Whether a caller's turn ended less than `gap` before `now`.
+    fn turned_within(&self, now: Instant, gap: Duration) -> bool {
+        within(self.turned_at.load(Ordering::Relaxed), self.nanos(now), gap)
     }
 
     /// How long no caller has driven or tried to, at `now`; `None` if none ever has.
@@ -143,6 +165,11 @@ impl<F: Fabric> Drive for Owner<F> {
     fn try_drive(&self) {
         let now = Instant::now();
         self.mark_caller(now);
+        if self.turned_within(now, CALLER_GAP) {
+            // A turn ran a moment ago; the caller's next call (NCCL's loop comes back
+            // within microseconds) runs the next one.
+            return;
+        }
         let Some(mut slot) = self.reactor.try_lock() else {
             // Taken: by another caller, who serves our commands too, or by the thread,
             // perhaps parked in `epoll`; wake it so it hands over.
@@ -150,5 +177,32 @@ impl<F: Fabric> Drive for Owner<F> {
             return;
         };
         self.guarded(&mut slot, |r| r.caller_turn(now));
+        self.turned_at
+            .store(self.nanos(Instant::now()), Ordering::Relaxed);
+    }
+}
+
+/// Whether a turn that ended at `at` (nanoseconds, 0 for none yet) is less than `gap`
+/// before `now`.
+fn within(at: u64, now: u64, gap: Duration) -> bool {
+    at != 0 && now.saturating_sub(at) < gap.as_nanos() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_caller_runs_a_turn_unless_one_ended_within_the_gap() {
+        let gap = CALLER_GAP.as_nanos() as u64;
+        assert!(
+            !within(0, 5, CALLER_GAP),
+            "no turn yet: the first caller turns"
+        );
+        assert!(within(1_000, 1_000, CALLER_GAP));
+        assert!(within(1_000, 1_000 + gap - 1, CALLER_GAP));
+        assert!(!within(1_000, 1_000 + gap, CALLER_GAP), "the gap passed");
+        // Another thread's clock read just before the turn's end: still within.
+        assert!(within(1_000, 900, CALLER_GAP));
     }
 }
