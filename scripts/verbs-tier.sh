@@ -206,6 +206,11 @@ now() { cut -d' ' -f1 /proc/uptime; }
 echo "VT: role $role up $(now)s, rxe0 IPv4 GID index ${gidx:-none}"
 # Bounded retries: the other guest may not be listening yet.
 retry() { n=0; until "$@"; do n=$((n + 1)); [ $n -ge 40 ] && return 1; sleep 1; done; }
+# The guests meet at each step's handles: the one that arrives first waits out the other's
+# previous step, up to that step's own limit (150 s), so one slow step does not put the
+# guests out of step for all the rest.
+meet=180
+meet() { n=0; until "$@"; do n=$((n + 1)); [ $n -ge $meet ] && return 1; sleep 1; done; }
 # Bounded wait for a line matching $1 in file $2 while process $3 runs.
 await() {
     n=0
@@ -218,6 +223,22 @@ links() { # down|up NETDEV...: a cut (or its end) on this guest, stamped
     for d in "$@"; do ip link set "$d" "$s"; done
     echo "VT: $name $* $s $(now)s"
 }
+# What the host's checks and, on a failure, its diagnostics read from step $1, printed as
+# the step ends: a guest that later runs past its time limit has still logged it.
+report() {
+    s=$1
+    [ -e /tmp/$s ] || return 0
+    { grep -E '"event":"(summary|bad|setup-failed|connected|pingpong|pingpong-failed)"' /tmp/$s | head -25
+      grep '"event":"error"' /tmp/$s | head -12; grep '"event":"error"' /tmp/$s | tail -1; } | sed "s/^/VT: $s| /"
+    grep -E 'fabric verbs|failover comm=|failback comm=|NIC rxe|gave up|turned away|WARN|ERROR' /tmp/$s.err |
+        head -40 | sed "s/^/VT: $s.err| /"
+    # Which memory each comm registered, and what refused it.
+    grep -E 'buffers registered as|cannot register|came through the stream|only a NIC can send' /tmp/$s.err |
+        head -12 | sed "s/^/VT: $s.mem| /"
+}
+# Every rail up again after a step, silently: a fault cut short (its step failed) must
+# not leave a link down under the next steps.
+restore() { for d in eth0 eth1 eth2; do ip link set $d up; done; }
 # One fault-peer run over verbs lanes, a receiving, b sending:
 #   scn NAME PORT SIDES FAULT OPTIONS...
 # The sender's stdin stays open, so it closes its comms --grace seconds after its END.
@@ -238,9 +259,9 @@ scn() {
         await '"event":"listening"' /tmp/$name $p
         [ -n "${pre:-}" ] && eval "$pre"
         { grep '"event":"handle"' /tmp/$name | sed 's/"event":"handle"/"cmd":"handle"/'; echo '{"cmd":"go"}'; } >/tmp/$name.h
-        timeout 60 nc -l -p $port -e cat /tmp/$name.h
+        timeout $meet nc -l -p $port -e cat /tmp/$name.h
     else
-        retry sh -c "nc 192.0.2.1 $port </dev/null >/tmp/$name.h && grep -q go /tmp/$name.h"
+        meet sh -c "nc 192.0.2.1 $port </dev/null >/tmp/$name.h && grep -q go /tmp/$name.h"
         # Through a FIFO, not a pipe: ash's wait would also wait for the pipe's writer.
         mkfifo /tmp/$name.in
         RAILOVER_TRANSPORT=verbs RAILOVER_LOG=info timeout 150 /bin/railover fault-peer send "$@" \
@@ -251,6 +272,8 @@ scn() {
     case $sides in *$role*) await '"event":"connected"' /tmp/$name $p && eval "$fault" ;; esac
     wait $p
     echo "VT: $name rc=$? $(awk "BEGIN { print $(now) - $t }")s"
+    restore
+    report $name
 }
 # Memory process $1 has pinned (registered), in KiB, as the kernel counts it.
 vmpin() { awk '/^VmPin:/ { print $2 }' /proc/$1/status 2>/dev/null || echo 0; }
@@ -285,15 +308,17 @@ pp() {
     await '"event":"listening"' /tmp/$name $p
     grep '"event":"handle"' /tmp/$name | sed 's/"event":"handle"/"cmd":"handle"/' >/tmp/$name.mine
     if [ "$role" = a ]; then
-        timeout 60 nc -l -p $port -e cat /tmp/$name.mine
-        retry sh -c "nc 192.0.2.2 $((port + 1)) </dev/null >/tmp/$name.peer && grep -q handle /tmp/$name.peer"
+        timeout $meet nc -l -p $port -e cat /tmp/$name.mine
+        meet sh -c "nc 192.0.2.2 $((port + 1)) </dev/null >/tmp/$name.peer && grep -q handle /tmp/$name.peer"
     else
-        retry sh -c "nc 192.0.2.1 $port </dev/null >/tmp/$name.peer && grep -q handle /tmp/$name.peer"
-        timeout 60 nc -l -p $((port + 1)) -e cat /tmp/$name.mine
+        meet sh -c "nc 192.0.2.1 $port </dev/null >/tmp/$name.peer && grep -q handle /tmp/$name.peer"
+        timeout $meet nc -l -p $((port + 1)) -e cat /tmp/$name.mine
     fi
     { cat /tmp/$name.peer; echo '{"cmd":"go"}'; } >/tmp/$name.in
     wait $p
     echo "VT: $name rc=$? $(awk "BEGIN { print $(now) - $t }")s"
+    restore
+    report $name
 }
 PT="-d rxe0 -x ${gidx:-1} -F"
 # Under TCG a verbs lane's handshake takes longer than the 200 ms probe default (an
@@ -411,17 +436,6 @@ if [ "$role" = a ] && want gd; then
         head -30 | sed 's/^/VT: gd| /'
     grep -E '^PASS (recv|send)\.data|flushes \(' /tmp/gd | sed 's/^/VT: gd| /'
 fi
-# What the host's checks and, on a failure, its diagnostics read.
-for s in $steps; do
-    [ -e /tmp/$s ] || continue
-    { grep -E '"event":"(summary|bad|setup-failed|connected|pingpong|pingpong-failed)"' /tmp/$s | head -25
-      grep '"event":"error"' /tmp/$s | head -12; grep '"event":"error"' /tmp/$s | tail -1; } | sed "s/^/VT: $s| /"
-    grep -E 'fabric verbs|failover comm=|failback comm=|NIC rxe|gave up|turned away|WARN|ERROR' /tmp/$s.err |
-        head -40 | sed "s/^/VT: $s.err| /"
-    # Which memory each comm registered, and what refused it.
-    grep -E 'buffers registered as|cannot register|came through the stream|only a NIC can send' /tmp/$s.err |
-        head -12 | sed "s/^/VT: $s.mem| /"
-done
 # Placement while rxe0 and rxe1 were down (sender), and the killed sender's last data.
 grep -s '"event":"lanes"' /tmp/tw | grep '"counts":\[0,0,[1-9]' | head -1 | sed 's/^/VT: tw| /'
 grep -s '"event":"tick"' /tmp/kp | grep '"bytes":\[[0-9,]*[1-9]' | tail -1 | sed 's/^/VT: kp| last data /'
@@ -503,8 +517,8 @@ grep -ho 'VT: .*\|verbs-check: .*' "$b" | sed 's/^/  b| /'
 # failed steps left in both guests (exit codes, summaries, setup failures, the first
 # request errors, WARN/ERROR lines such as lanes turned away), at most 40 lines.
 diag_step() { # STEP GUEST-LOG
-    grep -ao "VT: $1\( rc=\|| \|\.err| \).*\|verbs-check: .*FAIL.*" "$2" |
-        grep -aE "VT: $1 rc=|\"event\":\"(summary|setup-failed|bad|error)\"|WARN|ERROR|gave up|turned away|FAIL|VT: $1\| [^{]" |
+    grep -ao "VT: $1\( rc=\|| \|\.err| \| eth\).*\|verbs-check: .*FAIL.*" "$2" |
+        grep -aE "VT: $1 (rc=|eth)|\"event\":\"(summary|setup-failed|bad|error)\"|WARN|ERROR|gave up|turned away|FAIL|VT: $1\| [^{]" |
         awk '/"event":"error"/ { if (++e > 3) next } 1' | cut -c1-240
 }
 diagnose() { # STEP...
@@ -517,6 +531,13 @@ diagnose() { # STEP...
 }
 unfinished() {
     echo "verbs tier: FAIL: $1 (logs: $a $b)"
+    # The first steps that ended badly on either guest (a later step often only timed
+    # out waiting for its peer), then what each guest printed last.
+    local st bad=()
+    for st in $all_steps; do
+        grep -aq "VT: $st rc=[1-9]" "$a" "$b" && bad+=("$st")
+    done
+    [ ${#bad[@]} -gt 0 ] && diagnose "${bad[@]:0:3}"
     echo "verbs tier: diagnostics: the guests' last lines:"
     for g in a b; do
         eval "tail -16 \$$g" | tr -d '\r' | grep -av '^$' | cut -c1-200 | tail -12 | sed "s/^/  $g| /"
