@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use super::queue::{Command, CommandQueue};
+use super::queue::{Call, Command, CommandQueue};
 use super::request::Request;
 use super::Error;
 use crate::conn::matching::{Matched, Matcher};
@@ -60,6 +60,8 @@ pub struct CommShared {
     /// How long sends may find no receive for their tags in the head group before one
     /// WARN names them (`RAILOVER_UNMATCHED_WARN_MS`).
     unmatched_warn: Duration,
+    /// The caller turn during which `test` last looked at this comm ([`Call::Test`]).
+    sweep: AtomicU64,
 }
 
 /// Comms whose sends found no matching receive for longer than their bound (one WARN
@@ -87,7 +89,20 @@ impl CommShared {
             regions: Mutex::new(Vec::new()),
             matcher: Mutex::new(Matcher::default()),
             unmatched_warn,
+            sweep: AtomicU64::new(0),
         }
+    }
+
+    /// Offers the caller's thread to the reactor from `test` of one of this comm's
+    /// requests: a turn once the caller's sweep over its comms comes back here.
+    pub(crate) fn drive_tested(&self) {
+        self.queue.drive_for(Call::Test(&self.sweep));
+    }
+
+    /// Offers the caller's thread to the reactor from `isend`/`irecv`: the test that
+    /// follows runs the turn unless the last one is long past.
+    pub(crate) fn drive_posted(&self) {
+        self.queue.drive_for(Call::Post);
     }
 
     /// Reactor side (sender): the receiver posted receive `seq` of `capacity` bytes in

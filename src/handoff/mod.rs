@@ -14,7 +14,7 @@ use std::any::Any;
 
 pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, PendingListen, Side};
 pub use error::Error;
-pub(crate) use queue::Drive;
+pub(crate) use queue::{Call, Drive};
 pub use queue::{Command, CommandQueue, Done, Signal};
 pub use request::{Request, Status};
 

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -120,7 +120,20 @@ impl Drop for Signal {
 /// Never waits: a caller that finds the reactor taken goes on, and whoever holds it (or
 /// the reactor thread, woken by `push`) serves what the caller queued.
 pub(crate) trait Drive: Send + Sync {
-    fn try_drive(&self);
+    fn try_drive(&self, call: Call<'_>);
+}
+
+/// What a caller offering to drive is doing: NCCL's proxy loop posts and tests the
+/// requests of all its comms in one sweep, and one turn per sweep serves them all.
+#[derive(Clone, Copy)]
+pub(crate) enum Call<'a> {
+    /// `test` of a request of the comm with this sweep mark: a caller back at a comm it
+    /// tested since the last turn has finished a sweep.
+    Test(&'a AtomicU64),
+    /// `isend`/`irecv`: the test that follows in the same sweep runs the turn.
+    Post,
+    /// Anything else (`connect`, `accept`, `close`): a turn if the reactor is free.
+    Other,
 }
 
 /// The producers' side of the reactor.
@@ -176,8 +189,13 @@ impl CommandQueue {
     /// this caller queued is served now, with no hop to another thread. A no-op when
     /// progress is the reactor thread's alone, or the reactor is gone.
     pub fn drive(&self) {
+        self.drive_for(Call::Other);
+    }
+
+    /// [`CommandQueue::drive`] from a call of NCCL's proxy loop ([`Call`]).
+    pub(crate) fn drive_for(&self, call: Call<'_>) {
         if let Some(d) = self.driver.get().and_then(Weak::upgrade) {
-            d.try_drive();
+            d.try_drive(call);
         }
     }
 

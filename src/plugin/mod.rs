@@ -752,9 +752,13 @@ pub fn isend(
     mr.check(comm, buf.addr(), buf.len())?;
     buf.attach(mr.region.clone());
     let posted = comm.isend(buf, tag, Instant::now())?;
-    // Send it on this thread (this turn, or the next call's); or, with nothing matched
-    // yet, read the CTS that NCCL's next call will match against.
-    comm.queue.drive();
+    // Send it with this thread's next turn (the test that follows in NCCL's sweep); or,
+    // with nothing matched yet, read the CTS that NCCL's next call will match against:
+    // NCCL comes back with `isend` alone then, so it counts as a look at the comm.
+    match posted {
+        Isend::NotNow => comm.drive_tested(),
+        _ => comm.drive_posted(),
+    }
     Ok(match posted {
         Isend::NotNow => None,
         Isend::Failed(req) | Isend::Posted(req, _) => Some(req),
@@ -781,7 +785,7 @@ pub fn irecv(
         mr.check(comm, buf.addr(), buf.len())?;
     }
     if !comm.take_slot()? {
-        comm.queue.drive();
+        comm.drive_tested();
         return Ok(None);
     }
     let req = comm.new_request(subs.len());
@@ -798,8 +802,8 @@ pub fn irecv(
             })
             .collect(),
     });
-    // The CTS leaves with this thread's next turn (this one, or its next call).
-    comm.queue.drive();
+    // The CTS leaves with this thread's next turn (the test that follows in the sweep).
+    comm.drive_posted();
     Ok(Some(req))
 }
 
@@ -811,7 +815,7 @@ pub fn test(req: &Request) -> Result<Status, Error> {
     let mut st = req.status();
     if matches!(st, Ok(Status::Pending)) {
         // NCCL spins here: this is where the reactor turns, on NCCL's thread.
-        req.comm.queue.drive();
+        req.comm.drive_tested();
         st = req.status();
     }
     if matches!(st, Ok(Status::Pending)) {
