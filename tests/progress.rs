@@ -91,6 +91,33 @@ fn callers_drive_the_reactor_and_the_thread_covers_their_silence() {
         "every send and receive went through a caller's turn: {before:?} -> {after:?}"
     );
 
+    // Several of NCCL's threads call in at once (the proxy threads of several
+    // communicators), each driving its own comms: a caller that finds the reactor taken
+    // goes on and the holder serves what it queued. Every message still arrives intact.
+    let pairs: Vec<_> = (0..4).map(|_| pair(&ctx)).collect();
+    let before = turns();
+    let pairs: Vec<_> = pairs
+        .into_iter()
+        .map(|(s, r)| {
+            std::thread::spawn(move || {
+                traffic(&s, &r, 100, 4096);
+                (s, r)
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().expect("a caller thread's traffic"))
+        .collect();
+    let after = turns();
+    assert!(
+        after.0 > before.0,
+        "the callers ran turns: {before:?} -> {after:?}"
+    );
+    for (s, r) in pairs {
+        s.close().unwrap();
+        r.close().unwrap();
+    }
+
     // NCCL stops calling (a long kernel, the next step's data loading) for many
     // completion timeouts. Nobody but the reactor thread can keep the lanes' keepalives
     // going; without it both ends would judge the path silent when calls resume.
