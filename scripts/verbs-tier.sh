@@ -204,13 +204,14 @@ for g in /sys/class/infiniband/rxe0/ports/1/gids/*; do
 done
 now() { cut -d' ' -f1 /proc/uptime; }
 echo "VT: role $role up $(now)s, rxe0 IPv4 GID index ${gidx:-none}"
-# Bounded retries: the other guest may not be listening yet.
-retry() { n=0; until "$@"; do n=$((n + 1)); [ $n -ge 40 ] && return 1; sleep 1; done; }
+# Bounded retries, once a second: the other guest may not be listening yet.
+retry_for() { n=0 most=$1; shift; until "$@"; do n=$((n + 1)); [ $n -ge $most ] && return 1; sleep 1; done; }
+retry() { retry_for 40 "$@"; }
 # The guests meet at each step's handles: the one that arrives first waits out the other's
 # previous step, up to that step's own limit (150 s), so one slow step does not put the
 # guests out of step for all the rest.
 meet=180
-meet() { n=0; until "$@"; do n=$((n + 1)); [ $n -ge $meet ] && return 1; sleep 1; done; }
+meet() { retry_for $meet "$@"; }
 # Bounded wait for a line matching $1 in file $2 while process $3 runs.
 await() {
     n=0

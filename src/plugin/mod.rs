@@ -755,13 +755,15 @@ pub fn isend(
     // Send it with this thread's next turn (the test that follows in NCCL's sweep); or,
     // with nothing matched yet, read the CTS that NCCL's next call will match against:
     // NCCL comes back with `isend` alone then, so it counts as a look at the comm.
-    match posted {
-        Isend::NotNow => comm.drive_tested(),
-        _ => comm.drive_posted(),
-    }
     Ok(match posted {
-        Isend::NotNow => None,
-        Isend::Failed(req) | Isend::Posted(req, _) => Some(req),
+        Isend::NotNow => {
+            comm.drive_tested();
+            None
+        }
+        Isend::Failed(req) | Isend::Posted(req, _) => {
+            comm.drive_posted();
+            Some(req)
+        }
     })
 }
 
