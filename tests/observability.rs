@@ -85,8 +85,10 @@ fn record_all(t: &Telemetry, nic: &str) {
             rx_messages: 8,
             placed_bytes: 3 << 18,
             down_seconds: u64::from(!up) * 90,
+            drained: !up,
         });
     }
+    t.record_drain_move(nic);
     let from = NicPair {
         local: nic,
         remote: "peer/eth0",
@@ -179,6 +181,9 @@ fn endpoint_serves_recorded_series_over_tcp() {
             1.0,
         ),
         (r#"railover_failbacks_total{nic="fetch0"}"#, 1.0),
+        (r#"railover_nic_drained{nic="fetch0"}"#, 1.0),
+        (r#"railover_nic_drained{nic="fetch0b"}"#, 0.0),
+        (r#"railover_drain_moves_total{nic="fetch0"}"#, 1.0),
         (r#"railover_probe_failures_total{nic="fetch0"}"#, 3.0),
         (r#"railover_placed_bytes_total{nic="fetch0b"}"#, 786432.0),
         (r#"railover_memory_exclusions_total{nic="fetch0"}"#, 1.0),

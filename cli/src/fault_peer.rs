@@ -407,6 +407,9 @@ struct Ticker {
     start: Instant,
     last: Instant,
     devs: Option<DevCounters>,
+    /// Per comm: its last completion, and the longest gap that ended this tick.
+    last_done: Vec<Option<Instant>>,
+    gaps: Vec<u32>,
 }
 
 impl Ticker {
@@ -417,6 +420,22 @@ impl Ticker {
             start: now,
             last: now,
             devs,
+            last_done: Vec::new(),
+            gaps: Vec::new(),
+        }
+    }
+
+    /// Comm `i` completed a message now: the wait since its previous one may be the
+    /// tick's longest, which shows a pause (a move's switch) the byte counts smooth over.
+    fn completed(&mut self, i: usize) {
+        if self.last_done.len() <= i {
+            self.last_done.resize(i + 1, None);
+            self.gaps.resize(i + 1, 0);
+        }
+        let now = Instant::now();
+        if let Some(prev) = self.last_done[i].replace(now) {
+            let gap = u32::try_from(now.duration_since(prev).as_millis()).unwrap_or(u32::MAX);
+            self.gaps[i] = self.gaps[i].max(gap);
         }
     }
 
@@ -436,8 +455,10 @@ impl Ticker {
             el: self.start.elapsed().as_millis() as u64,
             bytes: per_comm.to_vec(),
             devs: self.devs.as_mut().map_or_else(Vec::new, DevCounters::delta),
+            gaps: self.gaps.clone(),
         });
         per_comm.fill(0);
+        self.gaps.fill(0);
     }
 }
 
@@ -801,6 +822,7 @@ fn receiver(o: &Opts) -> i32 {
                                 tally.msgs += 1;
                                 tally.bytes += n as u64;
                                 per_comm[i] += n as u64;
+                                ticker.completed(i);
                             }
                             Verdict::End => {
                                 lane.state = State::Ended;
@@ -1128,6 +1150,7 @@ fn sender(o: &Opts) -> i32 {
                             tally.msgs += 1;
                             tally.bytes += n as u64;
                             per_comm[i] += n as u64;
+                            ticker.completed(i);
                         }
                         if lane.state != State::Failed {
                             lane.done += 1;

@@ -30,6 +30,8 @@ pub enum Heard {
     Retire,
     /// The sender gave up the comm's lane of this epoch: fence it now (receiver only).
     Fence(u64),
+    /// The receiver's drained NICs, a bit per index (sender only).
+    Drained(u32),
 }
 
 /// A comm's machine: the send side or the receive side.
@@ -107,6 +109,7 @@ impl<T> CommMachine<T> {
             (CommMachine::Send(m), Kind::Ack) => m.handle_ack(h.seq).map(|()| Heard::Progress),
             (CommMachine::Recv(_), Kind::Retire) => Ok(Heard::Retire),
             (CommMachine::Recv(_), Kind::Fence) => Ok(Heard::Fence(h.seq)),
+            (CommMachine::Send(_), Kind::Drained) => Ok(Heard::Drained(h.aux)),
             _ => Err(ConnError::Protocol(format!("unexpected {h:?}"))),
         }
     }

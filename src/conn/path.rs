@@ -68,6 +68,14 @@ pub enum Moved {
         resume: Duration,
         spread: usize,
     },
+    /// Moved off `from` because an end of it was drained: how long from the move's start
+    /// until the new lanes carried the comm (the old lane carried it meanwhile), and how
+    /// many pairs the comm now runs over.
+    Drain {
+        from: Option<Pair>,
+        switch: Duration,
+        spread: usize,
+    },
 }
 
 /// Where a moved stripe goes.
@@ -166,6 +174,8 @@ pub struct PathMachine {
     detection: Option<Duration>,
     /// When the comm first left its original pair (for the fail-back's "away" time).
     away_since: Option<Instant>,
+    /// When the planned move under way (a drain) began.
+    planned: Option<Instant>,
     /// The pair the move under way started from: the failed one, or the backup a
     /// fail-back leaves. Later hops of the same move do not replace it.
     left: Option<Pair>,
@@ -193,6 +203,7 @@ impl PathMachine {
             resumed: None,
             detection: None,
             away_since: None,
+            planned: None,
             left: None,
             stranded: None,
         }
@@ -209,6 +220,11 @@ impl PathMachine {
     /// The lanes carrying the comm.
     pub fn lanes(&self) -> impl Iterator<Item = (usize, &Carrier)> + '_ {
         self.lanes.iter().map(|(&k, c)| (k, c))
+    }
+
+    /// When the comm first left its original pair, while it is away (sender).
+    pub fn away_since(&self) -> Option<Instant> {
+        self.away_since
     }
 
     /// Lane `k`, if it carries the comm.
@@ -387,9 +403,11 @@ impl PathMachine {
         reason: MoveReason,
         now: Instant,
     ) -> (Placed, Option<usize>) {
-        if let MoveReason::Failover(r) = reason {
+        match reason {
             // Moved because its pair failed under another comm: its outage starts now.
-            self.detected.get_or_insert((now, r));
+            MoveReason::Failover(r) => _ = self.detected.get_or_insert((now, r)),
+            MoveReason::Drain => _ = self.planned.get_or_insert(now),
+            MoveReason::Failback => {}
         }
         self.moving = Some(reason);
         if self.left.is_none() {
@@ -470,6 +488,7 @@ impl PathMachine {
         }
         let reason = self.moving.take()?;
         let detected = self.detected.take();
+        let planned = self.planned.take();
         let resumed = self.resumed.take().unwrap_or(now);
         let from = self.left.take();
         Some(match reason {
@@ -480,6 +499,15 @@ impl PathMachine {
                     .take()
                     .map_or(Duration::ZERO, |t0| now.saturating_duration_since(t0)),
             },
+            MoveReason::Drain => {
+                let t0 = planned.unwrap_or(now);
+                self.away_since.get_or_insert(t0);
+                Moved::Drain {
+                    from,
+                    switch: resumed.saturating_duration_since(t0),
+                    spread: self.spread(),
+                }
+            }
             MoveReason::Failover(r) => {
                 let (t0, reason) = detected.unwrap_or((now, r));
                 self.away_since.get_or_insert(t0);

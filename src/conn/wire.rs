@@ -23,8 +23,8 @@ pub const MAGIC: [u8; 2] = *b"RO";
 /// may require its payload in place ([`CTS_IN_PLACE`]). 7: the sender matches each send
 /// to a receive by NCCL's IB rules (`conn::matching`) and cuts a send larger than its
 /// receive to the receive's size, so `Truncated` (code 7) is gone; a `Welcome`'s `aux`
-/// names the listener's NICs that cannot register the comm's memory.
-pub const VERSION: u8 = 7;
+/// names the listener's NICs that cannot register the comm's memory. 8: `Drained`.
+pub const VERSION: u8 = 8;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
 pub const MAX_BODY: u64 = 4096;
@@ -148,11 +148,17 @@ pub enum Kind {
     /// lane still carries (a payload being written in place) can land after the replay
     /// completed its receive.
     Fence,
+    /// Receiver → sender: the receiver's NICs an operator drained, all of them: bit `i`
+    /// of `aux` is NIC `i` of its `Welcome` list. The sender moves its lanes off them in
+    /// planned moves and leaves them out until a later `Drained` clears the bit. Sent
+    /// after a `Welcome` while any is drained, and on one lane of every comm when the set
+    /// changes.
+    Drained,
 }
 
 impl Kind {
     /// Every kind, in wire-code order.
-    pub const ALL: [Kind; 14] = [
+    pub const ALL: [Kind; 15] = [
         Kind::Hello,
         Kind::Welcome,
         Kind::Refuse,
@@ -167,6 +173,7 @@ impl Kind {
         Kind::Retire,
         Kind::Place,
         Kind::Fence,
+        Kind::Drained,
     ];
 
     fn code(self) -> u8 {
@@ -186,6 +193,7 @@ impl Kind {
             Kind::Retire => 13,
             Kind::Place => 14,
             Kind::Fence => 15,
+            Kind::Drained => 16,
         }
     }
 
@@ -205,6 +213,7 @@ impl Kind {
             13 => Kind::Retire,
             14 => Kind::Place,
             15 => Kind::Fence,
+            16 => Kind::Drained,
             _ => return None,
         })
     }
@@ -569,7 +578,7 @@ mod tests {
         let codes: Vec<u8> = Kind::ALL.iter().map(|k| k.code()).collect();
         assert_eq!(
             codes,
-            (1..=15).filter(|&c| c != 7).collect::<Vec<u8>>(),
+            (1..=16).filter(|&c| c != 7).collect::<Vec<u8>>(),
             "ALL lists every kind once"
         );
         let mut old = Header::new(Kind::Ack, 0, 0).encode();

@@ -462,7 +462,9 @@ impl Engine {
             .map_or(from, |(_, p)| p);
         // Where the move began (the failed pair), not the hop that completed it.
         let from = match moved {
-            Moved::Failback { from: Some(f), .. } | Moved::Failover { from: Some(f), .. } => f,
+            Moved::Failback { from: Some(f), .. }
+            | Moved::Failover { from: Some(f), .. }
+            | Moved::Drain { from: Some(f), .. } => f,
             _ => from,
         };
         comm.lazily += comm.shared.moved_to(to.local.0 as usize);
@@ -490,6 +492,14 @@ impl Engine {
                 };
                 t.record_failback(&f);
                 tracing::warn!("{f} replayed={replayed}B");
+            }
+            Moved::Drain { switch, spread, .. } => {
+                t.record_drain_move(from.local);
+                t.record_comm_spread(spread);
+                tracing::info!(
+                    "railover: drain comm={c} {from} => {to} switch={:.1}ms spread_over={spread} replayed={replayed}B registered_on_backup={lazily}",
+                    switch.as_secs_f64() * 1e3
+                );
             }
             Moved::Failover {
                 reason,
@@ -1016,10 +1026,12 @@ impl Engine {
     /// Sends the counters gathered since the last sample to the metrics registry.
     pub(super) fn sample_metrics(&mut self, now: Instant) {
         let mut nics: Vec<NicNow> = (self.setup.nics.iter().zip(&self.nic_up))
-            .map(|(n, &up)| NicNow {
+            .zip(&self.drained)
+            .map(|((n, &up), hold)| NicNow {
                 name: &n.name,
                 rail: n.rail,
                 up,
+                drained: hold.any(),
                 lanes: 0,
                 paced_lanes: 0,
             })

@@ -293,6 +293,7 @@ impl Engine {
                         self.linger(k, now);
                         self.comms[c].machine.handle_lane_down(k);
                     }
+                    Took::Drained(mask) => self.peer_drained(c, mask, now),
                     Took::Fence(gone) => {
                         // Fenced before anything behind the Fence on this lane is read:
                         // nothing the given-up lane still carries can land after it.
@@ -312,12 +313,23 @@ impl Engine {
     }
 
     /// Our `Welcome`, acknowledging `delivered` messages, naming our NICs that cannot
-    /// register the comm's memory (`refusing`, a bit per index).
+    /// register the comm's memory (`refusing`, a bit per index); then, while any of our
+    /// NICs is drained, a `Drained` frame naming them, so a new lane's sender leaves them
+    /// at once.
     pub(super) fn welcome(&self, delivered: u64, refusing: u32) -> Vec<u8> {
-        Welcome {
+        let mut bytes = Welcome {
             nics: self.wire.clone(),
         }
-        .encode_refusing(delivered, refusing)
+        .encode_refusing(delivered, refusing);
+        let drained = self.drained_mask();
+        if drained != 0 {
+            let h = Header {
+                aux: drained,
+                ..Header::new(Kind::Drained, 0, 0)
+            };
+            bytes.extend_from_slice(&h.encode());
+        }
+        bytes
     }
 
     /// One item of comm `c` from its lane `k`.
@@ -367,6 +379,7 @@ impl Engine {
                     // Gone already: offer the waiting receives again, now stamped later.
                     comm.machine.replay_point();
                 }
+                Heard::Drained(mask) => return Ok(Took::Drained(mask)),
             },
             Inbound::Data { seq, len, placed } => {
                 // A payload written in place fills only a buffer this lane offered for it:
@@ -590,4 +603,6 @@ enum Took {
     Retired,
     /// The sender gave up this other lane of the comm: fence it now.
     Fence(usize),
+    /// The receiver's drained NICs, a bit per index.
+    Drained(u32),
 }

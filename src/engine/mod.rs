@@ -16,6 +16,7 @@
 //!   carries out the router's decisions and flushes what the turn queued.
 
 mod dials;
+mod drain;
 mod failover;
 pub mod gate;
 #[cfg(any(test, feature = "fuzz-harness"))]
@@ -335,6 +336,8 @@ pub struct Engine {
     /// Our NICs as peers see them.
     wire: Vec<NicAddr>,
     nic_up: Vec<bool>,
+    /// Who holds each local NIC drained (`railover drain`, the watched file).
+    drained: Vec<drain::DrainHold>,
     lanes: Slab<Lane>,
     comms: Slab<Comm>,
     /// NCCL's listeners by listen id (their tokens, their accept queues).
@@ -400,6 +403,7 @@ impl Engine {
             stats: Arc::new(ReactorStats::default()),
             wire,
             nic_up: vec![true; n],
+            drained: vec![drain::DrainHold::default(); n],
             lanes: Slab::new(),
             comms: Slab::new(),
             listeners: HashMap::new(),

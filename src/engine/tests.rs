@@ -820,3 +820,84 @@ fn shared_state_is_thread_safe() {
     assert_send_sync::<Request>();
     assert_send_sync::<ListenShared>();
 }
+
+#[test]
+fn draining_the_last_nic_up_is_refused_and_changes_nothing() {
+    use crate::handoff::DrainSource;
+    let now = Instant::now();
+    let mut p = connected(now);
+    let refused =
+        p.a.drain(0, true, DrainSource::Socket, now, &mut p.ma)
+            .unwrap_err();
+    assert!(
+        refused.contains("eth1") && refused.contains("last NIC"),
+        "{refused}"
+    );
+    assert!(!p.a.status(now).nics[0].drained);
+    assert_eq!(p.a.drained_mask(), 0);
+    let unknown =
+        p.a.drain(3, true, DrainSource::Socket, now, &mut p.ma)
+            .unwrap_err();
+    assert!(unknown.contains("no NIC 3"), "{unknown}");
+    // Undraining what is not drained is no error.
+    let said =
+        p.a.drain(0, false, DrainSource::File, now, &mut p.ma)
+            .unwrap();
+    assert!(said.contains("already not drained"), "{said}");
+}
+
+#[test]
+fn a_peers_drained_frame_leaves_its_nic_out_and_with_nowhere_else_the_comm_stays() {
+    let now = Instant::now();
+    let mut p = connected(now);
+    let drained = Header {
+        aux: 1,
+        ..Header::new(Kind::Drained, 0, 0)
+    }
+    .encode();
+    p.ma.rx.entry(0).or_default().extend(drained);
+    p.a.service_lane(0, now, &mut p.ma);
+    p.a.drive(now, &mut p.ma);
+    let pair = routing::Pair {
+        local: routing::NicId(0),
+        peer: p.a.comms[0].route.unwrap().peer,
+        remote: routing::NicId(0),
+    };
+    assert!(p.a.router.drained(pair));
+    // A planned move never fails a comm (the router's tests show it waits past the
+    // give-up window): with no other pair it stays where it is.
+    assert!(p.a.comms[0].shared.failure().is_none());
+    assert_eq!(p.a.router.stats().no_eligible_pair, 0);
+    assert_eq!(
+        p.a.router
+            .current_pair(routing::CommId(0), routing::LaneId(0)),
+        Some(pair)
+    );
+    assert!(
+        !p.ma.ops.iter().any(|op| matches!(op, Op::Close(_))),
+        "{:?}",
+        p.ma.ops
+    );
+    // A Drained frame is for senders: a receive comm takes it as a protocol error.
+    assert!(matches!(
+        p.b.comms[0]
+            .machine
+            .handle_frame(&Header::new(Kind::Drained, 0, 0)),
+        Err(ConnError::Protocol(_))
+    ));
+}
+
+#[test]
+fn status_counts_each_sides_comms_and_the_nics_they_run_on() {
+    let now = Instant::now();
+    let p = connected(now);
+    let a = p.a.status(now);
+    assert_eq!((a.comms.send, a.comms.recv), (1, 0));
+    assert_eq!(a.nics.len(), 1);
+    assert_eq!(a.nics[0].name, "eth1");
+    assert_eq!(a.nics[0].comms, 1);
+    assert!(a.nics[0].up && !a.nics[0].drained);
+    assert!(a.degraded.is_empty());
+    let b = p.b.status(now);
+    assert_eq!((b.comms.send, b.comms.recv), (0, 1));
+}

@@ -7,6 +7,7 @@
 
 pub mod comm;
 pub mod error;
+pub mod operator;
 pub mod queue;
 pub mod request;
 
@@ -14,6 +15,7 @@ use std::any::Any;
 
 pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, PendingListen, Side};
 pub use error::Error;
+pub use operator::{DrainSource, ProcessStatus};
 pub(crate) use queue::{Call, Drive};
 pub use queue::{Command, CommandQueue, Done, Signal};
 pub use request::{Request, Status};

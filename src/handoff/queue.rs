@@ -4,13 +4,14 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{mpsc, Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use mio::Waker;
 use parking_lot::Mutex;
 
 use super::comm::{CommShared, ListenShared, PendingConnect, PendingListen};
+use super::operator::{DrainSource, ProcessStatus};
 use super::request::Request;
 use super::Error;
 use crate::transport::memory::UserBuf;
@@ -60,6 +61,18 @@ pub enum Command {
     InjectLink {
         nic: usize,
         up: bool,
+    },
+    /// An operator drains (`on`) or undrains local NIC `nic`; what happened, or why it
+    /// was refused, goes to `reply`.
+    Drain {
+        nic: usize,
+        on: bool,
+        source: DrainSource,
+        reply: mpsc::SyncSender<Result<String, String>>,
+    },
+    /// What `railover status` shows of this process, to `reply`.
+    Status {
+        reply: mpsc::SyncSender<ProcessStatus>,
     },
     Shutdown,
     /// Test only: panics in the reactor's turn with this message, to prove that a reactor

@@ -573,6 +573,18 @@ impl<F: Fabric> Reactor<F> {
                 done.signal();
             }
             Command::InjectLink { nic, up } => engine.inject_link(nic, up, now, io),
+            Command::Drain {
+                nic,
+                on,
+                source,
+                reply,
+            } => {
+                // The asker may have given up waiting; nothing to do then.
+                let _ = reply.send(engine.drain(nic, on, source, now, io));
+            }
+            Command::Status { reply } => {
+                let _ = reply.send(engine.status(now));
+            }
             Command::Shutdown => self.shutdown = true,
             Command::Panic(message) => panic!("{message}"),
         }

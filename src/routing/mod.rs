@@ -209,6 +209,8 @@ pub enum MoveReason {
     Failover(FailReason),
     /// The lane's original pair passed its fail-back test; it moves home.
     Failback,
+    /// An end of the lane's pair is drained: a planned move, the old pair still working.
+    Drain,
 }
 
 /// An order to move one lane to another pair (or, for a stranded lane whose original pair
@@ -251,6 +253,8 @@ pub enum Exclusion {
     Rule(crate::topology::Exclusion),
     /// The local NIC has no carrier.
     Down,
+    /// An operator drained one of the pair's NICs (ours or the peer's).
+    Drained,
     /// One end of the pair cannot register the comm's memory (GPU memory out of that
     /// NIC's reach): that NIC is out for this comm.
     Memory,
@@ -267,6 +271,7 @@ impl fmt::Display for Exclusion {
         match *self {
             Exclusion::Rule(e) => e.fmt(f),
             Exclusion::Down => f.write_str("local NIC down"),
+            Exclusion::Drained => f.write_str("NIC drained"),
             Exclusion::Memory => f.write_str("its NIC cannot register the comm's memory"),
             Exclusion::Unhealthy { failed_probes: 0 } => f.write_str("pair unhealthy"),
             Exclusion::Unhealthy { failed_probes: n } => write!(
@@ -407,6 +412,30 @@ pub struct Stats {
     pub probes_failed: u64,
     /// [`Event::NoEligiblePair`] events queued.
     pub no_eligible_pair: u64,
+    /// Lanes moved off a drained NIC (planned moves).
+    pub drain_moves: u64,
+}
+
+/// Why a NIC may not be drained now: a comm running on it would have no pair left.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrainRefused {
+    /// The NIC asked for.
+    pub nic: NicId,
+    /// A comm that would be left with nowhere to go.
+    pub comm: CommId,
+    /// Each of that comm's pairs, with what keeps it out.
+    pub exclusions: Vec<(Pair, Exclusion)>,
+}
+
+impl fmt::Display for DrainRefused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "comm {} has no other pair to go to", self.comm.0)?;
+        for (i, (pair, why)) in self.exclusions.iter().enumerate() {
+            f.write_str(if i == 0 { ": " } else { "; " })?;
+            write!(f, "{pair} ({why})")?;
+        }
+        Ok(())
+    }
 }
 
 /// A request the router refused, naming what was wrong with it.

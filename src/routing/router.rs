@@ -9,8 +9,8 @@ use crate::config::RouterConfig;
 use crate::topology::pair_eligibility;
 
 use super::{
-    CommId, CommSpec, End, Event, Exclusion, FailReason, LaneId, LocalNic, Move, MoveReason, NicId,
-    Pair, PeerId, ProbeRequest, RemoteNic, RouterError, Stats,
+    CommId, CommSpec, DrainRefused, End, Event, Exclusion, FailReason, LaneId, LocalNic, Move,
+    MoveReason, NicId, Pair, PeerId, ProbeRequest, RemoteNic, RouterError, Stats,
 };
 
 /// Chooses the NIC pair of every lane of every comm of this process, and moves lanes when
@@ -68,6 +68,11 @@ pub struct Router {
     comms: BTreeMap<CommId, Comm>,
     pairs: BTreeMap<Pair, PairState>,
     down: BTreeSet<NicId>,
+    /// Local NICs an operator drained: no lane goes to a pair using one, and lanes on
+    /// one leave it in planned moves.
+    drained: BTreeSet<NicId>,
+    /// The same for peers' NICs, as each peer told us.
+    remote_drained: BTreeSet<(PeerId, NicId)>,
     topology_reported: BTreeSet<NicId>,
     moves: VecDeque<Move>,
     probes: VecDeque<ProbeRequest>,
@@ -115,10 +120,11 @@ impl Lane {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LaneState {
     Active,
-    /// Its pair failed at `since`; it waits for a backup. `reported` once
-    /// `NoEligiblePair` went out.
+    /// It must leave its pair since `since`, for a backup: its pair failed (`failed`), or
+    /// one of the pair's NICs is drained (`None`: a planned move, while the lane still
+    /// runs where it is). `reported` once `NoEligiblePair` went out.
     Pending {
-        reason: FailReason,
+        failed: Option<FailReason>,
         since: Instant,
         reported: bool,
     },
@@ -208,6 +214,8 @@ impl Router {
             comms: BTreeMap::new(),
             pairs: BTreeMap::new(),
             down: BTreeSet::new(),
+            drained: BTreeSet::new(),
+            remote_drained: BTreeSet::new(),
             topology_reported: BTreeSet::new(),
             moves: VecDeque::new(),
             probes: VecDeque::new(),
@@ -285,7 +293,13 @@ impl Router {
             };
             let state = if self.down.contains(&local) {
                 LaneState::Pending {
-                    reason: FailReason::LinkDown,
+                    failed: Some(FailReason::LinkDown),
+                    since: now,
+                    reported: false,
+                }
+            } else if self.drained(pair) {
+                LaneState::Pending {
+                    failed: None,
                     since: now,
                     reported: false,
                 }
@@ -359,8 +373,12 @@ impl Router {
         self.tick(now);
         let l = &self.comm_with_lane(comm, lane)?.lanes[lane.0];
         let (state, pair) = (l.state, l.current);
-        if state != LaneState::Active || self.moves.iter().any(|m| m.comm == comm && m.lane == lane)
-        {
+        // A lane still waiting to leave a drained pair runs on it, so its failure counts.
+        let running = matches!(
+            state,
+            LaneState::Active | LaneState::Pending { failed: None, .. }
+        );
+        if !running || self.moves.iter().any(|m| m.comm == comm && m.lane == lane) {
             return Ok(());
         }
         self.fail_pair(pair, reason, now);
@@ -386,7 +404,7 @@ impl Router {
         let nic = end.of(l.current);
         if l.state == LaneState::Active {
             l.state = LaneState::Pending {
-                reason,
+                failed: Some(reason),
                 since: now,
                 reported: false,
             };
@@ -515,6 +533,99 @@ impl Router {
         self.settle(now);
     }
 
+    /// Whether local NIC `nic` may be drained now: every comm with a lane on it must have
+    /// another pair that the static rules, memory reach, carriers and drains allow (health
+    /// is left to the probes that follow). Otherwise the drain is refused, naming a comm
+    /// that would be left nowhere to go and why each of its pairs is out.
+    pub fn check_drain(&self, nic: NicId) -> Result<(), DrainRefused> {
+        let loads = Loads::default();
+        let now = self.last_now.unwrap_or_else(Instant::now);
+        for (&comm, c) in &self.comms {
+            if !c.lanes.iter().any(|l| l.current.local == nic) {
+                continue;
+            }
+            let candidates = self.candidates(c, &loads, now);
+            let open = |cand: &&Candidate| match cand.verdict {
+                Verdict::Excluded(Exclusion::Unhealthy { .. }) => true,
+                Verdict::Excluded(_) => false,
+                _ => true,
+            };
+            if candidates
+                .iter()
+                .filter(|cand| cand.pair.local != nic)
+                .any(|cand| open(&cand))
+            {
+                continue;
+            }
+            let exclusions = candidates
+                .iter()
+                .map(|cand| match cand.verdict {
+                    _ if cand.pair.local == nic => (cand.pair, Exclusion::Drained),
+                    Verdict::Excluded(e) => (cand.pair, e),
+                    _ => (cand.pair, Exclusion::Drained),
+                })
+                .collect();
+            return Err(DrainRefused {
+                nic,
+                comm,
+                exclusions,
+            });
+        }
+        Ok(())
+    }
+
+    /// An operator drains local NIC `nic` (check first with [`Router::check_drain`]): no
+    /// pair using it is a candidate ([`Exclusion::Drained`]) until
+    /// [`Router::handle_undrain`], and every lane on it leaves in a planned move
+    /// ([`MoveReason::Drain`]) as soon as its candidates have answered their probes. The
+    /// lanes keep running where they are meanwhile; a planned move never gives up.
+    /// Repeats are ignored.
+    pub fn handle_drain(&mut self, nic: NicId, now: Instant) {
+        self.tick(now);
+        if self.drained.insert(nic) {
+            self.plan_moves(now);
+        }
+    }
+
+    /// The drain of local NIC `nic` ends. Lanes still waiting to leave it stay; lanes that
+    /// left come home through the fail-back test, as after a failure. Repeats are ignored.
+    pub fn handle_undrain(&mut self, nic: NicId, now: Instant) {
+        self.tick(now);
+        if self.drained.remove(&nic) {
+            self.unplan_moves(now);
+        }
+    }
+
+    /// Peer `peer` says which of its NICs are drained now (`nics`, all of them: any other
+    /// NIC of the peer is not). Lanes to a newly drained NIC leave it as for a local drain.
+    /// Returns whether anything changed.
+    pub fn handle_remote_drained(&mut self, peer: PeerId, nics: &[NicId], now: Instant) -> bool {
+        self.tick(now);
+        let now_drained: BTreeSet<(PeerId, NicId)> = nics.iter().map(|&n| (peer, n)).collect();
+        let before: BTreeSet<(PeerId, NicId)> = (self.remote_drained.iter())
+            .filter(|(p, _)| *p == peer)
+            .copied()
+            .collect();
+        if before == now_drained {
+            return false;
+        }
+        self.remote_drained.retain(|(p, _)| *p != peer);
+        self.remote_drained.extend(now_drained.iter().copied());
+        if before.difference(&now_drained).next().is_some() {
+            self.unplan_moves(now);
+        }
+        if now_drained.difference(&before).next().is_some() {
+            self.plan_moves(now);
+        }
+        true
+    }
+
+    /// Whether either end of `pair` is drained.
+    pub fn drained(&self, pair: Pair) -> bool {
+        self.drained.contains(&pair.local)
+            || self.remote_drained.contains(&(pair.peer, pair.remote))
+    }
+
     /// Fires the timers due at `now`: the fail-back probes of original pairs (skipped, and
     /// the good streak reset, while their local NIC is down), the re-probes of unhealthy
     /// candidates of waiting lanes, and their give-up deadlines. Calling it early, or
@@ -537,7 +648,9 @@ impl Router {
         let away = self.displaced_originals();
         let interval = self.config.failback_interval;
         for pair in due {
-            let down = self.down.contains(&pair.local);
+            // A drained pair is not probed: nothing goes near a NIC under maintenance, and
+            // once undrained it must pass the whole fail-back test again.
+            let down = self.down.contains(&pair.local) || self.drained(pair);
             let ps = self
                 .pairs
                 .get_mut(&pair)
@@ -653,6 +766,52 @@ impl Router {
         self.last_now = Some(now);
     }
 
+    /// Sends every running lane on a drained pair to wait for a planned move.
+    fn plan_moves(&mut self, now: Instant) {
+        let mut originals = Vec::new();
+        for c in self.comms.values() {
+            for l in &c.lanes {
+                if l.state == LaneState::Active && self.drained(l.current) {
+                    originals.push(l.original);
+                }
+            }
+        }
+        let (drained, remote) = (&self.drained, &self.remote_drained);
+        for c in self.comms.values_mut() {
+            for l in &mut c.lanes {
+                let p = l.current;
+                let on_drained = drained.contains(&p.local) || remote.contains(&(p.peer, p.remote));
+                if l.state == LaneState::Active && on_drained {
+                    l.state = LaneState::Pending {
+                        failed: None,
+                        since: now,
+                        reported: false,
+                    };
+                }
+            }
+        }
+        for original in originals {
+            self.watch(original, now);
+        }
+        self.settle(now);
+    }
+
+    /// A lane still waiting to leave a pair that is no longer drained stays on it.
+    fn unplan_moves(&mut self, now: Instant) {
+        let (drained, remote) = (&self.drained, &self.remote_drained);
+        for c in self.comms.values_mut() {
+            for l in &mut c.lanes {
+                let p = l.current;
+                let on_drained = drained.contains(&p.local) || remote.contains(&(p.peer, p.remote));
+                if matches!(l.state, LaneState::Pending { failed: None, .. }) && !on_drained {
+                    l.state = LaneState::Active;
+                }
+            }
+        }
+        self.drop_idle_watches();
+        self.settle(now);
+    }
+
     /// Marks `pair` failed at `now` and sends every running lane on it to wait for a backup.
     fn fail_pair(&mut self, pair: Pair, reason: FailReason, now: Instant) {
         let (base, max) = (self.config.holddown_base, self.config.holddown_max);
@@ -681,9 +840,12 @@ impl Router {
         let mut originals = Vec::new();
         for c in self.comms.values_mut() {
             for l in &mut c.lanes {
-                if l.state == LaneState::Active && l.current == pair {
+                let planned = matches!(l.state, LaneState::Pending { failed: None, .. });
+                if (l.state == LaneState::Active || planned) && l.current == pair {
+                    // A lane waiting to leave a drained pair that fails leaves it as a
+                    // failover: what it carried must go out again.
                     l.state = LaneState::Pending {
-                        reason,
+                        failed: Some(reason),
                         since: now,
                         reported: false,
                     };
@@ -736,6 +898,7 @@ impl Router {
         let quiet_until = ps.last_failure.map_or(now, |f| f + ps.holddown);
         if w.streak < self.config.failback_probes_k
             || self.down.contains(&pair.local)
+            || self.drained(pair)
             || now < quiet_until
         {
             return;
@@ -769,7 +932,7 @@ impl Router {
     /// Chooses a backup for every lane that waits for one and can be decided now, gives up
     /// lanes that cannot wait any longer, and sets when to look again.
     fn settle(&mut self, now: Instant) {
-        let waiting: Vec<(CommId, usize, FailReason, Instant, bool)> = self
+        let waiting: Vec<(CommId, usize, Option<FailReason>, Instant, bool)> = self
             .comms
             .iter()
             .flat_map(|(&comm, c)| {
@@ -778,10 +941,10 @@ impl Router {
                     .enumerate()
                     .filter_map(move |(i, l)| match l.state {
                         LaneState::Pending {
-                            reason,
+                            failed,
                             since,
                             reported,
-                        } => Some((comm, i, reason, since, reported)),
+                        } => Some((comm, i, failed, since, reported)),
                         LaneState::Active => None,
                     })
             })
@@ -792,7 +955,7 @@ impl Router {
         }
         let mut loads = self.loads();
         let mut homecoming = false;
-        for (comm, lane, reason, since, reported) in waiting {
+        for (comm, lane, failed, since, reported) in waiting {
             let candidates = self.candidates(&self.comms[&comm], &loads, now);
             for c in &candidates {
                 if c.topology_unknown && self.topology_reported.insert(c.pair.local) {
@@ -804,7 +967,8 @@ impl Router {
             // failed candidates whose verdicts expire in turn, or the fail-back watch
             // probing the original pair again and again, one candidate would always be
             // in question and the lane would wait forever.
-            let past = now >= since + self.config.giveup;
+            // A planned move never gives up: its lane runs where it is meanwhile.
+            let past = failed.is_some() && now >= since + self.config.giveup;
             // A candidate's first answer is awaited, for a balanced choice; a re-probe of
             // one that already failed holds the lane only while nothing else is eligible,
             // or a healthy pair would wait on a sick one's retries.
@@ -836,12 +1000,15 @@ impl Router {
                     lane: LaneId(lane),
                     from: l.current,
                     to,
-                    reason: MoveReason::Failover(reason),
+                    reason: failed.map_or(MoveReason::Drain, MoveReason::Failover),
                 });
                 homecoming |= to == l.original;
                 l.current = to;
                 l.state = LaneState::Active;
-                self.stats.failovers.bump(reason);
+                match failed {
+                    Some(reason) => self.stats.failovers.bump(reason),
+                    None => self.stats.drain_moves += 1,
+                }
                 loads.add(to);
                 continue;
             }
@@ -853,6 +1020,12 @@ impl Router {
                 .filter_map(|c| self.bad_until(c.pair))
                 .min();
             let deadline = since + self.config.giveup;
+            let Some(reason) = failed else {
+                // Nowhere to go yet: the lane stays on its drained pair, and looks again
+                // when a candidate's verdict expires or anything else changes.
+                self.wake_at = self.wake_at.into_iter().chain(retries).min();
+                continue;
+            };
             let give_up = retries.is_none() || now >= deadline;
             if reported || !give_up {
                 let next = if reported {
@@ -885,7 +1058,7 @@ impl Router {
             self.stats.no_eligible_pair += 1;
             let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];
             l.state = LaneState::Pending {
-                reason,
+                failed: Some(reason),
                 since,
                 reported: true,
             };
@@ -926,6 +1099,7 @@ impl Router {
                     Err(e) => Verdict::Excluded(Exclusion::Rule(e)),
                     Ok(_) if comm.unreachable(pair) => Verdict::Excluded(Exclusion::Memory),
                     Ok(_) if self.down.contains(&x.id) => Verdict::Excluded(Exclusion::Down),
+                    Ok(_) if self.drained(pair) => Verdict::Excluded(Exclusion::Drained),
                     Ok(allowed) => match self.health(pair, loads, now) {
                         Health::Bad(_) => Verdict::Excluded(Exclusion::Unhealthy {
                             failed_probes: self.pairs.get(&pair).map_or(0, |ps| ps.failed_probes),

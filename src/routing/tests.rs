@@ -1573,3 +1573,5 @@ fn a_nic_that_cannot_reach_a_comms_memory_is_left_out_for_that_comm_alone() {
     });
     assert!(gave_up, "{:?}", sim.events);
 }
+
+mod drain;

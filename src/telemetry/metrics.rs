@@ -39,6 +39,10 @@ pub const LANES: &str = "railover_lanes";
 pub const PACED_LANES: &str = "railover_paced_lanes";
 /// `railover_nic_up{nic}`.
 pub const NIC_UP: &str = "railover_nic_up";
+/// `railover_nic_drained{nic}`.
+pub const NIC_DRAINED: &str = "railover_nic_drained";
+/// `railover_drain_moves_total{nic}`.
+pub const DRAIN_MOVES_TOTAL: &str = "railover_drain_moves_total";
 /// `railover_nic_down_seconds_total{nic}`.
 pub const NIC_DOWN_SECONDS_TOTAL: &str = "railover_nic_down_seconds_total";
 /// `railover_nic_info{nic,rail}`.
@@ -192,6 +196,20 @@ pub const METRICS: &[MetricSpec] = &[
         labels: &["nic"],
         unit: "boolean",
         help: "1 while the local NIC has carrier and no fatal error, 0 while it is down.",
+    },
+    MetricSpec {
+        name: NIC_DRAINED,
+        kind: MetricKind::Gauge,
+        labels: &["nic"],
+        unit: "boolean",
+        help: "1 while an operator has the local NIC drained (railover drain, or the watched drain file), 0 otherwise.",
+    },
+    MetricSpec {
+        name: DRAIN_MOVES_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["nic"],
+        unit: "lanes",
+        help: "Lanes moved off a pair in planned moves because one of its NICs was drained (here or at the peer); nic is the local NIC they left.",
     },
     MetricSpec {
         name: NIC_DOWN_SECONDS_TOTAL,
@@ -456,6 +474,8 @@ pub struct NicSample<'a> {
     pub placed_bytes: u64,
     /// Whole seconds it was down since the previous sample (`sampler::Accrual`).
     pub down_seconds: u64,
+    /// An operator drained it.
+    pub drained: bool,
 }
 
 /// Turns one cumulative counter (`ReactorStats`, `conn::Stats`, `routing::Stats`) into the
@@ -708,6 +728,7 @@ impl Telemetry {
         metrics::gauge!(LANES, "nic" => nic.clone()).set(s.lanes as f64);
         metrics::gauge!(PACED_LANES, "nic" => nic.clone()).set(s.paced_lanes as f64);
         metrics::gauge!(NIC_UP, "nic" => nic.clone()).set(if s.up { 1.0 } else { 0.0 });
+        metrics::gauge!(NIC_DRAINED, "nic" => nic.clone()).set(if s.drained { 1.0 } else { 0.0 });
         metrics::counter!(NIC_DOWN_SECONDS_TOTAL, "nic" => nic.clone()).increment(s.down_seconds);
         let rail = s.rail.map_or_else(|| "none".to_owned(), |r| r.to_string());
         metrics::gauge!(NIC_INFO, "nic" => nic, "rail" => rail).set(1.0);
@@ -724,6 +745,11 @@ impl Telemetry {
         .increment(1);
         metrics::histogram!(DETECTION_SECONDS).record(f.detection.as_secs_f64());
         metrics::histogram!(FAILOVER_SECONDS).record(f.resume.as_secs_f64());
+    }
+
+    /// A lane left a pair in a planned move (a drain): counts it under the pair's local NIC.
+    pub fn record_drain_move(&self, nic: &str) {
+        metrics::counter!(DRAIN_MOVES_TOTAL, "nic" => nic.to_owned()).increment(1);
     }
 
     /// A lane moved back to its original pair: counts it under that pair's local NIC.
@@ -1248,6 +1274,7 @@ mod tests {
             rx_messages: 1,
             placed_bytes: 3072,
             down_seconds: 7,
+            drained: false,
         });
         t.record_failover(&Failover {
             comm: 1,

@@ -14,6 +14,8 @@ pub struct NicNow<'a> {
     pub name: &'a str,
     pub rail: Option<u32>,
     pub up: bool,
+    /// An operator drained it (`railover drain`).
+    pub drained: bool,
     /// Lanes carrying a comm on it, and how many of those are paced.
     pub lanes: u64,
     pub paced_lanes: u64,
@@ -253,6 +255,7 @@ impl Sampler {
                 rx_messages: c[3],
                 placed_bytes: placed,
                 down_seconds: down,
+                drained: nic.drained,
             });
             let probes = self.probe_failures.get_mut(i).map_or(0, std::mem::take);
             if probes > 0 {
@@ -299,6 +302,7 @@ mod tests {
                 name,
                 rail: None,
                 up: true,
+                drained: false,
                 lanes: 1,
                 paced_lanes: 0,
             })

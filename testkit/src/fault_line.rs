@@ -161,6 +161,11 @@ pub enum Event {
         bytes: Vec<u64>,
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         devs: Vec<u64>,
+        /// Per comm, the longest wait in milliseconds between two of its completions
+        /// (receiver: deliveries) that ended since the previous tick; 0 when it completed
+        /// fewer than two. Empty when the endpoint does not track them.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        gaps: Vec<u32>,
     },
     /// Sender, after each tick: running lanes per local NIC.
     Lanes {
@@ -277,12 +282,14 @@ mod tests {
                 el: 100,
                 bytes: vec![1 << 40, 0],
                 devs: vec![],
+                gaps: vec![],
             },
             Event::Tick {
                 t: 1_700_000_000_373,
                 el: 350,
                 bytes: vec![7, 8, 9],
                 devs: vec![3, 0],
+                gaps: vec![250, 0, 12],
             },
             Event::Error {
                 t: 5,
@@ -351,7 +358,8 @@ mod tests {
                 t: 1,
                 el: 2,
                 bytes: vec![3],
-                devs: vec![]
+                devs: vec![],
+                gaps: vec![]
             })
         );
         let e = Command::parse("link-down 0").unwrap_err();

@@ -26,7 +26,10 @@ pub struct Interval {
 pub fn intervals<'a>(events: impl IntoIterator<Item = &'a Event>) -> Vec<Interval> {
     let mut out: Vec<Interval> = Vec::new();
     for e in events {
-        if let Event::Tick { t, el, bytes, devs } = e {
+        if let Event::Tick {
+            t, el, bytes, devs, ..
+        } = e
+        {
             let from = out.last().map_or(t.saturating_sub(*el), |p| p.to);
             out.push(Interval {
                 from: from.min(*t),
@@ -277,6 +280,7 @@ mod tests {
             el,
             bytes: bytes.to_vec(),
             devs: vec![],
+            gaps: vec![],
         }
     }
 

@@ -237,6 +237,8 @@ pub fn is_tick(line: &str) -> bool {
 pub struct Tick {
     pub t: u128,
     pub bytes: Vec<u64>,
+    /// Per comm, its longest wait between completions in the tick (ms).
+    pub gaps: Vec<u32>,
 }
 
 /// One request error as the endpoint printed it.
@@ -283,7 +285,11 @@ impl Report {
         r.intervals = kept::intervals(&events);
         for e in events {
             match e {
-                Event::Tick { t, bytes, .. } => r.ticks.push(Tick { t: t.into(), bytes }),
+                Event::Tick { t, bytes, gaps, .. } => r.ticks.push(Tick {
+                    t: t.into(),
+                    bytes,
+                    gaps,
+                }),
                 Event::Error { t, comm, code, .. } => r.errors.push(ReqError {
                     t: t.into(),
                     comm,
