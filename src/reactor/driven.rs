@@ -82,6 +82,12 @@ impl<F: Fabric> Driven<F> {
         self.0.carrier(nic, up, now);
     }
 
+    /// An operator drains (`on`) or undrains local NIC `nic`, as the control socket
+    /// would ask: what happened, or why it was refused.
+    pub(crate) fn drain(&mut self, nic: usize, on: bool, now: Instant) -> Result<String, String> {
+        self.0.drain(nic, on, now)
+    }
+
     /// Whether any comm has a request outstanding.
     pub(crate) fn busy(&self) -> bool {
         self.0.requests_in_flight()

@@ -680,6 +680,13 @@ impl<F: Fabric> Reactor<F> {
         }
     }
 
+    /// An operator's drain of local NIC `i`, as the simulation asks it.
+    #[cfg(test)]
+    fn drain(&mut self, i: usize, on: bool, now: Instant) -> Result<String, String> {
+        let source = crate::handoff::DrainSource::Socket;
+        self.engine.drain(i, on, source, now, &mut self.io)
+    }
+
     /// Local NIC `i`'s carrier is now `up`, as the simulation reports it.
     #[cfg(test)]
     fn carrier(&mut self, i: usize, up: bool, now: Instant) {

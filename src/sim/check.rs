@@ -92,6 +92,8 @@ pub(crate) fn apply(st: &mut State, a: Action) -> bool {
         }
         Action::Slow { node, nic, factor } => st[node][nic].slow = factor,
         Action::Kill { .. } => return true,
+        // An operator's request: the links are as they were.
+        Action::Drain { .. } => {}
         Action::Switch { rail, up, silent } => {
             for node in st.iter_mut() {
                 if silent {

@@ -421,6 +421,14 @@ impl Sim {
                 drop(self.nodes[node].take());
                 continue;
             }
+            if let Action::Drain { node, nic, on } = a {
+                let at = self.base + self.now;
+                if let Some(d) = &mut self.nodes[node] {
+                    let said = d.drain(nic, on, at);
+                    self.note(|| format!("n{node}: {said:?}"));
+                }
+                continue;
+            }
             // The NICs it touches, and whether their reactors hear of it.
             let (nodes, nic, event) = match a {
                 Action::Carrier { node, nic, .. } => (node..node + 1, nic, true),
@@ -428,7 +436,7 @@ impl Sim {
                     (node..node + 1, nic, false)
                 }
                 Action::Switch { rail, silent, .. } => (0..self.s.nodes, rail, !silent),
-                Action::Kill { .. } => unreachable!(),
+                Action::Kill { .. } | Action::Drain { .. } => unreachable!(),
             };
             for node in nodes {
                 let st = self.state[node][nic];

@@ -34,6 +34,9 @@ pub(crate) enum Action {
     /// it; a `silent` one keeps the links up and forwards nothing (a black hole both ways
     /// on every node's NIC, no event).
     Switch { rail: usize, up: bool, silent: bool },
+    /// An operator drains (`on`) or undrains a NIC of a node: its reactor is asked, as
+    /// the control socket would ask it, and may refuse. The network does not change.
+    Drain { node: usize, nic: usize, on: bool },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -195,7 +198,8 @@ impl Gen {
 }
 
 /// Seeds come in families of this many: seeds `FAMILY_SPAN..2 * FAMILY_SPAN` are
-/// [`Family::RailSwitch`]'s, the next span [`Family::ManyComms`]'s, and every other seed
+/// [`Family::RailSwitch`]'s, the next span [`Family::ManyComms`]'s, the next
+/// [`Family::Drains`]'s, and every other seed
 /// is [`Family::TwoNodes`]'s (so the seeds below `FAMILY_SPAN` have the schedules they
 /// had before there were families).
 pub(crate) const FAMILY_SPAN: u64 = 1_000_000;
@@ -210,6 +214,9 @@ pub(crate) enum Family {
     RailSwitch,
     /// 256 comms (two nodes, or a ring of four in both directions) and one NIC cut.
     ManyComms,
+    /// Two nodes, 2 to 8 comms each way; an operator drains a NIC mid-run and undrains it
+    /// later, sometimes with another NIC's carrier lost meanwhile.
+    Drains,
 }
 
 impl Family {
@@ -217,6 +224,7 @@ impl Family {
         match seed / FAMILY_SPAN {
             1 => Family::RailSwitch,
             2 => Family::ManyComms,
+            3 => Family::Drains,
             _ => Family::TwoNodes,
         }
     }
@@ -225,9 +233,10 @@ impl Family {
     pub(crate) fn seed(self, n: u64) -> u64 {
         match self {
             Family::TwoNodes if n < FAMILY_SPAN => n,
-            Family::TwoNodes => n + 2 * FAMILY_SPAN,
+            Family::TwoNodes => n + 3 * FAMILY_SPAN,
             Family::RailSwitch => FAMILY_SPAN + n % FAMILY_SPAN,
             Family::ManyComms => 2 * FAMILY_SPAN + n % FAMILY_SPAN,
+            Family::Drains => 3 * FAMILY_SPAN + n % FAMILY_SPAN,
         }
     }
 }
@@ -238,6 +247,7 @@ impl fmt::Display for Family {
             Family::TwoNodes => "two nodes",
             Family::RailSwitch => "rail switch",
             Family::ManyComms => "many comms",
+            Family::Drains => "drains",
         })
     }
 }
@@ -292,6 +302,7 @@ impl Scenario {
             Family::TwoNodes => two_nodes(&mut g, seed),
             Family::RailSwitch => rail_switch(&mut g, seed),
             Family::ManyComms => many_comms(&mut g, seed),
+            Family::Drains => drains(&mut g, seed),
         };
         s.faults.sort_by_key(|f| f.at);
         // Grouped receives on half the seeds (those with bit 1 set, independent of the
@@ -378,6 +389,40 @@ fn many_comms(g: &mut Gen, seed: u64) -> Scenario {
         Some(g.ms(100, 2500))
     };
     outage(g, &mut f, at, len, node, nic);
+    s.faults = f;
+    s
+}
+
+fn drains(g: &mut Gen, seed: u64) -> Scenario {
+    let nics = g.range(2, 4);
+    // Mostly any pair, so that a drain has somewhere to go; same-rail only, a drain of
+    // a NIC a comm runs on is refused.
+    let rail_any = g.chance(80);
+    let mut comms = Vec::new();
+    for from in [0, 1] {
+        for _ in 0..g.range(1, 4) {
+            comms.push(comm(g, from, 1 - from, nics, 2, 8));
+        }
+    }
+    let mut s = Scenario::new(seed, "drain", 2, nics, rail_any, comms);
+    let node = g.below(2);
+    let nic = target(g, &s, node);
+    let at = g.ms(20, 1500);
+    let len = g.ms(200, 3000);
+    let drain = |at, on| Fault {
+        at,
+        action: Action::Drain { node, nic, on },
+    };
+    let mut f = vec![drain(at, true), drain(at + len, false)];
+    // Another NIC's carrier lost while drained: with three or more NICs a pair without
+    // either is left, so no comm may fail.
+    if nics >= 3 && g.chance(40) {
+        let other = (nic + g.range(1, nics - 1)) % nics;
+        let down_node = g.below(2);
+        let down_at = at + g.ms(0, len.as_millis() as u64);
+        f.push(carrier(down_at, down_node, other, false));
+        f.push(carrier(down_at + g.ms(100, 2000), down_node, other, true));
+    }
     s.faults = f;
     s
 }
@@ -707,6 +752,13 @@ impl fmt::Display for Action {
                 None => write!(f, "n{node}e{nic} rate restored"),
             },
             Action::Kill { node } => write!(f, "node {node} killed"),
+            Action::Drain { node, nic, on } => {
+                write!(
+                    f,
+                    "n{node}e{nic} {}",
+                    if on { "drained" } else { "undrained" }
+                )
+            }
             Action::Switch { rail, up, silent } => match (up, silent) {
                 (false, false) => write!(
                     f,
