@@ -9,6 +9,9 @@
 //!   the panic barrier and the one place errors become `ncclResult_t`.
 //! * [`plugin`] — the version-independent facade: contexts, devices, listen/connect/accept,
 //!   memory handles and requests; it picks the fabric.
+//! * [`control`] — the operator's control plane: a Unix socket per process and a watched
+//!   drain file, served on one joinable thread (`railover drain|undrain|status`); what a
+//!   request does is the plugin's, through [`control::Handler`].
 //! * `sim` — the deterministic simulation (test builds only): two reactors driven by hand
 //!   over an in-memory network in virtual time. Nothing imports it.
 //! * [`reactor`] — the one owner of I/O per process: it owns every socket, QP, `epoll` and
@@ -37,6 +40,7 @@
 
 pub mod config;
 pub mod conn;
+pub mod control;
 pub mod engine;
 pub mod ffi;
 pub mod handoff;

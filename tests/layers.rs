@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&str] = &[
     "ffi",
     "plugin",
+    "control",
     "sim",
     "reactor",
     "engine",

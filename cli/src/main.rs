@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod bench_ab;
+mod control;
 mod demo;
 mod doctor;
 mod failover_bench;
@@ -19,7 +20,8 @@ mod size;
 mod verbs_check;
 
 /// Tools around the railover NCCL network plugin: a live failover demo, a benchmark
-/// against raw TCP, a node check and a failure-cost model.
+/// against raw TCP, a node check, a failure-cost model, and draining NICs in and asking
+/// the state of the railover processes running on this node.
 #[derive(Debug, Parser)]
 #[command(name = "railover", version, arg_required_else_help = true)]
 // As the hand-written parsers did: a repeated option takes its last value.
@@ -46,6 +48,14 @@ pub enum Command {
     Doctor(doctor::Args),
     /// Predicted all-reduce slowdown after one NIC failure (a cost model, no traffic)
     Sim(sim::Args),
+    /// Drain a NIC in the railover processes on this node: their traffic leaves it for
+    /// the other NICs until it is undrained
+    Drain(control::DrainArgs),
+    /// Undrain a NIC drained with `railover drain`: the processes may use it again
+    Undrain(control::DrainArgs),
+    /// The live state of the railover processes on this node: NICs, comms, failovers,
+    /// fail-backs, degraded comms
+    Status(control::StatusArgs),
     /// One endpoint of the fault-injection tier (test machinery)
     #[command(hide = true)]
     FaultPeer(fault_peer::Args),
@@ -77,6 +87,9 @@ fn main() {
         Command::Bench(a) => bench::run(a, std::env::args_os().skip(2).collect()),
         Command::Doctor(a) => doctor::run(&a),
         Command::Sim(a) => sim::run(&a),
+        Command::Drain(a) => control::drain(&a, true),
+        Command::Undrain(a) => control::drain(&a, false),
+        Command::Status(a) => control::status(&a),
         Command::FaultPeer(a) => fault_peer::run(&a),
         Command::VerbsCheck(a) => verbs_check::run(&a),
         Command::Peer => peer::serve(),
@@ -97,7 +110,9 @@ mod tests {
     #[test]
     fn help_lists_user_commands_and_hides_test_machinery() {
         let help = Cli::command().render_help().to_string();
-        for c in ["demo", "bench", "doctor", "sim"] {
+        for c in [
+            "demo", "bench", "doctor", "sim", "drain", "undrain", "status",
+        ] {
             assert!(help.contains(c), "{c} missing from:\n{help}");
         }
         assert!(!help.contains("fault-peer"), "{help}");
@@ -114,6 +129,10 @@ mod tests {
             &["railover", "frobnicate"],
             &["railover", "sim", "--bogus"],
             &["railover", "bench", "--comms"],
+            &["railover", "drain"],
+            &["railover", "drain", "eth0 eth1"],
+            &["railover", "status", "--count", "2"],
+            &["railover", "status", "--watch", "0"],
         ] {
             let e = Cli::try_parse_from(argv).expect_err(&argv.join(" "));
             assert_eq!(e.exit_code(), 2, "{argv:?}: {e}");
