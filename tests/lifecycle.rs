@@ -172,21 +172,24 @@ fn process_lifecycle() {
     );
 
     // 2. One reactor per process, joined when the last context is finalised. The metrics
-    // endpoint (on loopback, a free port) is a plugin thread too.
+    // endpoint (on loopback, a free port) and the control socket's thread are plugin
+    // threads too.
     std::env::set_var("RAILOVER_IFNAME", "lo");
     std::env::set_var("RAILOVER_METRICS_ADDR", "127.0.0.1");
     std::env::set_var("RAILOVER_METRICS_PORT", "0");
+    let control = tempfile::tempdir().unwrap();
+    std::env::set_var("RAILOVER_CONTROL_DIR", control.path());
     let a = Ctx::init().unwrap();
     let b = Ctx::init().unwrap();
     assert_eq!(settled_reactor_threads(), 1);
     let end = Instant::now() + Duration::from_secs(10);
-    while plugin_threads() < 2 && Instant::now() < end {
+    while plugin_threads() < 3 && Instant::now() < end {
         std::thread::yield_now();
     }
     assert_eq!(
         plugin_threads(),
-        2,
-        "reactor and metrics endpoint: {:?}",
+        3,
+        "reactor, metrics endpoint and control socket: {:?}",
         thread_names()
     );
     a.finalize().unwrap();

@@ -1490,3 +1490,215 @@ fn a_log_digest_counts_lines_by_their_shape() {
         ]
     );
 }
+
+// ---- drains (`docs/design.md` §5.8) --------------------------------------------------
+
+/// Runs the `railover` command; its exit code and stdout.
+fn railover(args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_railover"))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("railover {args:?}: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    println!(
+        "$ railover {}\n{text}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+/// Per comm, the longest wait between two completions in the receiver's ticks ending in
+/// `[from, to)` (milliseconds).
+fn longest_gaps(r: &Report, comms: usize, from: u128, to: u128) -> Vec<u32> {
+    let mut most = vec![0; comms];
+    for t in r.ticks.iter().filter(|t| t.t >= from && t.t < to) {
+        for (m, &g) in most.iter_mut().zip(&t.gaps) {
+            *m = (*m).max(g);
+        }
+    }
+    most
+}
+
+/// Running lanes on each of the sender's NICs over `[from, to)`, as the sender printed
+/// them.
+fn lanes_between(send: &Report, from: u128, to: u128) -> Vec<Vec<usize>> {
+    (send.lanes.iter())
+        .filter(|(t, _)| *t >= from && *t < to)
+        .map(|(_, c)| c.clone())
+        .collect()
+}
+
+fault_test! {
+    /// An operator drains rv0 on both nodes with one command (two processes found in one
+    /// control directory) while 8 comms run in lockstep, then undrains it. The drained
+    /// comms move in planned moves: nothing is lost, sent twice or failed over, each comm
+    /// pauses little beyond its usual gap between completions, no lane stays on rv0, and
+    /// after the undrain the comms come home through the fail-back probes.
+    fn drain_and_undrain_under_lockstep_traffic_lose_nothing() {
+        if needs_failover() {
+            return;
+        }
+        const N: usize = 4;
+        const K: usize = 8;
+        let tb = bed(N);
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap().to_owned();
+        let flow = Flow::start(
+            &tb,
+            FlowOpts {
+                comms: Some(2 * N),
+                lockstep: Some(K),
+                tick_ms: 100,
+                size: 64 << 10,
+                seconds: 14.0,
+                env: vec![("RAILOVER_CONTROL_DIR", d.clone())],
+                ..FlowOpts::default()
+            },
+        );
+        let comms = flow.dev_of.len();
+        let hit = flow.comms_on(&[0]);
+        flow.wait_ticks(30);
+        let drained_at = unix_ms();
+        let (code, out) = railover(&["drain", "rv0", "--dir", &d]);
+        assert_eq!(code, 0, "{out}");
+        assert_eq!(out.matches("drained rv0").count(), 2, "both processes: {out}");
+        flow.wait_more_ticks(40);
+        let (code, out) = railover(&["status", "--dir", &d, "--json"]);
+        assert_eq!(code, 0, "{out}");
+        let status: serde_json::Value = serde_json::from_str(&out).expect("status --json");
+        let procs = status.as_array().expect("an array of processes");
+        assert_eq!(procs.len(), 2, "{status}");
+        for p in procs {
+            let r = p.get("result").unwrap_or(p);
+            let rv0 = &r["nics"][0];
+            assert_eq!(rv0["name"], "rv0", "{p}");
+            assert_eq!(rv0["drained"], true, "{p}");
+            assert_eq!(rv0["comms"], 0, "a comm still runs on rv0: {p}");
+        }
+        let undrained_at = unix_ms();
+        let (code, out) = railover(&["undrain", "rv0", "--dir", &d]);
+        assert_eq!(code, 0, "{out}");
+        let (recv, send) = flow.finish();
+        assert_delivered_exactly_once(&recv, &send, comms);
+        assert!(
+            !send.stderr.contains(" failover comm="),
+            "a drain is not a failover:\n{}",
+            send.stderr_tail
+        );
+        let moves = send.stderr.matches("railover: drain comm=").count();
+        assert!(moves >= hit.len(), "{moves} drain moves for {} comms on rv0", hit.len());
+        // No lane on rv0 once the moves settled, until the undrain.
+        for c in lanes_between(&send, drained_at + 1_000, undrained_at) {
+            assert_eq!(c[0], 0, "lanes per NIC while rv0 was drained: {c:?}");
+        }
+        // Home again through the fail-back probes.
+        let back = lanes_between(&send, undrained_at, u128::MAX);
+        assert!(
+            back.last().is_some_and(|c| c[0] > 0),
+            "nothing came back to rv0 after the undrain: {:?}",
+            back.last()
+        );
+        // The pause a drain costs each comm, beyond its longest wait before it.
+        let before = longest_gaps(&recv, comms, drained_at - 2_500, drained_at - 100);
+        let during = longest_gaps(&recv, comms, drained_at, drained_at + 2_000);
+        let extra: Vec<i64> = (before.iter().zip(&during))
+            .map(|(&b, &d)| i64::from(d) - i64::from(b))
+            .collect();
+        println!("longest gap per comm before the drain {before:?} ms, after it {during:?} ms");
+        let worst = extra.iter().copied().max().unwrap_or(0);
+        println!("drain pause beyond the usual gap: worst comm {worst} ms (target < 50 ms)");
+        assert!(
+            worst < 200,
+            "a comm paused {worst} ms beyond its usual gap: before {before:?}, after {during:?}"
+        );
+    }
+}
+
+fault_test! {
+    /// With two rails and rv1 drained on both nodes, draining rv0 too is refused, saying
+    /// why, and changes nothing; the traffic runs on untouched.
+    fn draining_the_last_rail_is_refused_saying_why() {
+        if needs_failover() {
+            return;
+        }
+        let tb = bed(2);
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap().to_owned();
+        let flow = Flow::start(
+            &tb,
+            FlowOpts {
+                per_dev: 1,
+                size: 64 << 10,
+                seconds: 8.0,
+                env: vec![("RAILOVER_CONTROL_DIR", d.clone())],
+                ..FlowOpts::default()
+            },
+        );
+        let comms = flow.dev_of.len();
+        flow.wait_ticks(20);
+        let (code, out) = railover(&["drain", "rv1", "--dir", &d]);
+        assert_eq!(code, 0, "{out}");
+        flow.wait_more_ticks(10);
+        let (code, out) = railover(&["drain", "rv0", "--dir", &d]);
+        assert_ne!(code, 0, "draining the last rail was accepted: {out}");
+        assert_eq!(out.matches("refused").count(), 2, "{out}");
+        assert!(out.contains("last NIC"), "the refusal says why: {out}");
+        let (_, out) = railover(&["status", "--dir", &d, "--json"]);
+        let status: serde_json::Value = serde_json::from_str(&out).expect("status --json");
+        for p in status.as_array().expect("an array") {
+            let r = p.get("result").unwrap_or(p);
+            assert_eq!(r["nics"][0]["drained"], false, "{p}");
+            assert_eq!(r["nics"][1]["drained"], true, "{p}");
+        }
+        let (recv, send) = flow.finish();
+        assert_delivered_exactly_once(&recv, &send, comms);
+    }
+}
+
+fault_test! {
+    /// The watched drain file drains as the socket does: naming rv1 in it moves the
+    /// sender's traffic off rv1, and taking the name out brings it back.
+    fn a_drain_file_drains_and_undrains_like_the_socket() {
+        if needs_failover() {
+            return;
+        }
+        let tb = bed(2);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("drain");
+        let flow = Flow::start(
+            &tb,
+            FlowOpts {
+                per_dev: 2,
+                size: 64 << 10,
+                seconds: 12.0,
+                env: vec![
+                    ("RAILOVER_CONTROL_DIR", dir.path().to_str().unwrap().to_owned()),
+                    ("RAILOVER_DRAIN_FILE", file.to_str().unwrap().to_owned()),
+                ],
+                ..FlowOpts::default()
+            },
+        );
+        let comms = flow.dev_of.len();
+        flow.wait_ticks(20);
+        std::fs::write(&file, "# maintenance on rail 1\nrv1\n").unwrap();
+        let drained_at = unix_ms();
+        flow.wait_more_ticks(35);
+        std::fs::write(&file, "").unwrap();
+        let undrained_at = unix_ms();
+        let (recv, send) = flow.finish();
+        assert_delivered_exactly_once(&recv, &send, comms);
+        assert!(!send.stderr.contains(" failover comm="), "{}", send.stderr_tail);
+        let during = lanes_between(&send, drained_at + 2_500, undrained_at);
+        assert!(!during.is_empty(), "no lanes printed while drained");
+        for c in &during {
+            assert_eq!(c[1], 0, "lanes per NIC while rv1 was drained by the file: {c:?}");
+        }
+        let back = lanes_between(&send, undrained_at, u128::MAX);
+        assert!(
+            back.last().is_some_and(|c| c[1] > 0),
+            "nothing came back to rv1: {:?}",
+            back.last()
+        );
+    }
+}

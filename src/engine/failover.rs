@@ -496,7 +496,7 @@ impl Engine {
             Moved::Drain { switch, spread, .. } => {
                 t.record_drain_move(from.local);
                 t.record_comm_spread(spread);
-                tracing::info!(
+                tracing::warn!(
                     "railover: drain comm={c} {from} => {to} switch={:.1}ms spread_over={spread} replayed={replayed}B registered_on_backup={lazily}",
                     switch.as_secs_f64() * 1e3
                 );

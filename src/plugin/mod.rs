@@ -6,6 +6,7 @@
 
 pub mod net_handle;
 pub mod nics;
+pub mod operator;
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
@@ -16,6 +17,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::config::{Config, TransportChoice};
+use crate::control::{Control, ControlConfig, NicIdent};
 use crate::handoff::comm::{Isend, MAX_RECVS, NCCL_PTR_HOST};
 pub use crate::handoff::{
     CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Side,
@@ -31,6 +33,7 @@ use crate::transport::memory::{Memory, Region};
 use crate::transport::tcp::{self, TcpFabric, TcpNic};
 use crate::transport::verbs::{self, VerbsFabric, VerbsNic};
 pub use net_handle::NetHandle;
+use operator::Operator;
 
 /// The plugin's name in NCCL (`NCCL_NET=railover`).
 pub const NAME: &CStr = c"railover";
@@ -58,6 +61,8 @@ pub struct Runtime {
     pub nics: Vec<NicInfo>,
     pub reactor: ReactorHandle,
     pub telemetry: Arc<Telemetry>,
+    /// The control socket and drain-file watch (`railover drain`, `railover status`).
+    pub control: Mutex<Control>,
 }
 
 impl Runtime {
@@ -67,6 +72,7 @@ impl Runtime {
         let config = Config::from_env()?;
         crate::telemetry::log::set_stderr_level(config.log);
         let metrics_cfg = ExporterConfig::from_env()?;
+        let control_cfg = ControlConfig::from_env()?;
         let verbs_nics = choose_fabric(&config)?;
         let tcp_nics = match &verbs_nics {
             // The NICs as the rest of the runtime sees them: name, address, PCI, speed.
@@ -185,11 +191,23 @@ impl Runtime {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        let idents = nics
+            .iter()
+            .map(|n| NicIdent {
+                name: n.tcp.name.clone(),
+                pci: n.tcp.pci_path.clone(),
+                rail: n.rail,
+            })
+            .collect();
+        let local_rank = metrics_cfg.endpoint.and_then(|e| e.local_rank);
+        let operator = Arc::new(Operator::new(reactor.queue.clone(), local_rank));
+        let control = Mutex::new(Control::start(&control_cfg, idents, operator));
         Ok(Runtime {
             config,
             nics,
             reactor,
             telemetry,
+            control,
         })
     }
 
@@ -507,6 +525,8 @@ pub fn finalize(ctx: &Context) -> Result<bool, Error> {
     if let Some(rt) = stop {
         // Attempts NCCL started and never collected would otherwise outlive the plugin.
         *PENDING.lock() = None;
+        // First: an operator's request must find the reactor still there to answer it.
+        rt.control.lock().shutdown();
         rt.reactor.shutdown();
         rt.telemetry.shutdown();
         tracing::info!("railover: finalised, reactor stopped");

@@ -133,6 +133,8 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_IB_SL", "16", "16");
   bad_value("RAILOVER_QPS_PER_LANE", "17", "17");
   bad_value("RAILOVER_ZERO_COPY", "sometimes", "sometimes");
+  bad_value("RAILOVER_CONTROL_DIR", "relative/dir", "relative/dir");
+  bad_value("RAILOVER_DRAIN_FILE", "drain.txt", "drain.txt");
   bad_value("RAILOVER_GDR", "yes", "yes");
   bad_value("RAILOVER_GDR_HCA", "mlx5_0:0", "mlx5_0:0");
   bad_value("RAILOVER_UNMATCHED_WARN_MS", "0", "0");
@@ -227,6 +229,7 @@ int main(int argc, char** argv) {
       "RAILOVER_ZERO_COPY",        "RAILOVER_GDR",
       "RAILOVER_GDR_HCA",          "RAILOVER_UNMATCHED_WARN_MS",
       "RAILOVER_PROGRESS",         "LOCAL_RANK",
+      "RAILOVER_CONTROL_DIR",      "RAILOVER_DRAIN_FILE",
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
     bad_value(vars[i], "lo\xff\xfe", "lo\xef\xbf\xbd");
