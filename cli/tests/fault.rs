@@ -1702,3 +1702,72 @@ fault_test! {
         );
     }
 }
+
+fault_test! {
+    /// Two processes on one node drained by one command: two senders on A share a control
+    /// directory (with the receiver on B), `railover drain rv0` reaches all three, and
+    /// each sender moves its own lanes off rv0; every message arrives once and both come
+    /// back after the undrain.
+    fn two_processes_on_a_node_are_drained_by_one_command() {
+        if needs_failover() {
+            return;
+        }
+        let tb = bed(4);
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap().to_owned();
+        let opts = MeshOpts {
+            senders: 2,
+            receivers: 1,
+            per_pair: 4,
+            flow: FlowOpts {
+                messages: Some(2_000),
+                size: 64 << 10,
+                depth: 4,
+                tick_ms: 100,
+                seconds: 40.0,
+                env: vec![("RAILOVER_CONTROL_DIR", d.clone())],
+                ..FlowOpts::default()
+            },
+        };
+        let (mesh, _) = Mesh::start(&tb, opts.clone());
+        let ticks = |n| {
+            assert!(
+                mesh.recvs[0].wait_count(Duration::from_secs(30), n, is_tick),
+                "the receiver stopped ticking"
+            );
+        };
+        ticks(20);
+        let drained_at = unix_ms();
+        let (code, out) = railover(&["drain", "rv0", "--dir", &d]);
+        assert_eq!(code, 0, "{out}");
+        assert_eq!(out.matches("drained rv0").count(), 3, "three processes: {out}");
+        ticks(50);
+        let (code, out) = railover(&["status", "--dir", &d, "--json"]);
+        assert_eq!(code, 0, "{out}");
+        let status: serde_json::Value = serde_json::from_str(&out).expect("status --json");
+        let procs = status.as_array().expect("an array of processes");
+        assert_eq!(procs.len(), 3, "{status}");
+        let senders = procs
+            .iter()
+            .map(|p| p.get("result").unwrap_or(p))
+            .filter(|r| r["comms"]["send"].as_u64() > Some(0))
+            .count();
+        assert_eq!(senders, 2, "{status}");
+        for p in procs {
+            let r = p.get("result").unwrap_or(p);
+            assert_eq!(r["nics"][0]["drained"], true, "{p}");
+            assert_eq!(r["nics"][0]["comms"], 0, "a comm still runs on rv0: {p}");
+        }
+        let undrained_at = unix_ms();
+        let (code, out) = railover(&["undrain", "rv0", "--dir", &d]);
+        assert_eq!(code, 0, "{out}");
+        let (recvs, sends) = mesh.finish();
+        assert_every_comm_delivered(&opts, &recvs, &sends);
+        for s in &sends {
+            assert!(!s.stderr.contains(" failover comm="), "{}", s.stderr_tail);
+            for c in lanes_between(s, drained_at + 1_000, undrained_at) {
+                assert_eq!(c[0], 0, "{}: lanes per NIC while rv0 was drained: {c:?}", s.role);
+            }
+        }
+    }
+}

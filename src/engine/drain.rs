@@ -24,6 +24,13 @@ pub(super) struct DrainHold {
 }
 
 impl DrainHold {
+    /// Held by the control socket alone (tests set it without a second NIC).
+    #[cfg(test)]
+    pub(super) const SOCKET: DrainHold = DrainHold {
+        socket: true,
+        file: false,
+    };
+
     pub(super) fn any(self) -> bool {
         self.socket || self.file
     }
@@ -79,7 +86,7 @@ impl Engine {
                     "{name} is the last NIC here that is up and not drained; draining it would leave traffic nowhere to go"
                 ));
             }
-            if let Err(refused) = self.router.check_drain(NicId(i as u32)) {
+            if let Err(refused) = self.router.check_drain(NicId(i as u32), now) {
                 return Err(format!("draining {name} would strand a comm: {refused}"));
             }
         }
@@ -188,7 +195,10 @@ impl Engine {
             };
             let pairs: Vec<String> = (comm.path.lanes())
                 .filter_map(|(_, l)| l.pair)
-                .map(|p| p.to_string())
+                .map(|p| {
+                    let (local, remote) = self.pair_names(p);
+                    format!("{local}->{remote}")
+                })
                 .collect();
             degraded.push(Degraded {
                 comm: c,

@@ -1066,7 +1066,7 @@ impl Engine {
     }
 
     /// "eth0->peer0/nic1"-style names for a pair, as the metrics and logs show them.
-    fn pair_names(&self, p: Pair) -> (String, String) {
+    pub(super) fn pair_names(&self, p: Pair) -> (String, String) {
         let local = self
             .setup
             .nics

@@ -220,7 +220,13 @@ fn listen_on(b: &mut Engine) -> Arc<ListenShared> {
 
 /// `a` connects to `b`'s NCCL listener; both sides' lane is 0.
 fn connected(now: Instant) -> Pair {
+    connected_after(now, |_| {})
+}
+
+/// As [`connected`], with `b` set up by `prepare` before it accepts.
+fn connected_after(now: Instant, prepare: impl FnOnce(&mut Engine)) -> Pair {
     let (mut a, mut b) = (engine(1, now), engine(2, now));
+    prepare(&mut b);
     let (mut ma, mut mb) = (Mem::default(), Mem::default());
     let listen = listen_on(&mut b);
     let pending = Arc::new(PendingConnect::default());
@@ -885,6 +891,26 @@ fn a_peers_drained_frame_leaves_its_nic_out_and_with_nowhere_else_the_comm_stays
             .handle_frame(&Header::new(Kind::Drained, 0, 0)),
         Err(ConnError::Protocol(_))
     ));
+}
+
+#[test]
+fn a_comm_connecting_to_a_drained_nic_hears_so_with_its_welcome() {
+    let now = Instant::now();
+    let p = connected_after(now, |b| b.drained[0] = super::drain::DrainHold::SOCKET);
+    let pair = routing::Pair {
+        local: routing::NicId(0),
+        peer: p.a.comms[0].route.expect("routed").peer,
+        remote: routing::NicId(0),
+    };
+    assert!(
+        p.a.router.drained(pair),
+        "the Welcome's Drained frame was not heard"
+    );
+    assert!(p.a.comms[0].shared.failure().is_none());
+    // Without the drain, nothing is said.
+    let p = connected(now);
+    let peer = p.a.comms[0].route.expect("routed").peer;
+    assert!(!p.a.router.drained(routing::Pair { peer, ..pair }));
 }
 
 #[test]

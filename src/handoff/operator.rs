@@ -49,7 +49,8 @@ pub struct Degraded {
     pub comm: usize,
     /// Seconds since it first left its original pair.
     pub since_s: f64,
-    /// The pairs it runs over now, `local->peer/remote` each.
+    /// The pairs it runs over now, `local->remote` each: our NIC's name, the peer NIC's
+    /// address.
     pub pairs: String,
 }
 

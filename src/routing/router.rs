@@ -537,9 +537,8 @@ impl Router {
     /// another pair that the static rules, memory reach, carriers and drains allow (health
     /// is left to the probes that follow). Otherwise the drain is refused, naming a comm
     /// that would be left nowhere to go and why each of its pairs is out.
-    pub fn check_drain(&self, nic: NicId) -> Result<(), DrainRefused> {
+    pub fn check_drain(&self, nic: NicId, now: Instant) -> Result<(), DrainRefused> {
         let loads = Loads::default();
-        let now = self.last_now.unwrap_or_else(Instant::now);
         for (&comm, c) in &self.comms {
             if !c.lanes.iter().any(|l| l.current.local == nic) {
                 continue;

@@ -13,7 +13,7 @@ fn drained_moves(moves: &[Move]) -> usize {
 #[test]
 fn a_drain_moves_every_lane_off_the_nic_in_planned_moves_and_counts_no_failover() {
     let mut sim = router_with_rails(4, 3, config(7));
-    assert_eq!(sim.router.check_drain(NicId(0)), Ok(()));
+    assert_eq!(sim.router.check_drain(NicId(0), sim.now), Ok(()));
     sim.router.handle_drain(NicId(0), sim.now);
     sim.drive();
     let moves = sim.take_moves();
@@ -62,7 +62,7 @@ fn a_drain_that_would_strand_a_comm_is_refused_saying_why_and_changes_nothing() 
     sim.router.handle_drain(NicId(0), sim.now);
     sim.drive();
     sim.take_moves();
-    let refused = sim.router.check_drain(NicId(1)).unwrap_err();
+    let refused = sim.router.check_drain(NicId(1), sim.now).unwrap_err();
     assert_eq!(refused.nic, NicId(1));
     let text = refused.to_string();
     assert!(text.contains("NIC drained"), "{text}");
@@ -70,11 +70,15 @@ fn a_drain_that_would_strand_a_comm_is_refused_saying_why_and_changes_nothing() 
     let mut sim = router_with_rails(2, 1, config(0));
     sim.nic_down(0);
     sim.take_moves();
-    let text = sim.router.check_drain(NicId(1)).unwrap_err().to_string();
+    let text = sim
+        .router
+        .check_drain(NicId(1), sim.now)
+        .unwrap_err()
+        .to_string();
     assert!(text.contains("local NIC down"), "{text}");
     // A NIC no comm runs on may always be drained.
     let sim = router_with_rails(2, 0, config(0));
-    assert_eq!(sim.router.check_drain(NicId(1)), Ok(()));
+    assert_eq!(sim.router.check_drain(NicId(1), sim.now), Ok(()));
 }
 
 #[test]
