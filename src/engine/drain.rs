@@ -10,9 +10,9 @@
 
 use std::time::Instant;
 
-use super::{Engine, Io};
+use super::Engine;
 use crate::conn::comm::CommMachine;
-use crate::conn::wire::{Header, Kind};
+use crate::conn::wire::{Header, Kind, HEADER_LEN};
 use crate::handoff::operator::{CommCounts, Degraded, DrainSource, NicStatus, ProcessStatus};
 use crate::routing::NicId;
 
@@ -65,7 +65,6 @@ impl Engine {
         on: bool,
         source: DrainSource,
         now: Instant,
-        io: &mut dyn Io,
     ) -> Result<String, String> {
         let Some(name) = self.setup.nics.get(i).map(|n| n.name.clone()) else {
             return Err(format!("no NIC {i} here ({} NICs)", self.setup.nics.len()));
@@ -97,7 +96,7 @@ impl Engine {
         } else {
             self.router.handle_undrain(NicId(i as u32), now);
         }
-        let told = self.tell_peers_drained(io);
+        let told = self.tell_peers_drained();
         let verb = if on { "drained" } else { "undrained" };
         tracing::warn!(
             "railover: NIC {name} {verb} ({}); {told} receive comm(s) told their senders",
@@ -117,14 +116,19 @@ impl Engine {
             .fold(0, |m, (i, _)| m | 1 << i)
     }
 
-    /// Sends our drained NICs to the sender of every receive comm, on one of its lanes.
-    /// Returns how many comms were told.
-    fn tell_peers_drained(&mut self, io: &mut dyn Io) -> usize {
-        let frame = Header {
+    /// The `Drained` frame that says [`Engine::drained_mask`] to a sender.
+    pub(super) fn drained_frame(&self) -> [u8; HEADER_LEN] {
+        Header {
             aux: self.drained_mask(),
             ..Header::new(Kind::Drained, 0, 0)
         }
-        .encode();
+        .encode()
+    }
+
+    /// Sends our drained NICs to the sender of every receive comm, on one of its lanes.
+    /// Returns how many comms were told.
+    fn tell_peers_drained(&mut self) -> usize {
+        let frame = self.drained_frame();
         let mut told = 0;
         for (_, comm) in self.comms.iter() {
             if !matches!(comm.machine, CommMachine::Recv(_)) {
@@ -139,7 +143,6 @@ impl Engine {
                 told += 1;
             }
         }
-        let _ = io;
         told
     }
 

@@ -321,13 +321,8 @@ impl Engine {
             nics: self.wire.clone(),
         }
         .encode_refusing(delivered, refusing);
-        let drained = self.drained_mask();
-        if drained != 0 {
-            let h = Header {
-                aux: drained,
-                ..Header::new(Kind::Drained, 0, 0)
-            };
-            bytes.extend_from_slice(&h.encode());
+        if self.drained_mask() != 0 {
+            bytes.extend_from_slice(&self.drained_frame());
         }
         bytes
     }

@@ -832,23 +832,17 @@ fn draining_the_last_nic_up_is_refused_and_changes_nothing() {
     use crate::handoff::DrainSource;
     let now = Instant::now();
     let mut p = connected(now);
-    let refused =
-        p.a.drain(0, true, DrainSource::Socket, now, &mut p.ma)
-            .unwrap_err();
+    let refused = p.a.drain(0, true, DrainSource::Socket, now).unwrap_err();
     assert!(
         refused.contains("eth1") && refused.contains("last NIC"),
         "{refused}"
     );
     assert!(!p.a.status(now).nics[0].drained);
     assert_eq!(p.a.drained_mask(), 0);
-    let unknown =
-        p.a.drain(3, true, DrainSource::Socket, now, &mut p.ma)
-            .unwrap_err();
+    let unknown = p.a.drain(3, true, DrainSource::Socket, now).unwrap_err();
     assert!(unknown.contains("no NIC 3"), "{unknown}");
     // Undraining what is not drained is no error.
-    let said =
-        p.a.drain(0, false, DrainSource::File, now, &mut p.ma)
-            .unwrap();
+    let said = p.a.drain(0, false, DrainSource::File, now).unwrap();
     assert!(said.contains("already not drained"), "{said}");
 }
 

@@ -580,7 +580,7 @@ impl<F: Fabric> Reactor<F> {
                 reply,
             } => {
                 // The asker may have given up waiting; nothing to do then.
-                let _ = reply.send(engine.drain(nic, on, source, now, io));
+                let _ = reply.send(engine.drain(nic, on, source, now));
             }
             Command::Status { reply } => {
                 let _ = reply.send(engine.status(now));
@@ -684,7 +684,7 @@ impl<F: Fabric> Reactor<F> {
     #[cfg(test)]
     fn drain(&mut self, i: usize, on: bool, now: Instant) -> Result<String, String> {
         let source = crate::handoff::DrainSource::Socket;
-        self.engine.drain(i, on, source, now, &mut self.io)
+        self.engine.drain(i, on, source, now)
     }
 
     /// Local NIC `i`'s carrier is now `up`, as the simulation reports it.

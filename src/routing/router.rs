@@ -68,11 +68,9 @@ pub struct Router {
     comms: BTreeMap<CommId, Comm>,
     pairs: BTreeMap<Pair, PairState>,
     down: BTreeSet<NicId>,
-    /// Local NICs an operator drained: no lane goes to a pair using one, and lanes on
-    /// one leave it in planned moves.
-    drained: BTreeSet<NicId>,
-    /// The same for peers' NICs, as each peer told us.
-    remote_drained: BTreeSet<(PeerId, NicId)>,
+    /// NICs an operator drained, ours and peers': no lane goes to a pair using one, and
+    /// lanes on one leave it in planned moves.
+    drains: Drains,
     topology_reported: BTreeSet<NicId>,
     moves: VecDeque<Move>,
     probes: VecDeque<ProbeRequest>,
@@ -83,6 +81,20 @@ pub struct Router {
     wake_at: Option<Instant>,
     /// The latest `now` seen, to catch a clock that goes backwards in debug builds.
     last_now: Option<Instant>,
+}
+
+/// The NICs an operator drained: ours, and each peer's as it told us.
+#[derive(Debug, Default)]
+struct Drains {
+    local: BTreeSet<NicId>,
+    remote: BTreeSet<(PeerId, NicId)>,
+}
+
+impl Drains {
+    /// Whether either end of `pair` is drained.
+    fn hold(&self, pair: Pair) -> bool {
+        self.local.contains(&pair.local) || self.remote.contains(&(pair.peer, pair.remote))
+    }
 }
 
 #[derive(Debug)]
@@ -214,8 +226,7 @@ impl Router {
             comms: BTreeMap::new(),
             pairs: BTreeMap::new(),
             down: BTreeSet::new(),
-            drained: BTreeSet::new(),
-            remote_drained: BTreeSet::new(),
+            drains: Drains::default(),
             topology_reported: BTreeSet::new(),
             moves: VecDeque::new(),
             probes: VecDeque::new(),
@@ -581,7 +592,7 @@ impl Router {
     /// Repeats are ignored.
     pub fn handle_drain(&mut self, nic: NicId, now: Instant) {
         self.tick(now);
-        if self.drained.insert(nic) {
+        if self.drains.local.insert(nic) {
             self.plan_moves(now);
         }
     }
@@ -590,7 +601,7 @@ impl Router {
     /// left come home through the fail-back test, as after a failure. Repeats are ignored.
     pub fn handle_undrain(&mut self, nic: NicId, now: Instant) {
         self.tick(now);
-        if self.drained.remove(&nic) {
+        if self.drains.local.remove(&nic) {
             self.unplan_moves(now);
         }
     }
@@ -601,15 +612,15 @@ impl Router {
     pub fn handle_remote_drained(&mut self, peer: PeerId, nics: &[NicId], now: Instant) -> bool {
         self.tick(now);
         let now_drained: BTreeSet<(PeerId, NicId)> = nics.iter().map(|&n| (peer, n)).collect();
-        let before: BTreeSet<(PeerId, NicId)> = (self.remote_drained.iter())
+        let before: BTreeSet<(PeerId, NicId)> = (self.drains.remote.iter())
             .filter(|(p, _)| *p == peer)
             .copied()
             .collect();
         if before == now_drained {
             return false;
         }
-        self.remote_drained.retain(|(p, _)| *p != peer);
-        self.remote_drained.extend(now_drained.iter().copied());
+        self.drains.remote.retain(|(p, _)| *p != peer);
+        self.drains.remote.extend(now_drained.iter().copied());
         if before.difference(&now_drained).next().is_some() {
             self.unplan_moves(now);
         }
@@ -621,8 +632,7 @@ impl Router {
 
     /// Whether either end of `pair` is drained.
     pub fn drained(&self, pair: Pair) -> bool {
-        self.drained.contains(&pair.local)
-            || self.remote_drained.contains(&(pair.peer, pair.remote))
+        self.drains.hold(pair)
     }
 
     /// Fires the timers due at `now`: the fail-back probes of original pairs (skipped, and
@@ -768,24 +778,15 @@ impl Router {
     /// Sends every running lane on a drained pair to wait for a planned move.
     fn plan_moves(&mut self, now: Instant) {
         let mut originals = Vec::new();
-        for c in self.comms.values() {
-            for l in &c.lanes {
-                if l.state == LaneState::Active && self.drained(l.current) {
-                    originals.push(l.original);
-                }
-            }
-        }
-        let (drained, remote) = (&self.drained, &self.remote_drained);
         for c in self.comms.values_mut() {
             for l in &mut c.lanes {
-                let p = l.current;
-                let on_drained = drained.contains(&p.local) || remote.contains(&(p.peer, p.remote));
-                if l.state == LaneState::Active && on_drained {
+                if l.state == LaneState::Active && self.drains.hold(l.current) {
                     l.state = LaneState::Pending {
                         failed: None,
                         since: now,
                         reported: false,
                     };
+                    originals.push(l.original);
                 }
             }
         }
@@ -797,12 +798,10 @@ impl Router {
 
     /// A lane still waiting to leave a pair that is no longer drained stays on it.
     fn unplan_moves(&mut self, now: Instant) {
-        let (drained, remote) = (&self.drained, &self.remote_drained);
         for c in self.comms.values_mut() {
             for l in &mut c.lanes {
-                let p = l.current;
-                let on_drained = drained.contains(&p.local) || remote.contains(&(p.peer, p.remote));
-                if matches!(l.state, LaneState::Pending { failed: None, .. }) && !on_drained {
+                let planned = matches!(l.state, LaneState::Pending { failed: None, .. });
+                if planned && !self.drains.hold(l.current) {
                     l.state = LaneState::Active;
                 }
             }
