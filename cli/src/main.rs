@@ -18,6 +18,7 @@ mod plot;
 mod sim;
 mod size;
 mod verbs_check;
+mod weighted;
 
 /// Tools around the railover NCCL network plugin: a live failover demo, a benchmark
 /// against raw TCP, a node check, a failure-cost model, and draining NICs in and asking

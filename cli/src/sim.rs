@@ -267,6 +267,14 @@ pub struct Args {
     /// for N = 2, 4, 8 and C = N, 2N, with whole-comm moves and striped
     #[arg(long)]
     pub lockstep: bool,
+    /// With --lockstep: NICs at these rates (Mbit/s, comma-separated; NIC 0 fails), the
+    /// failed NIC's stripes placed by railover's router weighted by capacity and equally,
+    /// beside the capacity-optimal share
+    #[arg(long, value_name = "MBIT,MBIT,...", requires = "lockstep", value_parser = crate::weighted::parse_speeds)]
+    pub speeds: Option<crate::weighted::Speeds>,
+    /// With --speeds: only this many comms (default: N and 2N)
+    #[arg(long, value_name = "C", requires = "speeds", value_parser = count_from(1))]
+    pub comms: Option<u32>,
 }
 
 impl Args {
@@ -309,6 +317,15 @@ fn latency_us(v: &str) -> Result<f64, String> {
 /// Runs `railover sim`; returns the exit code (0: usage errors end in clap).
 pub fn run(a: &Args) -> i32 {
     let p = a.params();
+    if let Some(speeds) = &a.speeds {
+        let rows = crate::weighted::table(&speeds.0, a.comms);
+        if a.json {
+            emit(&(serde_json::to_string_pretty(&rows).expect("plain data") + "\n"));
+        } else {
+            emit(&crate::weighted::render(&rows));
+        }
+        return 0;
+    }
     if a.lockstep {
         let rows = kept_table();
         if a.json {

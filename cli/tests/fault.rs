@@ -674,6 +674,101 @@ fault_test! {
     }
 }
 
+/// One lockstep run for weighted striping: the rails at `mbit` Mbit/s (both ends; rail 0
+/// is cut on A after 5 s), `comms` comms (K = 8), `RAILOVER_STRIPE_WEIGHTS=weights`.
+/// Returns what the slowest comm kept.
+fn kept_at_rates(mbit: &[u64], comms: usize, weights: &str) -> f64 {
+    let tb = bed(mbit.len());
+    for (rail, &m) in mbit.iter().enumerate() {
+        if m != DEFAULT_RATE_MBIT {
+            for side in [Side::A, Side::B] {
+                tb.set_rate_kbit(side, rail, m * 1000);
+            }
+        }
+    }
+    let seconds = 12.0;
+    let flow = Flow::start(
+        &tb,
+        FlowOpts {
+            comms: Some(comms),
+            lockstep: Some(8),
+            tick_ms: 250,
+            seconds,
+            env: vec![("RAILOVER_STRIPE_WEIGHTS", weights.to_string())],
+            ..FlowOpts::default()
+        },
+    );
+    flow.wait_ticks(20);
+    let cut = unix_ms() as u64;
+    tb.link_down(Side::A, 0);
+    let (recv, send) = flow.finish();
+    assert_delivered_exactly_once(&recv, &send, comms);
+    let k = kept_in_lockstep(&recv, &send, cut, seconds);
+    let mbit = |v: &[f64]| {
+        v.iter()
+            .map(|x| (x * 8.0 / 1e6).round() as u64)
+            .collect::<Vec<_>>()
+    };
+    println!(
+        "  {weights:>8}: per comm {:?} -> {:?} Mbit/s; slowest kept {:.2}",
+        mbit(&k.before.per_comm),
+        mbit(&k.after.per_comm),
+        k.slowest
+    );
+    for l in send
+        .stderr
+        .lines()
+        .filter(|l| l.contains(" failover comm="))
+    {
+        println!("    {l}");
+    }
+    k.slowest
+}
+
+fault_test! {
+    /// Striping weighted by what survivors carry (`docs/design.md` §5.3): rails at
+    /// unequal rates, C = 4 and 8 comms in lockstep, rail 0 cut on A. The shapers are
+    /// invisible to sysfs (every veth says 10 Gb/s), so the weights come from measured
+    /// rates: the NICs that pace the collective back up and show what they carry. The
+    /// slowest comm must keep ≥ 0.9 × the capacity-optimal share that `railover sim
+    /// --lockstep --speeds` computes, and come within 0.1 of that model's own placement;
+    /// equal striping (`RAILOVER_STRIPE_WEIGHTS=equal`) runs beside it for the record,
+    /// and must fall short, or the case would not tell weights from none.
+    fn failover_weighted_striping_keeps_the_capacity_optimal_share() {
+        if needs_failover() {
+            return;
+        }
+        let mut failed = Vec::new();
+        // The example (the 200 survivor takes it all), and three speeds, where the failed
+        // NIC's stripes split unevenly over a 200 and a 150.
+        for mbit in [[200u64, 200, 100, 100], [200, 200, 150, 100]] {
+            for comms in [4usize, 8] {
+                let speeds = mbit.map(|m| m.to_string()).join(",");
+                let (code, json) = railover(&[
+                    "sim", "--lockstep", "--speeds", &speeds, "--comms", &comms.to_string(), "--json",
+                ]);
+                assert_eq!(code, 0);
+                let rows: serde_json::Value = serde_json::from_str(&json).expect("sim JSON");
+                let model = |k: &str| rows[0][k].as_f64().unwrap_or_else(|| panic!("{k} in {json}"));
+                let (optimal, predicted) = (model("optimal"), model("weighted"));
+                println!("{speeds} Mbit/s, C = {comms}: optimal {optimal:.2}, model {predicted:.2}, equal model {:.2}", model("equal"));
+                let weighted = kept_at_rates(&mbit, comms, "capacity");
+                let equal = kept_at_rates(&mbit, comms, "equal");
+                println!(
+                    "{speeds} C={comms}: capacity-weighted kept {weighted:.2} (need {:.2}), equal striping {equal:.2}",
+                    0.9 * optimal
+                );
+                if weighted < 0.9 * optimal || (weighted - predicted).abs() > 0.1 || equal > 0.9 * optimal {
+                    failed.push(format!(
+                        "{speeds} C={comms}: weighted {weighted:.2}, equal {equal:.2}, optimal {optimal:.2}, model {predicted:.2}"
+                    ));
+                }
+            }
+        }
+        assert!(failed.is_empty(), "weighted striping fell short:\n{}", failed.join("\n"));
+    }
+}
+
 fault_test! {
     /// A storm at the scale jobs open comms: 1,024 comms (256 per NIC over 4 rails) in
     /// lockstep, rail 0 cut on A. Every one of the 256 displaced comms opens lanes to the

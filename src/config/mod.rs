@@ -287,7 +287,7 @@ pub struct Config {
     /// demo and tests.
     pub loopback_nics: usize,
     /// `RAILOVER_STRIPES`: how many stripes a send comm is cut into so that, when its NIC
-    /// fails, it spreads over several survivors; `None` (`auto`): one fewer than the NICs,
+    /// fails, it spreads over several survivors; `None` (`auto`): two per other NIC,
     /// so each survivor takes an equal part. 1 moves a failed NIC's comm whole.
     pub stripes: Option<usize>,
     /// `RAILOVER_TRANSPORT`: `auto`, `verbs` or `tcp`.
@@ -306,7 +306,8 @@ pub struct Config {
     /// stays open).
     pub unmatched_warn: Duration,
     /// Failover policy: `RAILOVER_RAIL_RULE`, `RAILOVER_DISTANCE_LIMIT`,
-    /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`, `RAILOVER_GIVEUP_MS`.
+    /// `RAILOVER_FAILBACK_INTERVAL_MS`, `RAILOVER_FAILBACK_PROBES`, `RAILOVER_GIVEUP_MS`,
+    /// `RAILOVER_STRIPE_WEIGHTS`.
     pub router: RouterConfig,
 }
 
@@ -490,7 +491,7 @@ impl Config {
                 n => Some(parse_u64(n, 1, 64).ok_or(ConfigError {
                     var: "RAILOVER_STRIPES",
                     value: v.clone(),
-                    accepted: "auto (one fewer than the NICs) or an integer from 1 to 64",
+                    accepted: "auto (two per other NIC) or an integer from 1 to 64",
                 })? as usize),
             };
         }
@@ -545,6 +546,19 @@ impl Config {
                 value: v.clone(),
                 accepted: "an integer from 1 to 1000",
             })? as u32;
+        }
+        if let Some(v) = get("RAILOVER_STRIPE_WEIGHTS") {
+            cfg.router.weighted = match v.to_ascii_lowercase().as_str() {
+                "capacity" => true,
+                "equal" => false,
+                _ => {
+                    return Err(ConfigError {
+                        var: "RAILOVER_STRIPE_WEIGHTS",
+                        value: v,
+                        accepted: "capacity (by link speed, PCIe path and measured rate) or equal",
+                    })
+                }
+            };
         }
         if let Some(v) = get("RAILOVER_RAIL_RULE") {
             cfg.router.rail_rule = match v.to_ascii_lowercase().as_str() {
@@ -758,6 +772,7 @@ mod tests {
             ("RAILOVER_UNMATCHED_WARN_MS", "0"),
             ("RAILOVER_UNMATCHED_WARN_MS", "never"),
             ("RAILOVER_RAIL_RULE", "nearest"),
+            ("RAILOVER_STRIPE_WEIGHTS", "fast"),
             ("RAILOVER_DISTANCE_LIMIT", "NVL"),
             ("RAILOVER_RAILS", "eth0"),
             ("RAILOVER_RAILS", "eth0:0,eth0:1"),
@@ -1108,6 +1123,9 @@ mod tests {
         assert_eq!(c.router.rail_rule, RailRule::Any);
         assert_eq!(c.router.distance_limit, PathType::Sys);
         assert_eq!(c.router.failback_probes_k, 5);
+        assert!(c.router.weighted, "capacity weights by default");
+        let equal = cfg(&[("RAILOVER_STRIPE_WEIGHTS", "Equal")]).unwrap();
+        assert!(!equal.router.weighted);
         assert_eq!(
             c.rails.unwrap().entries(),
             &[("rv0".to_string(), 1), ("rv1".to_string(), 0)]

@@ -42,6 +42,10 @@ pub struct RouterConfig {
     pub retry_base: Duration,
     /// The cap on the re-probe delay. Default 1 s.
     pub retry_max: Duration,
+    /// Whether backup selection weighs each NIC by what it can carry (link speed, PCIe
+    /// path, measured rate; `RAILOVER_STRIPE_WEIGHTS=capacity`) or counts lanes alone
+    /// (`equal`). Default on.
+    pub weighted: bool,
     /// Seed of the tie-break RNG. Tests and `railover sim` fix it; production seeds it from
     /// the OS once.
     pub seed: u64,
@@ -60,6 +64,7 @@ impl Default for RouterConfig {
             giveup: Duration::from_secs(30),
             retry_base: Duration::from_millis(100),
             retry_max: Duration::from_secs(1),
+            weighted: true,
             seed: 0,
         }
     }

@@ -66,12 +66,13 @@ impl Engine {
         }
     }
 
-    /// How many stripes a send comm is cut into: enough that a failed NIC's comm spreads
-    /// over every other NIC.
+    /// How many stripes a send comm is cut into: two per other NIC, so that a failed NIC's
+    /// comm spreads over every other NIC, and in halves of a survivor's share where their
+    /// capacities differ (one stripe per survivor could only split it evenly or not at all).
     fn stripes(&self) -> usize {
         self.setup
             .stripes
-            .unwrap_or(self.setup.nics.len().saturating_sub(1))
+            .unwrap_or(2 * self.setup.nics.len().saturating_sub(1))
             .max(1)
     }
 
@@ -863,6 +864,26 @@ impl Engine {
         }
     }
 
+    /// Tells the router what each local NIC delivered since the last sample and whether it
+    /// was saturated (most of its bytes came from lanes with data waiting throughout), so
+    /// that backups are weighed by what they showed they can carry.
+    fn weigh_nics(&mut self, shares: &[LaneSample], now: Instant) {
+        let mut nics = vec![(0u64, 0u64); self.setup.nics.len()];
+        for s in shares {
+            if let Some((bytes, waiting)) = nics.get_mut(s.nic) {
+                *bytes += s.bytes;
+                if s.backlogged {
+                    *waiting += s.bytes;
+                }
+            }
+        }
+        for (i, (bytes, waiting)) in nics.into_iter().enumerate() {
+            let saturated = bytes > 0 && 2 * waiting >= bytes;
+            self.router
+                .handle_nic_sample(NicId(i as u32), bytes, saturated, now);
+        }
+    }
+
     /// A lane's machine condemned it (silence, brown-out, a deadline).
     pub(super) fn lane_condemned(&mut self, k: usize, cause: Cause, now: Instant, io: &mut dyn Io) {
         if let (Some(Role::Comm(c)), Some(silent)) =
@@ -978,6 +999,7 @@ impl Engine {
         self.sampling = sampling;
         self.paths.end_sample(now);
         self.pace(&shares, now, io);
+        self.weigh_nics(&shares, now);
         for (k, cause) in dead {
             self.lane_condemned(k, cause, now, io);
         }

@@ -94,6 +94,7 @@ fn engine(host: u8, now: Instant) -> (Engine, Poll) {
             name: format!("eth{host}"),
             ip: addr.ip(),
             rail: Some(0),
+            speed_mbps: None,
         }],
         distance: vec![vec![None]],
         spin: Duration::ZERO,

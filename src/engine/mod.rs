@@ -47,7 +47,7 @@ use crate::handoff::{
     CommShared, CommandQueue, Error, ListenShared, PendingConnect, Request, Side,
 };
 use crate::routing::rng::SplitMix64;
-use crate::routing::{self, Move, Pair, PeerId, RoutePublisher, Router, RouterConfig};
+use crate::routing::{self, Move, NicId, Pair, PeerId, RoutePublisher, Router, RouterConfig};
 use crate::telemetry::metrics::Telemetry;
 use crate::telemetry::sampler::{LanePlaced, Sampler};
 use crate::topology::PathType;
@@ -62,6 +62,8 @@ pub struct LocalNic {
     pub name: String,
     pub ip: IpAddr,
     pub rail: Option<u32>,
+    /// Link speed in Mb/s, when the system reports one: the router weighs backups by it.
+    pub speed_mbps: Option<u64>,
 }
 
 /// Everything the reactor is started with.
@@ -78,7 +80,7 @@ pub struct Setup {
     /// Whether busy lanes of a NIC are paced to even shares.
     pub fair_share: bool,
     /// How many stripes a send comm is cut into, so that a failed NIC's comms spread over
-    /// every survivor (see `conn::path`); `None`: one fewer than the NICs.
+    /// every survivor (see `conn::path`); `None`: two per other NIC.
     pub stripes: Option<usize>,
     pub router: RouterConfig,
     /// Where counters and events are recorded (the reactor batches them).
@@ -398,6 +400,12 @@ impl Engine {
             router_cfg.seed = u64::from_le_bytes(b) | 1;
         }
         let n = setup.nics.len();
+        let mut router = Router::new(router_cfg);
+        for (i, nic) in setup.nics.iter().enumerate() {
+            if let Some(mbps) = nic.speed_mbps {
+                router.set_link_speed(NicId(i as u32), mbps);
+            }
+        }
         Engine {
             queue,
             stats: Arc::new(ReactorStats::default()),
@@ -413,7 +421,7 @@ impl Engine {
             sampling: Vec::new(),
             timers: timers::Timers::default(),
             lateness: lateness::Lateness::default(),
-            router: Router::new(router_cfg),
+            router,
             routes: Arc::new(RoutePublisher::new(routing::Routes::default())),
             routes_dirty: false,
             peers: Vec::new(),

@@ -158,6 +158,7 @@ fn engine(host: u8, now: Instant) -> Engine {
             name: format!("eth{host}"),
             ip: addr(host).ip(),
             rail: Some(0),
+            speed_mbps: None,
         }],
         distance: vec![vec![None]],
         spin: Duration::ZERO,

@@ -141,6 +141,7 @@ impl Runtime {
                     name: n.tcp.name.clone(),
                     ip: n.tcp.ip,
                     rail: n.rail,
+                    speed_mbps: u64::try_from(n.tcp.speed_mbps).ok().filter(|&s| s > 0),
                 })
                 .collect(),
             distance,

@@ -35,6 +35,7 @@
 //! out every move it polls (in order), or report the lane as failed, which selects again.
 #![deny(missing_docs, missing_debug_implementations)]
 
+pub mod capacity;
 pub(crate) mod rng;
 mod router;
 mod snapshot;

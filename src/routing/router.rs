@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
+use super::capacity::{Capacities, TOLERANCE};
 use super::rng::SplitMix64;
 use super::snapshot::{CommRoutes, LaneRoute, LaneStatus, LocalNicRoutes, RemoteNicRoutes, Routes};
 use crate::config::RouterConfig;
@@ -21,16 +22,22 @@ use super::{
 /// When a lane's pair fails, every other (local, remote) pair of its comm is a candidate.
 /// A candidate must pass, in order, the rail rule and the distance limit (the static rules
 /// of [`pair_eligibility`], shared with `railover doctor`; an unknown distance passes and
-/// ranks as the limit), the local NIC's carrier and the health check. Health is "good" when the pair carries lanes without a
+/// ranks as the limit), the local NIC's carrier, the drains and the health check. Health is "good" when the pair carries lanes without a
 /// reported failure, or answered a probe within `health_ttl`; "bad" after a failure, for
 /// `health_ttl` (a lane failure) or for the re-probe backoff (a failed probe); otherwise
 /// "unknown". An original pair under its fail-back watch is a candidate like any other:
 /// the watch only governs moving lanes *home*. Unknown candidates are probed first
 /// ([`Router::poll_probe`]), and the lane waits until none of its candidates is unknown, so
 /// that it is spread over every pair that works rather than over the first to answer. It
-/// then goes to the good candidate with the least load (the larger of the lanes on its
-/// local NIC and on its remote NIC, across all comms, then their sum, then the nearer local
-/// NIC); the seeded RNG breaks remaining ties. Every other lane on a failed pair moves at
+/// then goes to the good candidate with the least load per unit of capacity: the larger of
+/// the lanes on its local NIC and on its remote NIC (across all comms, this lane
+/// included) over what the local NIC can carry for this comm's GPU (link speed or measured
+/// rate, times the PCIe path's factor: [`super::capacity`]). The remote NIC is taken to be
+/// as fast as the local one, as rail-matched NICs are. Candidates within
+/// [`TOLERANCE`] of the least are told apart by load alone (then the sum of both ends'
+/// lanes, then the nearer local NIC), so equal NICs measured a few per cent apart share
+/// equally; the seeded RNG breaks remaining ties. With `weighted` off every capacity
+/// counts as equal. Every other lane on a failed pair moves at
 /// once too, because they share its path.
 ///
 /// # Giving up (P5)
@@ -71,6 +78,8 @@ pub struct Router {
     /// NICs an operator drained, ours and peers': no lane goes to a pair using one, and
     /// lanes on one leave it in planned moves.
     drains: Drains,
+    /// What each local NIC can carry: selection divides load by it.
+    capacity: Capacities,
     topology_reported: BTreeSet<NicId>,
     moves: VecDeque<Move>,
     probes: VecDeque<ProbeRequest>,
@@ -203,8 +212,11 @@ enum Verdict {
     Unknown {
         probing: bool,
     },
-    /// Passes every check; the key orders candidates by load, then distance.
+    /// Passes every check. `cost` is the load per unit of capacity the pair would have
+    /// with one more lane; among candidates whose cost is near the least, the key orders
+    /// by load, then distance.
     Eligible {
+        cost: f64,
         key: (u32, u32, u8),
     },
 }
@@ -227,6 +239,7 @@ impl Router {
             pairs: BTreeMap::new(),
             down: BTreeSet::new(),
             drains: Drains::default(),
+            capacity: Capacities::default(),
             topology_reported: BTreeSet::new(),
             moves: VecDeque::new(),
             probes: VecDeque::new(),
@@ -633,6 +646,33 @@ impl Router {
     /// Whether either end of `pair` is drained.
     pub fn drained(&self, pair: Pair) -> bool {
         self.drains.hold(pair)
+    }
+
+    /// Local NIC `nic`'s link speed (Mb/s, as sysfs or the RDMA port reports it): its
+    /// capacity until its traffic shows less (see [`super::capacity`]).
+    pub fn set_link_speed(&mut self, nic: NicId, mbps: u64) {
+        self.capacity.set_link_speed(nic, mbps);
+    }
+
+    /// One traffic sample of local NIC `nic`: `bytes` delivered since its previous sample,
+    /// and whether its lanes had data waiting throughout (`saturated`). A NIC saturated
+    /// for a while shows its capacity, which later selections weigh it by. Returns whether
+    /// that capacity changed noticeably.
+    pub fn handle_nic_sample(
+        &mut self,
+        nic: NicId,
+        bytes: u64,
+        saturated: bool,
+        now: Instant,
+    ) -> bool {
+        self.tick(now);
+        self.capacity.sample(nic, bytes, saturated, now)
+    }
+
+    /// What local NIC `nic` can carry now (bytes/s), as selection weighs it: `None` when
+    /// neither its link speed nor its traffic told.
+    pub fn capacity(&self, nic: NicId, now: Instant) -> Option<f64> {
+        self.capacity.capacity(nic, now)
     }
 
     /// Fires the timers due at `now`: the fail-back probes of original pairs (skipped, and
@@ -1107,7 +1147,15 @@ impl Router {
                         },
                         Health::Good(_) => {
                             let (max, sum) = loads.cost(pair);
+                            let weight = match self.config.weighted {
+                                // An unknown distance weighs as the limit, as it ranks.
+                                true => {
+                                    (self.capacity).weight(x.id, x.distance.or(Some(limit)), now)
+                                }
+                                false => 1.0,
+                            };
                             Verdict::Eligible {
+                                cost: f64::from(max + 1) / weight,
                                 key: (max, sum, allowed.rank as u8),
                             }
                         }
@@ -1161,16 +1209,24 @@ impl Router {
         }
     }
 
-    /// The least-loaded eligible candidate; ties broken by the seeded RNG.
+    /// The eligible candidate with the least load per unit of capacity; candidates within
+    /// [`TOLERANCE`] of that count as equal and are told apart by raw load, then distance
+    /// (with equal capacities, exactly the order of load alone); the seeded RNG breaks
+    /// remaining ties.
     fn pick(&mut self, candidates: &[Candidate]) -> Option<Pair> {
-        let key = |c: &Candidate| match c.verdict {
-            Verdict::Eligible { key } => Some(key),
+        let eligible = |c: &Candidate| match c.verdict {
+            Verdict::Eligible { cost, key } => Some((cost, key)),
             _ => None,
         };
-        let best = candidates.iter().filter_map(key).min()?;
+        let least = (candidates.iter().filter_map(eligible))
+            .map(|(cost, _)| cost)
+            .reduce(f64::min)?;
+        let near =
+            |c: &Candidate| eligible(c).filter(|&(cost, _)| cost <= least * (1.0 + TOLERANCE));
+        let best = candidates.iter().filter_map(near).map(|(_, k)| k).min()?;
         let ties: Vec<Pair> = candidates
             .iter()
-            .filter(|c| key(c) == Some(best))
+            .filter(|c| near(c).is_some_and(|(_, k)| k == best))
             .map(|c| c.pair)
             .collect();
         Some(ties[self.rng.below(ties.len())])

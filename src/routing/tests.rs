@@ -1575,3 +1575,4 @@ fn a_nic_that_cannot_reach_a_comms_memory_is_left_out_for_that_comm_alone() {
 }
 
 mod drain;
+mod weights;

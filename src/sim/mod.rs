@@ -72,6 +72,7 @@ fn setup(s: &Scenario, node: usize) -> Setup {
                 name: format!("n{node}e{i}"),
                 ip: net::ip_of(node, i),
                 rail: Some(i as u32),
+                speed_mbps: s.speeds.get(i).copied(),
             })
             .collect(),
         distance: vec![vec![Some(PathType::Pix); s.nics]; s.nics],
@@ -96,6 +97,7 @@ fn setup(s: &Scenario, node: usize) -> Setup {
             giveup: check::GIVEUP,
             retry_base: Duration::from_millis(100),
             retry_max: Duration::from_secs(1),
+            weighted: true,
             seed: s.seed.wrapping_mul(2).wrapping_add(node as u64 + 1),
         },
         telemetry: telemetry(),

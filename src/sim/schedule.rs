@@ -151,6 +151,8 @@ pub(crate) struct Scenario {
     /// lane), and a lane's `write` reaps what arrived, consuming its event. Odd seeds;
     /// chosen without drawing from the generator, so schedules stay as they were.
     pub reaping: bool,
+    /// Each NIC's link speed (Mb/s), as its node's sysfs would report it; empty: unknown.
+    pub speeds: Vec<u64>,
 }
 
 const KINDS: &[&str] = &[
@@ -291,6 +293,7 @@ impl Scenario {
             comms,
             faults: Vec::new(),
             reaping: seed % 2 == 1,
+            speeds: Vec::new(),
         }
     }
 

@@ -467,6 +467,7 @@ fn dense(faults: Vec<(u64, Action)>) -> Scenario {
             })
             .collect(),
         reaping: true,
+        speeds: Vec::new(),
     }
 }
 

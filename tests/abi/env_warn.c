@@ -121,6 +121,7 @@ int main(int argc, char** argv) {
   bad_value("RAILOVER_RAILS", "lo", "lo");
   bad_value("RAILOVER_METRICS_ADDR", "everywhere", "everywhere");
   bad_value("RAILOVER_STRIPES", "many", "many");
+  bad_value("RAILOVER_STRIPE_WEIGHTS", "fast", "fast");
   bad_value("RAILOVER_TRANSPORT", "rdma", "rdma");
   bad_value("RAILOVER_HCA", "mlx5_0:x", "mlx5_0:x");
   bad_value("RAILOVER_PROGRESS", "both", "both");
@@ -230,6 +231,7 @@ int main(int argc, char** argv) {
       "RAILOVER_GDR_HCA",          "RAILOVER_UNMATCHED_WARN_MS",
       "RAILOVER_PROGRESS",         "LOCAL_RANK",
       "RAILOVER_CONTROL_DIR",      "RAILOVER_DRAIN_FILE",
+      "RAILOVER_STRIPE_WEIGHTS",
   };
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++)
     bad_value(vars[i], "lo\xff\xfe", "lo\xef\xbf\xbd");
