@@ -38,6 +38,14 @@ impl<F: Fabric> Driven<F> {
             .collect()
     }
 
+    /// Local NIC `i`'s running stripes (router lanes), from the routes the engine published.
+    pub(crate) fn stripes_per_nic(&self) -> Vec<(u32, u32)> {
+        let routes = self.0.engine.routes().load();
+        (routes.local_nics.iter())
+            .map(|n| (n.nic.0, n.lanes))
+            .collect()
+    }
+
     /// Whether `f` holds for any lane.
     pub(crate) fn any_lane(&self, f: impl FnMut(&F::Lane) -> bool) -> bool {
         self.0.io.lanes.iter().flatten().any(f)

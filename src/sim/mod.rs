@@ -177,6 +177,9 @@ struct Sim {
     polled: Option<Vec<Vec<Token>>>,
     /// Stranded bytes were reported (once a run).
     stranded: bool,
+    /// Each time a comm's spread changed: the comm, its spread, and the stripes on each
+    /// local NIC of its sender's node then.
+    placements: Vec<(usize, usize, Vec<(u32, u32)>)>,
     /// What NCCL's side met: `isend` answers "not now", sends cut to their receive, and
     /// grouped receives (of two buffers or more) that finished.
     not_now: u64,
@@ -205,6 +208,9 @@ pub(crate) struct Report {
     pub not_now: u64,
     pub cut: u64,
     pub grouped: u64,
+    /// Each time a comm's spread changed: the comm, its spread, and the stripes on each
+    /// local NIC of its sender's node then.
+    pub placements: Vec<(usize, usize, Vec<(u32, u32)>)>,
 }
 
 impl Sim {
@@ -753,6 +759,10 @@ impl Sim {
             fl.max_spread = fl.max_spread.max(spread);
             fl.left_home = true;
             self.note(|| format!("comm {f}: sender now on NIC {nic}, over {spread} pair(s)"));
+            if let Some(Some(d)) = self.nodes.get(self.s.comms[f].from) {
+                let stripes = d.stripes_per_nic();
+                self.placements.push((f, spread, stripes));
+            }
         }
     }
 
@@ -997,6 +1007,7 @@ pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
         spun: false,
         polled: None,
         stranded: false,
+        placements: Vec::new(),
         not_now: 0,
         cut: 0,
         grouped: 0,
@@ -1025,6 +1036,7 @@ pub(crate) fn run_scenario(s: &Scenario, trace: bool) -> Report {
         left_home: sim.flows.iter().map(|f| f.left_home).collect(),
         failed: sim.flows.iter().map(|f| f.failed.is_some()).collect(),
         violations: std::mem::take(&mut sim.violations),
+        placements: std::mem::take(&mut sim.placements),
     };
     report
 }

@@ -582,6 +582,39 @@ fn writes_in_place_on_a_lost_rail_never_land_late() {
 }
 
 /// `RAILOVER_SIM_SEED=<n>`: that seed alone, traced.
+/// Weighted striping through the real reactors: four NICs a node whose links report 200,
+/// 200, 100 and 100 Mbit/s, one comm on NIC 0 of node 0, NIC 0 down. The comm's stripes
+/// go to the survivors by link speed (most to NIC 1); with every speed unknown they split
+/// evenly, as `railover sim --lockstep` and the router's unit tests say.
+#[test]
+fn a_failed_nics_stripes_go_to_the_survivors_by_link_speed() {
+    if env_u64("RAILOVER_SIM_SEED").is_some() {
+        return;
+    }
+    let run = |speeds: Vec<u64>| {
+        let mut s = dense(vec![(20_000, carrier(0, false))]);
+        s.nics = 4;
+        s.speeds = speeds;
+        let quiet = tracing::subscriber::NoSubscriber::default();
+        let r = tracing::subscriber::with_default(quiet, || run_scenario(&s, false));
+        assert!(r.violations.is_empty(), "{:?}", r.violations);
+        assert_eq!(r.failed_comms, 0);
+        // The placement once the comm had spread its widest.
+        let widest = r.placements.iter().map(|p| p.1).max().unwrap_or(0);
+        let (_, _, stripes) = (r.placements.iter())
+            .find(|p| p.1 == widest)
+            .unwrap_or_else(|| panic!("the comm never moved: {:?}", r.placements))
+            .clone();
+        let on = |nic: u32| stripes.iter().find(|s| s.0 == nic).map_or(0, |s| s.1);
+        (on(0), on(1), on(2), on(3))
+    };
+    let (gone, fast, slow_a, slow_b) = run(vec![200, 200, 100, 100]);
+    assert_eq!(gone, 0);
+    assert_eq!(fast + slow_a + slow_b, 6, "two stripes per other NIC");
+    assert!(fast > slow_a && fast > slow_b, "{fast}/{slow_a}/{slow_b}");
+    assert_eq!(run(Vec::new()), (0, 2, 2, 2));
+}
+
 #[test]
 fn replay() {
     let Some(seed) = env_u64("RAILOVER_SIM_SEED") else {
