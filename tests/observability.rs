@@ -86,6 +86,7 @@ fn record_all(t: &Telemetry, nic: &str) {
             placed_bytes: 3 << 18,
             down_seconds: u64::from(!up) * 90,
             drained: !up,
+            capacity: up.then_some(25_000_000),
         });
     }
     t.record_drain_move(nic);
@@ -462,6 +463,7 @@ fn dashboard_queries_use_only_exported_metrics() {
         "increase(railover_comm_displaced_seconds_total",
         "railover_comms_displaced",
         "railover_degraded",
+        "railover_nic_capacity_bytes_per_second",
     ] {
         assert!(all.contains(needed), "no panel query contains {needed:?}");
     }

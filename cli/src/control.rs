@@ -298,7 +298,8 @@ fn scalar(v: Option<&Value>) -> String {
     }
 }
 
-/// `eth0 up 12, eth1 drained(socket) 0, eth2 down 3`: name, state, comms.
+/// `eth0 up 12 400000Mbit/s, eth1 drained(socket) 0, eth2 down 3`: name, state, comms,
+/// and the capacity backups are weighed by when known.
 fn nics_cell(v: Option<&Value>) -> String {
     let Some(Value::Array(nics)) = v else {
         return "-".into();
@@ -322,8 +323,14 @@ fn nics_cell(v: Option<&Value>) -> String {
                 (_, Some(Value::Bool(false))) => "down".into(),
                 _ => "-".into(),
             };
+            // What the router weighs it by, when it knows: a rate below the link speed
+            // is one the NIC showed while backed up.
+            let capacity = match n.get("capacity_mbit").and_then(Value::as_u64) {
+                Some(m) => format!(" {m}Mbit/s"),
+                None => String::new(),
+            };
             format!(
-                "{} {state} {}",
+                "{} {state} {}{capacity}",
                 scalar(n.get("name")),
                 scalar(n.get("comms"))
             )
@@ -612,7 +619,7 @@ mod tests {
             "pid": 123, "local_rank": 0,
             "nics": [
                 {"index": 0, "name": "rv0", "rail": 0, "up": true, "drained": false,
-                 "drained_by": [], "comms": 12},
+                 "drained_by": [], "comms": 12, "capacity_mbit": 200},
                 {"index": 1, "name": "rv1", "rail": 1, "up": true, "drained": true,
                  "drained_by": ["socket", "file"], "comms": 0},
                 {"index": 2, "name": "rv2", "up": false, "drained": false, "comms": 3}
@@ -639,7 +646,7 @@ mod tests {
                 "3",
                 "2",
                 "1",
-                "rv0 up 12, rv1 drained(socket+file) 0, rv2 down 3",
+                "rv0 up 12 200Mbit/s, rv1 drained(socket+file) 0, rv2 down 3",
                 "comm 5 for 12.3s"
             ],
             "{table}"

@@ -184,6 +184,8 @@ impl Engine {
                 drained: self.drained[i].any(),
                 drained_by: self.drained[i].sources(),
                 comms: per_nic[i].len(),
+                capacity_mbit: (self.router.capacity(NicId(i as u32), now))
+                    .map(|c| (c * 8.0 / 1e6).round() as u64),
             })
             .collect();
         let mut comms = CommCounts { send: 0, recv: 0 };

@@ -1047,13 +1047,16 @@ impl Engine {
 
     /// Sends the counters gathered since the last sample to the metrics registry.
     pub(super) fn sample_metrics(&mut self, now: Instant) {
+        let router = &self.router;
         let mut nics: Vec<NicNow> = (self.setup.nics.iter().zip(&self.nic_up))
             .zip(&self.drained)
-            .map(|((n, &up), hold)| NicNow {
+            .enumerate()
+            .map(|(i, ((n, &up), hold))| NicNow {
                 name: &n.name,
                 rail: n.rail,
                 up,
                 drained: hold.any(),
+                capacity: router.capacity(NicId(i as u32), now).map(|c| c as u64),
                 lanes: 0,
                 paced_lanes: 0,
             })

@@ -34,6 +34,9 @@ pub struct NicStatus {
     pub drained_by: Vec<&'static str>,
     /// Comms with a lane on it now.
     pub comms: usize,
+    /// What it can carry (Mbit/s) as backup selection weighs it: its link speed, or the
+    /// lower rate it showed while backed up; `None` while neither is known.
+    pub capacity_mbit: Option<u64>,
 }
 
 /// Comms of each side.

@@ -43,6 +43,8 @@ pub const NIC_UP: &str = "railover_nic_up";
 pub const NIC_DRAINED: &str = "railover_nic_drained";
 /// `railover_drain_moves_total{nic}`.
 pub const DRAIN_MOVES_TOTAL: &str = "railover_drain_moves_total";
+/// `railover_nic_capacity_bytes_per_second{nic}`.
+pub const NIC_CAPACITY: &str = "railover_nic_capacity_bytes_per_second";
 /// `railover_nic_down_seconds_total{nic}`.
 pub const NIC_DOWN_SECONDS_TOTAL: &str = "railover_nic_down_seconds_total";
 /// `railover_nic_info{nic,rail}`.
@@ -210,6 +212,13 @@ pub const METRICS: &[MetricSpec] = &[
         labels: &["nic"],
         unit: "lanes",
         help: "Lanes moved off a pair in planned moves because one of its NICs was drained (here or at the peer); nic is the local NIC they left.",
+    },
+    MetricSpec {
+        name: NIC_CAPACITY,
+        kind: MetricKind::Gauge,
+        labels: &["nic"],
+        unit: "bytes/s",
+        help: "What the local NIC can carry as backup selection weighs it: its link speed, or the lower rate it delivered while backed up. Absent while neither is known.",
     },
     MetricSpec {
         name: NIC_DOWN_SECONDS_TOTAL,
@@ -476,6 +485,9 @@ pub struct NicSample<'a> {
     pub down_seconds: u64,
     /// An operator drained it.
     pub drained: bool,
+    /// What it can carry (bytes/s) as backup selection weighs it, when known
+    /// (`routing::Router::capacity`).
+    pub capacity: Option<u64>,
 }
 
 /// Turns one cumulative counter (`ReactorStats`, `conn::Stats`, `routing::Stats`) into the
@@ -730,6 +742,9 @@ impl Telemetry {
         metrics::gauge!(NIC_UP, "nic" => nic.clone()).set(if s.up { 1.0 } else { 0.0 });
         metrics::gauge!(NIC_DRAINED, "nic" => nic.clone()).set(if s.drained { 1.0 } else { 0.0 });
         metrics::counter!(NIC_DOWN_SECONDS_TOTAL, "nic" => nic.clone()).increment(s.down_seconds);
+        if let Some(c) = s.capacity {
+            metrics::gauge!(NIC_CAPACITY, "nic" => nic.clone()).set(c as f64);
+        }
         let rail = s.rail.map_or_else(|| "none".to_owned(), |r| r.to_string());
         metrics::gauge!(NIC_INFO, "nic" => nic, "rail" => rail).set(1.0);
     }
@@ -1275,6 +1290,7 @@ mod tests {
             placed_bytes: 3072,
             down_seconds: 7,
             drained: false,
+            capacity: Some(25_000_000),
         });
         t.record_failover(&Failover {
             comm: 1,
@@ -1295,6 +1311,7 @@ mod tests {
             r#"railover_nic_up{nic="unit_nic0"} 1"#,
             r#"railover_nic_info{nic="unit_nic0",rail="2"} 1"#,
             r#"railover_nic_down_seconds_total{nic="unit_nic0"} 7"#,
+            r#"railover_nic_capacity_bytes_per_second{nic="unit_nic0"} 25000000"#,
             r#"railover_failovers_total{nic="unit_nic0",reason="nic_error"} 1"#,
             "# TYPE railover_failover_seconds histogram",
         ] {

@@ -16,6 +16,8 @@ pub struct NicNow<'a> {
     pub up: bool,
     /// An operator drained it (`railover drain`).
     pub drained: bool,
+    /// What it can carry (bytes/s) as backup selection weighs it, when known.
+    pub capacity: Option<u64>,
     /// Lanes carrying a comm on it, and how many of those are paced.
     pub lanes: u64,
     pub paced_lanes: u64,
@@ -256,6 +258,7 @@ impl Sampler {
                 placed_bytes: placed,
                 down_seconds: down,
                 drained: nic.drained,
+                capacity: nic.capacity,
             });
             let probes = self.probe_failures.get_mut(i).map_or(0, std::mem::take);
             if probes > 0 {
@@ -303,6 +306,7 @@ mod tests {
                 rail: None,
                 up: true,
                 drained: false,
+                capacity: None,
                 lanes: 1,
                 paced_lanes: 0,
             })
