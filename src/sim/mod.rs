@@ -177,9 +177,7 @@ struct Sim {
     polled: Option<Vec<Vec<Token>>>,
     /// Stranded bytes were reported (once a run).
     stranded: bool,
-    /// Each time a comm's spread changed: the comm, its spread, and the stripes on each
-    /// local NIC of its sender's node then.
-    placements: Vec<(usize, usize, Vec<(u32, u32)>)>,
+    placements: Vec<Placement>,
     /// What NCCL's side met: `isend` answers "not now", sends cut to their receive, and
     /// grouped receives (of two buffers or more) that finished.
     not_now: u64,
@@ -208,9 +206,18 @@ pub(crate) struct Report {
     pub not_now: u64,
     pub cut: u64,
     pub grouped: u64,
-    /// Each time a comm's spread changed: the comm, its spread, and the stripes on each
-    /// local NIC of its sender's node then.
-    pub placements: Vec<(usize, usize, Vec<(u32, u32)>)>,
+    /// Each time a comm's spread changed, where its sender's stripes ran.
+    pub placements: Vec<Placement>,
+}
+
+/// Where a sender's stripes ran when one of its comms' spread changed.
+#[derive(Debug, Clone)]
+pub(crate) struct Placement {
+    pub comm: usize,
+    /// Pairs the comm ran over.
+    pub spread: usize,
+    /// (local NIC, running stripes of every comm on it) on the sender's node.
+    pub stripes: Vec<(u32, u32)>,
 }
 
 impl Sim {
@@ -761,7 +768,11 @@ impl Sim {
             self.note(|| format!("comm {f}: sender now on NIC {nic}, over {spread} pair(s)"));
             if let Some(Some(d)) = self.nodes.get(self.s.comms[f].from) {
                 let stripes = d.stripes_per_nic();
-                self.placements.push((f, spread, stripes));
+                self.placements.push(Placement {
+                    comm: f,
+                    spread,
+                    stripes,
+                });
             }
         }
     }

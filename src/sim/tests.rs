@@ -600,12 +600,11 @@ fn a_failed_nics_stripes_go_to_the_survivors_by_link_speed() {
         assert!(r.violations.is_empty(), "{:?}", r.violations);
         assert_eq!(r.failed_comms, 0);
         // The placement once the comm had spread its widest.
-        let widest = r.placements.iter().map(|p| p.1).max().unwrap_or(0);
-        let (_, _, stripes) = (r.placements.iter())
-            .find(|p| p.1 == widest)
-            .unwrap_or_else(|| panic!("the comm never moved: {:?}", r.placements))
-            .clone();
-        let on = |nic: u32| stripes.iter().find(|s| s.0 == nic).map_or(0, |s| s.1);
+        let widest = r.placements.iter().map(|p| p.spread).max().unwrap_or(0);
+        let p = (r.placements.iter())
+            .find(|p| p.spread == widest && p.comm == 0)
+            .unwrap_or_else(|| panic!("the comm never moved: {:?}", r.placements));
+        let on = |nic: u32| p.stripes.iter().find(|s| s.0 == nic).map_or(0, |s| s.1);
         (on(0), on(1), on(2), on(3))
     };
     let (gone, fast, slow_a, slow_b) = run(vec![200, 200, 100, 100]);
