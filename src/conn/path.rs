@@ -76,6 +76,14 @@ pub enum Moved {
         switch: Duration,
         spread: usize,
     },
+    /// Moved off the backup pair `from`, whose NIC carried less than it was weighed by:
+    /// as for a drain, how long until the new lanes carried the comm, and how many pairs
+    /// it now runs over.
+    Rebalance {
+        from: Option<Pair>,
+        switch: Duration,
+        spread: usize,
+    },
 }
 
 /// Where a moved stripe goes.
@@ -406,7 +414,7 @@ impl PathMachine {
         match reason {
             // Moved because its pair failed under another comm: its outage starts now.
             MoveReason::Failover(r) => _ = self.detected.get_or_insert((now, r)),
-            MoveReason::Drain => _ = self.planned.get_or_insert(now),
+            MoveReason::Drain | MoveReason::Rebalance => _ = self.planned.get_or_insert(now),
             MoveReason::Failback => {}
         }
         self.moving = Some(reason);
@@ -499,13 +507,21 @@ impl PathMachine {
                     .take()
                     .map_or(Duration::ZERO, |t0| now.saturating_duration_since(t0)),
             },
-            MoveReason::Drain => {
+            MoveReason::Drain | MoveReason::Rebalance => {
                 let t0 = planned.unwrap_or(now);
                 self.away_since.get_or_insert(t0);
-                Moved::Drain {
-                    from,
-                    switch: resumed.saturating_duration_since(t0),
-                    spread: self.spread(),
+                let (switch, spread) = (resumed.saturating_duration_since(t0), self.spread());
+                match reason {
+                    MoveReason::Drain => Moved::Drain {
+                        from,
+                        switch,
+                        spread,
+                    },
+                    _ => Moved::Rebalance {
+                        from,
+                        switch,
+                        spread,
+                    },
                 }
             }
             MoveReason::Failover(r) => {

@@ -465,7 +465,8 @@ impl Engine {
         let from = match moved {
             Moved::Failback { from: Some(f), .. }
             | Moved::Failover { from: Some(f), .. }
-            | Moved::Drain { from: Some(f), .. } => f,
+            | Moved::Drain { from: Some(f), .. }
+            | Moved::Rebalance { from: Some(f), .. } => f,
             _ => from,
         };
         comm.lazily += comm.shared.moved_to(to.local.0 as usize);
@@ -499,6 +500,13 @@ impl Engine {
                 t.record_comm_spread(spread);
                 tracing::warn!(
                     "railover: drain comm={c} {from} => {to} switch={:.1}ms spread_over={spread} replayed={replayed}B registered_on_backup={lazily}",
+                    switch.as_secs_f64() * 1e3
+                );
+            }
+            Moved::Rebalance { switch, spread, .. } => {
+                t.record_comm_spread(spread);
+                tracing::warn!(
+                    "railover: rebalance comm={c} {from} => {to} switch={:.1}ms spread_over={spread} replayed={replayed}B registered_on_backup={lazily}",
                     switch.as_secs_f64() * 1e3
                 );
             }
@@ -879,8 +887,14 @@ impl Engine {
         }
         for (i, (bytes, waiting)) in nics.into_iter().enumerate() {
             let saturated = bytes > 0 && 2 * waiting >= bytes;
-            self.router
-                .handle_nic_sample(NicId(i as u32), bytes, saturated, now);
+            let nic = NicId(i as u32);
+            if self.router.handle_nic_sample(nic, bytes, saturated, now) {
+                let mbit = self.router.capacity(nic, now).unwrap_or(0.0) * 8.0 / 1e6;
+                tracing::info!(
+                    "railover: {} carries about {mbit:.0} Mbit/s while backed up; backups are weighed by that now",
+                    self.setup.nics[i].name
+                );
+            }
         }
     }
 

@@ -77,7 +77,8 @@ impl Capacities {
 
     /// One sample of `nic`: it delivered `bytes` since the previous sample, and
     /// `saturated` says whether its lanes had data waiting throughout. Returns whether the
-    /// NIC's capacity changed by more than [`TOLERANCE`].
+    /// NIC's capacity fell by more than [`TOLERANCE`] (a rise is not news: it only makes
+    /// the NIC a better candidate for the next move).
     pub fn sample(&mut self, nic: NicId, bytes: u64, saturated: bool, now: Instant) -> bool {
         let n = self.nics.entry(nic).or_default();
         let before = n.capacity(now);
@@ -107,10 +108,10 @@ impl Capacities {
                 _ => {}
             }
         }
-        let after = n.capacity(now);
-        match (before, after) {
-            (Some(b), Some(a)) => (a - b).abs() > TOLERANCE * b.max(a),
-            (b, a) => b.is_some() != a.is_some(),
+        match (before, n.capacity(now)) {
+            (Some(b), Some(a)) => a < b * (1.0 - TOLERANCE),
+            (None, Some(_)) => true,
+            _ => false,
         }
     }
 
@@ -222,7 +223,7 @@ mod tests {
     }
 
     #[test]
-    fn a_change_is_reported_only_past_the_tolerance() {
+    fn a_fall_is_reported_only_past_the_tolerance() {
         let t = Instant::now();
         let mut c = Capacities::default();
         c.set_link_speed(NicId(0), 1_000);
@@ -232,8 +233,15 @@ mod tests {
             now += MS;
             changes += u32::from(c.sample(NicId(0), 1_250_000, true, now));
         }
-        // 100 Mbit/s against a 1 Gbit/s link: one change when it counts as saturated,
+        // 100 Mbit/s against a 1 Gbit/s link: one fall when it counts as saturated,
         // none while the smoothed rate settles within the tolerance.
         assert_eq!(changes, 1);
+        // Faster again, unsaturated: a rise, not reported.
+        for _ in 0..20 {
+            now += MS;
+            changes += u32::from(c.sample(NicId(0), 5_000_000, false, now));
+        }
+        assert_eq!(changes, 1);
+        assert!(c.capacity(NicId(0), now).unwrap() > 40e6);
     }
 }

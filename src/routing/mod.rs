@@ -212,6 +212,10 @@ pub enum MoveReason {
     Failback,
     /// An end of the lane's pair is drained: a planned move, the old pair still working.
     Drain,
+    /// The lane ran on a backup pair whose local NIC turned out to carry less than it was
+    /// weighed by; another survivor can take it. A planned move, the old pair still
+    /// working.
+    Rebalance,
 }
 
 /// An order to move one lane to another pair (or, for a stranded lane whose original pair
@@ -415,6 +419,8 @@ pub struct Stats {
     pub no_eligible_pair: u64,
     /// Lanes moved off a drained NIC (planned moves).
     pub drain_moves: u64,
+    /// Lanes moved off a backup NIC found slower than it was weighed by (planned moves).
+    pub rebalance_moves: u64,
 }
 
 /// Why a NIC may not be drained now: a comm running on it would have no pair left.

@@ -4,6 +4,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::capacity::{Capacities, TOLERANCE};
+
+/// A lane on a backup NIC found slower than it was weighed by moves on only where its
+/// load per unit of capacity drops by more than this: small gains are not worth a move,
+/// and a margin keeps two NICs from trading lanes back and forth as estimates wobble.
+pub const REBALANCE_MARGIN: f64 = 0.2;
 use super::rng::SplitMix64;
 use super::snapshot::{CommRoutes, LaneRoute, LaneStatus, LocalNicRoutes, RemoteNicRoutes, Routes};
 use crate::config::RouterConfig;
@@ -194,6 +199,17 @@ impl Loads {
         *self.local.entry(pair.local).or_default() += 1;
         *self.remote.entry((pair.peer, pair.remote)).or_default() += 1;
         *self.pair.entry(pair).or_default() += 1;
+    }
+
+    fn remove(&mut self, pair: Pair) {
+        let ends = [
+            self.local.get_mut(&pair.local),
+            self.remote.get_mut(&(pair.peer, pair.remote)),
+            self.pair.get_mut(&pair),
+        ];
+        for n in ends.into_iter().flatten() {
+            *n = n.saturating_sub(1);
+        }
     }
 
     fn cost(&self, pair: Pair) -> (u32, u32) {
@@ -656,8 +672,10 @@ impl Router {
 
     /// One traffic sample of local NIC `nic`: `bytes` delivered since its previous sample,
     /// and whether its lanes had data waiting throughout (`saturated`). A NIC saturated
-    /// for a while shows its capacity, which later selections weigh it by. Returns whether
-    /// that capacity changed noticeably.
+    /// for a while shows its capacity, which selections weigh it by from then on. When
+    /// that capacity falls, lanes that failed over onto the NIC move on where another
+    /// backup can carry them clearly better ([`MoveReason::Rebalance`]; lanes on their
+    /// original pair stay, as NCCL placed them). Returns whether it fell.
     pub fn handle_nic_sample(
         &mut self,
         nic: NicId,
@@ -666,7 +684,11 @@ impl Router {
         now: Instant,
     ) -> bool {
         self.tick(now);
-        self.capacity.sample(nic, bytes, saturated, now)
+        let fell = self.capacity.sample(nic, bytes, saturated, now);
+        if fell {
+            self.rebalance(nic, now);
+        }
+        fell
     }
 
     /// What local NIC `nic` can carry now (bytes/s), as selection weighs it: `None` when
@@ -1147,15 +1169,8 @@ impl Router {
                         },
                         Health::Good(_) => {
                             let (max, sum) = loads.cost(pair);
-                            let weight = match self.config.weighted {
-                                // An unknown distance weighs as the limit, as it ranks.
-                                true => {
-                                    (self.capacity).weight(x.id, x.distance.or(Some(limit)), now)
-                                }
-                                false => 1.0,
-                            };
                             Verdict::Eligible {
-                                cost: f64::from(max + 1) / weight,
+                                cost: f64::from(max + 1) / self.weight(x, now),
                                 key: (max, sum, allowed.rank as u8),
                             }
                         }
@@ -1169,6 +1184,75 @@ impl Router {
             }
         }
         out
+    }
+
+    /// Lanes that failed over onto local NIC `nic`, which turned out to carry less than it
+    /// was weighed by, move to another backup where that lowers their load per capacity by
+    /// more than [`REBALANCE_MARGIN`]: one at a time, each move counted before the next is
+    /// weighed, so they stop once the NICs are level. Only healthy candidates are taken
+    /// (no probing), never the lane's original pair (fail-back owns the way home), and a
+    /// lane waiting for a move stays out of it.
+    fn rebalance(&mut self, nic: NicId, now: Instant) {
+        if !self.config.weighted {
+            return;
+        }
+        let mut loads = self.loads();
+        let movable: Vec<(CommId, usize)> = (self.comms.iter())
+            .flat_map(|(&id, c)| {
+                (c.lanes.iter().enumerate())
+                    .filter(|(_, l)| l.state == LaneState::Active && l.current != l.original)
+                    .filter(|(_, l)| l.current.local == nic)
+                    .map(move |(i, _)| (id, i))
+            })
+            .filter(|&(id, i)| !self.moves.iter().any(|m| m.comm == id && m.lane.0 == i))
+            .collect();
+        for (id, i) in movable {
+            let c = &self.comms[&id];
+            let lane = &c.lanes[i];
+            let (here, original) = (lane.current, lane.original);
+            let Some(x) = c.local.iter().find(|x| x.id == here.local) else {
+                continue;
+            };
+            let (max, _) = loads.cost(here);
+            let cost_here = f64::from(max) / self.weight(x, now);
+            let best = (self.candidates(c, &loads, now).into_iter())
+                .filter(|k| k.pair != here && k.pair != original)
+                .filter_map(|k| match k.verdict {
+                    Verdict::Eligible { cost, .. } => Some((cost, k.pair)),
+                    _ => None,
+                })
+                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let Some((cost, to)) = best else {
+                continue;
+            };
+            if cost >= cost_here * (1.0 - REBALANCE_MARGIN) {
+                continue;
+            }
+            self.moves.push_back(Move {
+                comm: id,
+                lane: LaneId(i),
+                from: here,
+                to,
+                reason: MoveReason::Rebalance,
+            });
+            self.stats.rebalance_moves += 1;
+            loads.remove(here);
+            loads.add(to);
+            let l = &mut self.comms.get_mut(&id).expect("listed above").lanes[i];
+            l.current = to;
+        }
+    }
+
+    /// What local NIC `x` can carry for a comm whose GPU it is `x.distance` from, as
+    /// selection weighs it; every NIC alike with `weighted` off.
+    fn weight(&self, x: &LocalNic, now: Instant) -> f64 {
+        match self.config.weighted {
+            // An unknown distance weighs as the limit, as it ranks.
+            true => {
+                (self.capacity).weight(x.id, x.distance.or(Some(self.config.distance_limit)), now)
+            }
+            false => 1.0,
+        }
     }
 
     /// The pair's health as selection sees it at `now`.

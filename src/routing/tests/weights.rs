@@ -162,3 +162,76 @@ fn a_nic_behind_the_host_bridge_takes_less_than_one_behind_the_gpus_switch() {
     assert_eq!(on(1) + on(2) + on(3), STRIPES as u32);
     assert!(on(2) > 0 && on(2) < on(1) && on(2) < on(3), "{after:?}");
 }
+
+fn rebalanced(moves: &[Move]) -> usize {
+    (moves.iter())
+        .filter(|m| m.reason == MoveReason::Rebalance)
+        .count()
+}
+
+#[test]
+fn a_backup_found_slow_hands_its_moved_stripes_to_one_that_is_not() {
+    // Equal links, one comm each: NIC 0's stripes go two to each survivor. Then NIC 2
+    // backs up at 100 Mbit/s while 1 and 3 flow freely: the two stripes that failed over
+    // onto NIC 2 move on, planned, and NIC 2's own comm stays where NCCL put it.
+    let mut sim = striped(4, 1, config(2), &[10_000; 4]);
+    sim.nic_down(0);
+    assert_eq!(
+        sim.local_loads(),
+        BTreeMap::from([(0, 0), (1, 8), (2, 8), (3, 8)])
+    );
+    sim.take_moves();
+    traffic(
+        &mut sim,
+        &[0.0, 100.0, 100.0, 100.0],
+        &[false, false, true, false],
+        10,
+    );
+    let moves = sim.take_moves();
+    assert_eq!(rebalanced(&moves), 2, "{moves:?}");
+    for m in &moves {
+        assert_eq!(m.from.local, NicId(2));
+        assert_ne!(m.to.local, NicId(2));
+        assert_eq!(m.comm, CommId(0), "only the failed NIC's comm moved: {m:?}");
+    }
+    let after = sim.local_loads();
+    assert_eq!(after[&2], 6, "{after:?}");
+    assert_eq!(after[&1] + after[&3], 18, "{after:?}");
+    assert_eq!(sim.router.stats().rebalance_moves, 2);
+    // Measured again at the same rate: nothing more moves.
+    traffic(
+        &mut sim,
+        &[0.0, 100.0, 100.0, 100.0],
+        &[false, false, true, false],
+        10,
+    );
+    assert_eq!(rebalanced(&sim.take_moves()), 0);
+}
+
+#[test]
+fn a_small_shortfall_moves_nothing_and_equal_weights_never_rebalance() {
+    // All four measured at 200 Mbit/s, NIC 0 fails (two stripes to each survivor), then
+    // NIC 2 shows 180: the gain of a move is below the margin.
+    let mut sim = striped(4, 1, config(4), &[10_000; 4]);
+    traffic(&mut sim, &[200.0; 4], &[true; 4], 10);
+    sim.nic_down(0);
+    sim.take_moves();
+    traffic(
+        &mut sim,
+        &[0.0, 200.0, 180.0, 200.0],
+        &[false, true, true, true],
+        10,
+    );
+    assert_eq!(rebalanced(&sim.take_moves()), 0);
+    // With equal weights a NIC found slow changes nothing.
+    let mut sim = striped(4, 1, equal(2), &[10_000; 4]);
+    sim.nic_down(0);
+    sim.take_moves();
+    traffic(
+        &mut sim,
+        &[0.0, 100.0, 100.0, 100.0],
+        &[false, false, true, false],
+        10,
+    );
+    assert_eq!(rebalanced(&sim.take_moves()), 0);
+}
