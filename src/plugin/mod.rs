@@ -200,7 +200,7 @@ impl Runtime {
                 rail: n.rail,
             })
             .collect();
-        let local_rank = metrics_cfg.endpoint.and_then(|e| e.local_rank);
+        let local_rank = metrics_cfg.local_rank;
         let operator = Arc::new(Operator::new(reactor.queue.clone(), local_rank));
         let control = Mutex::new(Control::start(&control_cfg, idents, operator));
         Ok(Runtime {

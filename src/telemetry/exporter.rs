@@ -57,6 +57,9 @@ const MAX_HEAD: usize = 8 * 1024;
 pub struct ExporterConfig {
     /// `None`: `RAILOVER_METRICS_PORT=off`.
     pub endpoint: Option<EndpointConfig>,
+    /// From [`LOCAL_RANK_VARS`], whether or not there is an endpoint: `railover status`
+    /// shows it too.
+    pub local_rank: Option<u16>,
 }
 
 /// Where the endpoint binds.
@@ -77,6 +80,7 @@ impl Default for ExporterConfig {
                 base_port: DEFAULT_PORT,
                 local_rank: None,
             }),
+            local_rank: None,
         }
     }
 }
@@ -84,7 +88,10 @@ impl Default for ExporterConfig {
 impl ExporterConfig {
     /// No endpoint; metrics are still recorded and renderable.
     pub fn off() -> Self {
-        ExporterConfig { endpoint: None }
+        ExporterConfig {
+            endpoint: None,
+            local_rank: None,
+        }
     }
 
     /// Reads the process environment. A value that is not UTF-8 is an error, not unset.
@@ -148,11 +155,9 @@ impl ExporterConfig {
             }
             endpoint.local_rank = Some(rank);
         }
-        if off {
-            return Ok(Self::off());
-        }
         Ok(ExporterConfig {
-            endpoint: Some(endpoint),
+            local_rank: endpoint.local_rank,
+            endpoint: (!off).then_some(endpoint),
         })
     }
 
@@ -482,6 +487,10 @@ mod tests {
         );
         let c = cfg(&[("SLURM_LOCALID", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1")]).unwrap();
         assert_eq!(c.endpoint.unwrap().local_rank, Some(1));
+        assert_eq!(c.local_rank, Some(1));
+        // Known without an endpoint too: railover status shows it.
+        let c = cfg(&[("RAILOVER_METRICS_PORT", "off"), ("LOCAL_RANK", "3")]).unwrap();
+        assert_eq!((c.endpoint, c.local_rank), (None, Some(3)));
     }
 
     #[test]
