@@ -188,7 +188,9 @@ impl FairShare {
             n.rate = SMOOTHING * n.rate + (1.0 - SMOOTHING) * rate;
             let underused = n.rate < UNDERUSED * n.capacity * DECAY;
             n.capacity = (n.capacity * DECAY).max(n.rate);
-            let share = n.capacity * secs / weights.max(1) as f64;
+            // Per lane, not per stripe: how many stripes each lane carries says how the NIC
+            // is shared out, not how finely.
+            let share = n.capacity * secs / backlogged.max(1) as f64;
             let fine = share < MIN_SHARE_PER_SAMPLE;
             let contended = backlogged >= 2 && !fine;
             n.phase = match n.phase {
@@ -320,6 +322,21 @@ mod tests {
             lane(3, 0, 100_000, true),
         ];
         assert_eq!(step(&mut f, &s).changes.len(), 3);
+    }
+
+    #[test]
+    fn lanes_carrying_many_stripes_each_are_judged_per_lane() {
+        // Eight lanes of six stripes each on 25 MB/s: about 300 KiB per lane and sample,
+        // though only 50 KiB per stripe. Two incumbents hog the NIC: all are capped.
+        let s: Vec<LaneSample> = (0..8)
+            .map(|k| LaneSample {
+                weight: 6,
+                ..lane(k, 0, if k < 2 { 1_200_000 } else { 16_000 }, true)
+            })
+            .collect();
+        let mut f = FairShare::new();
+        assert_eq!(step(&mut f, &s).changes.len(), 8);
+        assert!(f.cap(0).unwrap() < 1_200_000 * 10);
     }
 
     #[test]
