@@ -45,6 +45,28 @@ fn lockstep_rate(load: &[f64], speed: &[f64]) -> f64 {
         .fold(f64::INFINITY, f64::min)
 }
 
+/// The healthy state of the model: each NIC's speed, its comms, and their rate.
+struct Healthy {
+    speed: Vec<f64>,
+    load: Vec<f64>,
+    before: f64,
+}
+
+/// `None` when no NIC would survive or there are no comms.
+fn healthy(speeds: &[u64], comms: u32) -> Option<Healthy> {
+    if speeds.len() < 2 || comms == 0 {
+        return None;
+    }
+    let speed: Vec<f64> = speeds.iter().map(|&s| s as f64).collect();
+    let load = comms_per_nic(speeds.len(), comms);
+    let before = lockstep_rate(&load, &speed);
+    Some(Healthy {
+        speed,
+        load,
+        before,
+    })
+}
+
 fn comms_per_nic(nics: usize, comms: u32) -> Vec<f64> {
     let mut load = vec![0.0; nics];
     for c in 0..comms as usize {
@@ -56,13 +78,12 @@ fn comms_per_nic(nics: usize, comms: u32) -> Vec<f64> {
 /// The capacity-optimal share kept: the failed NIC's comms split over the survivors in
 /// whatever fractions maximise the common rate (water-filling, by bisection).
 pub fn optimal_kept(speeds: &[u64], comms: u32) -> Option<f64> {
-    let n = speeds.len();
-    if n < 2 || comms == 0 {
-        return None;
-    }
-    let speed: Vec<f64> = speeds.iter().map(|&s| s as f64).collect();
-    let load = comms_per_nic(n, comms);
-    let before = lockstep_rate(&load, &speed);
+    let Healthy {
+        speed,
+        load,
+        before,
+    } = healthy(speeds, comms)?;
+    let n = speed.len();
     let moved = load[0];
     // At rate r survivor j can take max(0, speed_j / r − load_j) more comms.
     let room = |r: f64| -> f64 { (1..n).map(|j| (speed[j] / r - load[j]).max(0.0)).sum() };
@@ -84,14 +105,12 @@ pub fn optimal_kept(speeds: &[u64], comms: u32) -> Option<f64> {
 /// What NCCL's native failover keeps: each comm of the failed NIC moves whole onto one
 /// survivor (its fused partner); the best survivor is taken.
 pub fn native_kept(speeds: &[u64], comms: u32) -> Option<f64> {
-    let n = speeds.len();
-    if n < 2 || comms == 0 {
-        return None;
-    }
-    let speed: Vec<f64> = speeds.iter().map(|&s| s as f64).collect();
-    let load = comms_per_nic(n, comms);
-    let before = lockstep_rate(&load, &speed);
-    (1..n)
+    let Healthy {
+        speed,
+        load,
+        before,
+    } = healthy(speeds, comms)?;
+    (1..speed.len())
         .map(|j| {
             let mut after = load.clone();
             after[j] += after[0];

@@ -179,7 +179,7 @@ impl FairShare {
                 e.2 += u64::from(l.weight.max(1));
             }
         }
-        for (&nic, &(rate, backlogged, weights)) in &per_nic {
+        for (&nic, &(rate, backlogged, _)) in &per_nic {
             let n = self.nics.entry(nic).or_insert(Nic {
                 rate,
                 capacity: 0.0,

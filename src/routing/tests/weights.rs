@@ -163,6 +163,13 @@ fn a_nic_behind_the_host_bridge_takes_less_than_one_behind_the_gpus_switch() {
     assert!(on(2) > 0 && on(2) < on(1) && on(2) < on(3), "{after:?}");
 }
 
+/// A second of traffic in which NIC 2 backs up at 100 Mbit/s and NICs 1 and 3 flow freely
+/// at the same rate (NIC 0 is down).
+fn nic2_backs_up(sim: &mut Sim) {
+    let saturated = [false, false, true, false];
+    traffic(sim, &[0.0, 100.0, 100.0, 100.0], &saturated, 10);
+}
+
 fn rebalanced(moves: &[Move]) -> usize {
     (moves.iter())
         .filter(|m| m.reason == MoveReason::Rebalance)
@@ -181,12 +188,7 @@ fn a_backup_found_slow_hands_its_moved_stripes_to_one_that_is_not() {
         BTreeMap::from([(0, 0), (1, 8), (2, 8), (3, 8)])
     );
     sim.take_moves();
-    traffic(
-        &mut sim,
-        &[0.0, 100.0, 100.0, 100.0],
-        &[false, false, true, false],
-        10,
-    );
+    nic2_backs_up(&mut sim);
     let moves = sim.take_moves();
     assert_eq!(rebalanced(&moves), 2, "{moves:?}");
     for m in &moves {
@@ -199,12 +201,7 @@ fn a_backup_found_slow_hands_its_moved_stripes_to_one_that_is_not() {
     assert_eq!(after[&1] + after[&3], 18, "{after:?}");
     assert_eq!(sim.router.stats().rebalance_moves, 2);
     // Measured again at the same rate: nothing more moves.
-    traffic(
-        &mut sim,
-        &[0.0, 100.0, 100.0, 100.0],
-        &[false, false, true, false],
-        10,
-    );
+    nic2_backs_up(&mut sim);
     assert_eq!(rebalanced(&sim.take_moves()), 0);
 }
 
@@ -227,11 +224,6 @@ fn a_small_shortfall_moves_nothing_and_equal_weights_never_rebalance() {
     let mut sim = striped(4, 1, equal(2), &[10_000; 4]);
     sim.nic_down(0);
     sim.take_moves();
-    traffic(
-        &mut sim,
-        &[0.0, 100.0, 100.0, 100.0],
-        &[false, false, true, false],
-        10,
-    );
+    nic2_backs_up(&mut sim);
     assert_eq!(rebalanced(&sim.take_moves()), 0);
 }
