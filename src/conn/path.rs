@@ -417,7 +417,14 @@ impl PathMachine {
             MoveReason::Drain | MoveReason::Rebalance => _ = self.planned.get_or_insert(now),
             MoveReason::Failback => {}
         }
-        self.moving = Some(reason);
+        // A failover under way stays one when a planned move (a drain, a rebalance) joins
+        // it before it settles: its detection, resume time and log line are the news.
+        self.moving = match (self.moving, reason) {
+            (Some(f @ MoveReason::Failover(_)), MoveReason::Drain | MoveReason::Rebalance) => {
+                Some(f)
+            }
+            _ => Some(reason),
+        };
         if self.left.is_none() {
             self.left = (self.lanes.values())
                 .find(|c| c.stripes.contains(&stripe))
@@ -815,6 +822,46 @@ mod tests {
 
     fn stripes_of(p: &PathMachine) -> Vec<(usize, usize)> {
         p.lanes().map(|(k, c)| (k, c.stripes.len())).collect()
+    }
+
+    #[test]
+    fn a_planned_move_that_joins_a_failover_under_way_leaves_it_a_failover() {
+        let t0 = Instant::now();
+        let fo = MoveReason::Failover(FailReason::LinkDown);
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 2);
+        let loss = s.handle_lane_lost(
+            0,
+            &link_down(),
+            FailReason::LinkDown,
+            Duration::ZERO,
+            true,
+            t0,
+        );
+        assert_eq!(loss, Loss::Failover(LaneId(0)));
+        let at = t0 + 10 * MS;
+        assert_eq!(
+            s.handle_move(LaneId(0), pair(1), fo, at).0,
+            Placed::Open { epoch: 1 }
+        );
+        s.handle_opening(10, pair(1), LaneId(0), 1);
+        assert_eq!(
+            s.handle_move(LaneId(1), pair(1), fo, at).0,
+            Placed::Waiting(10)
+        );
+        // Before the new lane is up, a rebalance sends stripe 1 on to pair 2.
+        let rb = MoveReason::Rebalance;
+        assert_eq!(
+            s.handle_move(LaneId(1), pair(2), rb, at).0,
+            Placed::Open { epoch: 2 }
+        );
+        s.handle_opening(11, pair(2), LaneId(1), 2);
+        assert!(s.handle_moved(10, t0 + 50 * MS));
+        assert!(s.handle_moved(11, t0 + 60 * MS));
+        assert!(
+            matches!(s.settle(t0 + 60 * MS), Some(Moved::Failover { from: Some(f), .. }) if f == pair(0)),
+            "the failover is what settled"
+        );
     }
 
     #[test]
