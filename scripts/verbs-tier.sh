@@ -394,13 +394,17 @@ unset RAILOVER_ZERO_COPY
 # the moved comm's GPU memory must not land on rxe1: refused there, that NIC left out
 # for the comm, everything on rxe2. gs: the sender's rxe1; gr: the receiver's (which
 # tells the sender).
-export RAILOVER_GDR=force
+# One stripe per other NIC, equally weighted, so the moved comm tries rxe1 and rxe2 at
+# once: under TCG the rxe ports back up far below their rate, and capacity weights may
+# put every moved stripe on rxe2, never trying rxe1's refusal.
+export RAILOVER_GDR=force RAILOVER_STRIPE_WEIGHTS=equal RAILOVER_STRIPES=2
 [ "$role" = b ] && export RAILOVER_GDR_HCA='^=rxe1'
 want gs && scn gs 18713 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --gpu --seconds 18
 unset RAILOVER_GDR_HCA
 [ "$role" = a ] && export RAILOVER_GDR_HCA='^=rxe1'
 want gr && scn gr 18714 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --gpu --seconds 18
 unset RAILOVER_GDR_HCA
+unset RAILOVER_STRIPE_WEIGHTS RAILOVER_STRIPES
 # GPU memory on every NIC of both guests, and the receiver flushes every receive before
 # it reads it (iflush, as NCCL's proxy does with GDR): the receiver's rail 0 down for 3 s.
 # The flushes of the comm that moved must not fail for the NIC that went down.
