@@ -24,6 +24,7 @@ fn frames(c: &mut Criterion) {
             .map(|i| NicAddr {
                 addr: SocketAddr::new(IpAddr::V4(Ipv4Addr::new(10, 77, i, 1)), 40_000),
                 rail: Some(i as u32),
+                mbps: Some(400_000),
             })
             .collect(),
     };

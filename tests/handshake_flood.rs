@@ -317,6 +317,7 @@ fn stranger_hello(i: u64) -> Vec<u8> {
     let nics = vec![NicAddr {
         addr: "127.0.0.1:9".parse().unwrap(),
         rail: Some(0),
+        mbps: None,
     }];
     Initiator::connect(&[0x5A; 16], nics, &random).1
 }

@@ -149,10 +149,12 @@ pub fn router_kept(speeds: &[u64], comms: u32, weighted: bool) -> Option<f64> {
                     distance: None,
                 })
                 .collect(),
-            remote_nics: (0..n as u32)
-                .map(|i| RemoteNic {
-                    id: NicId(i),
+            // Each rail runs at one speed at both ends, and the peer says so.
+            remote_nics: (speeds.iter().enumerate())
+                .map(|(i, &s)| RemoteNic {
+                    id: NicId(i as u32),
                     rail: Some(0),
+                    speed_mbps: Some(s),
                 })
                 .collect(),
             lanes: vec![(nic, nic); stripes],

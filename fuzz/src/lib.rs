@@ -230,7 +230,8 @@ pub fn wire_body(data: &[u8]) {
     assert_eq!(Proof::decode(body_of(&p.encode(), Kind::Proof)), Ok(p));
 }
 
-/// Up to 64 NICs (what a frame carries), IPv4 and IPv6, with or without a rail.
+/// Up to 64 NICs (what a frame carries), IPv4 and IPv6, with or without a rail and a
+/// link speed.
 fn gen_nics(inp: &mut Input) -> Vec<NicAddr> {
     let n = inp.u8() as usize % 65;
     (0..n)
@@ -245,7 +246,11 @@ fn gen_nics(inp: &mut Input) -> Vec<NicAddr> {
                 0 => None,
                 _ => Some(inp.u32() % (railover::topology::rails::MAX_RAIL + 1)),
             };
-            NicAddr { addr, rail }
+            let mbps = match inp.u32() {
+                0 => None,
+                s => Some(s),
+            };
+            NicAddr { addr, rail, mbps }
         })
         .collect()
 }
@@ -873,10 +878,12 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
         NicAddr {
             addr: "10.0.0.1:4000".parse().expect("literal"),
             rail: Some(0),
+            mbps: Some(100_000),
         },
         NicAddr {
             addr: "[fe80::1]:4001".parse().expect("literal"),
             rail: None,
+            mbps: None,
         },
     ];
     let (_, hello) = Initiator::connect(&TOKEN, nics.clone(), &[3; 64]);

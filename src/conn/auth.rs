@@ -416,6 +416,7 @@ mod tests {
         vec![NicAddr {
             addr: "127.0.0.1:4000".parse().unwrap(),
             rail: Some(0),
+            mbps: None,
         }]
     }
 

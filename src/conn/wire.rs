@@ -24,7 +24,8 @@ pub const MAGIC: [u8; 2] = *b"RO";
 /// to a receive by NCCL's IB rules (`conn::matching`) and cuts a send larger than its
 /// receive to the receive's size, so `Truncated` (code 7) is gone; a `Welcome`'s `aux`
 /// names the listener's NICs that cannot register the comm's memory. 8: `Drained`.
-pub const VERSION: u8 = 8;
+/// 9: each NIC of a `Hello` or `Welcome` list carries its link speed.
+pub const VERSION: u8 = 9;
 pub const HEADER_LEN: usize = 24;
 /// Upper bound on a handshake body: far above any real NIC list.
 pub const MAX_BODY: u64 = 4096;
@@ -339,11 +340,14 @@ pub enum Purpose {
     Migrate,
 }
 
-/// One NIC as the other side sees it: where its listener is, and its rail.
+/// One NIC as the other side sees it: where its listener is, its rail, and its link
+/// speed, so that the other side's backup selection weighs both ends of a pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NicAddr {
     pub addr: SocketAddr,
     pub rail: Option<u32>,
+    /// Link speed in Mb/s; `None` when the NIC does not say.
+    pub mbps: Option<u32>,
 }
 
 /// The connector's opening frame. It carries no secret: [`crate::conn::auth`] proves
@@ -390,7 +394,7 @@ pub const REFUSE_AUTH: u32 = 1;
 /// no later attempt can succeed either.
 pub const REFUSE_GONE: u32 = 2;
 
-const NIC_LEN: usize = 1 + 16 + 2 + 4;
+const NIC_LEN: usize = 1 + 16 + 2 + 4 + 4;
 const MAX_NICS: usize = 64;
 
 fn encode_nics(out: &mut Vec<u8>, nics: &[NicAddr]) {
@@ -405,6 +409,7 @@ fn encode_nics(out: &mut Vec<u8>, nics: &[NicAddr]) {
         out.extend_from_slice(&ip);
         out.extend_from_slice(&nic.addr.port().to_le_bytes());
         out.extend_from_slice(&nic.rail.map_or(-1i32, |r| r as i32).to_le_bytes());
+        out.extend_from_slice(&nic.mbps.unwrap_or(0).to_le_bytes());
     }
 }
 
@@ -437,9 +442,11 @@ fn decode_nics(b: &[u8]) -> Result<(Vec<NicAddr>, &[u8]), WireError> {
             r if r >= 0 => Some(r as u32),
             _ => return Err(WireError::Malformed("rail")),
         };
+        let mbps = u32::from_le_bytes([e[23], e[24], e[25], e[26]]);
         nics.push(NicAddr {
             addr: SocketAddr::new(ip, port),
             rail,
+            mbps: (mbps > 0).then_some(mbps),
         });
     }
     Ok((nics, &b[2 + n * NIC_LEN..]))
@@ -640,10 +647,11 @@ mod tests {
     }
 
     #[test]
-    fn largest_rail_survives_the_nic_list() {
+    fn largest_rail_and_speed_survive_the_nic_list() {
         let nics = vec![NicAddr {
             addr: "10.0.0.1:1".parse().unwrap(),
             rail: Some(crate::topology::rails::MAX_RAIL),
+            mbps: Some(u32::MAX),
         }];
         let f = Welcome { nics: nics.clone() }.encode(0);
         assert_eq!(Welcome::decode(&f[HEADER_LEN..]).unwrap().nics, nics);
@@ -679,8 +687,14 @@ mod tests {
         b[0] = b'X';
         assert!(matches!(Header::decode(&b), Err(WireError::BadMagic(_))));
         let mut b = good;
-        b[2] = 9;
-        assert_eq!(Header::decode(&b), Err(WireError::BadVersion(9)));
+        b[2] = VERSION + 1;
+        assert_eq!(Header::decode(&b), Err(WireError::BadVersion(VERSION + 1)));
+        b[2] = VERSION - 1;
+        assert_eq!(
+            Header::decode(&b),
+            Err(WireError::BadVersion(VERSION - 1)),
+            "a peer of the last version is refused"
+        );
         let mut b = good;
         b[3] = 200;
         assert_eq!(Header::decode(&b), Err(WireError::UnknownKind(200)));
@@ -704,10 +718,12 @@ mod tests {
             NicAddr {
                 addr: "127.0.0.1:4000".parse().unwrap(),
                 rail: Some(3),
+                mbps: Some(400_000),
             },
             NicAddr {
                 addr: "[::1]:5000".parse().unwrap(),
                 rail: None,
+                mbps: None,
             },
         ];
         let hello = Hello {

@@ -43,7 +43,9 @@ impl Engine {
             return;
         };
         let rails: Vec<_> = self.setup.nics.iter().map(|n| n.rail).collect();
-        let remotes: Vec<_> = remote.iter().map(|r| r.rail).collect();
+        let remotes: Vec<_> = (remote.iter())
+            .map(|r| (r.rail, r.mbps.map(u64::from)))
+            .collect();
         let distance = self.setup.distance.get(nic).map_or(&[][..], |d| &d[..]);
         let (local, remote) = (NicId(nic as u32), NicId(remote_idx as u32));
         let peer = PeerId(peer as u32);

@@ -116,6 +116,7 @@ fn engine(host: u8, now: Instant) -> (Engine, Poll) {
     let wire = vec![NicAddr {
         addr,
         rail: Some(0),
+        mbps: None,
     }];
     let e = Engine::new(setup, Arc::new(CommandQueue::new(waker)), wire, now);
     (e, poll)

@@ -178,6 +178,7 @@ fn engine(host: u8, now: Instant) -> Engine {
     let wire = vec![NicAddr {
         addr: addr(host),
         rail: Some(0),
+        mbps: None,
     }];
     Engine::new(setup, queue, wire, now)
 }

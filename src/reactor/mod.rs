@@ -328,6 +328,7 @@ impl<F: Fabric> Reactor<F> {
             wire.push(NicAddr {
                 addr,
                 rail: nic.rail,
+                mbps: nic.speed_mbps.map(|s| u32::try_from(s).unwrap_or(u32::MAX)),
             });
         }
         let queue = Arc::new(CommandQueue::new(waker));

@@ -122,15 +122,15 @@ impl Capacities {
     }
 
     /// The capacity selection weighs `nic` by for a comm whose GPU reaches it over `path`:
-    /// a NIC with no known capacity counts as fast as the fastest known one (or 1 when
-    /// none is known), so unknown NICs are all equal.
-    pub fn weight(&self, nic: NicId, path: Option<PathType>, now: Instant) -> f64 {
+    /// a NIC with no known capacity counts as fast as the fastest known one, so unknown
+    /// NICs are all equal; `None` when no NIC here has a known capacity.
+    pub fn weight(&self, nic: NicId, path: Option<PathType>, now: Instant) -> Option<f64> {
         let own = self.capacity(nic, now).or_else(|| {
             (self.nics.values())
                 .filter_map(|n| n.capacity(now))
                 .reduce(f64::max)
         });
-        own.unwrap_or(1.0).max(1.0) * pcie_factor(path)
+        own.map(|c| c.max(1.0) * pcie_factor(path))
     }
 }
 
@@ -212,14 +212,14 @@ mod tests {
         let mut c = Capacities::default();
         c.set_link_speed(NicId(0), 400_000);
         c.set_link_speed(NicId(1), 100_000);
-        let w = |nic, path| c.weight(NicId(nic), path, t);
+        let w = |nic, path| c.weight(NicId(nic), path, t).unwrap();
         assert_eq!(w(0, Some(PathType::Pix)) / w(1, Some(PathType::Pix)), 4.0);
         assert_eq!(w(0, Some(PathType::Pxb)), w(0, None));
         assert_eq!(w(0, Some(PathType::Phb)) / w(0, Some(PathType::Pix)), 0.6);
         assert!(w(0, Some(PathType::Sys)) < w(0, Some(PathType::Phb)));
         // An unknown NIC counts as fast as the fastest known one.
         assert_eq!(w(7, None), w(0, None));
-        assert_eq!(Capacities::default().weight(NicId(0), None, t), 1.0);
+        assert_eq!(Capacities::default().weight(NicId(0), None, t), None);
     }
 
     #[test]

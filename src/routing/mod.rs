@@ -118,6 +118,9 @@ pub struct RemoteNic {
     pub id: NicId,
     /// Its rail, if known.
     pub rail: Option<u32>,
+    /// Its link speed in Mb/s, as the peer announced it; `None` counts it as fast as the
+    /// local end of each pair.
+    pub speed_mbps: Option<u64>,
 }
 
 /// What [`Router::add_comm`] needs to know about a comm.
@@ -138,12 +141,13 @@ pub struct CommSpec {
 impl CommSpec {
     /// A comm NCCL connected over one lane, from local NIC `local` to the peer's NIC
     /// `remote`. `locals`: this node's NICs' rails; `distance[x]`: the path type from
-    /// `local`'s GPU to NIC `x`; `remotes`: the peer's NICs' rails, in its numbering.
+    /// `local`'s GPU to NIC `x`; `remotes`: the peer's NICs' rails and link speeds (Mb/s),
+    /// in its numbering.
     pub fn one_lane(
         peer: PeerId,
         locals: &[Option<u32>],
         distance: &[Option<PathType>],
-        remotes: &[Option<u32>],
+        remotes: &[(Option<u32>, Option<u64>)],
         (local, remote): (NicId, NicId),
     ) -> CommSpec {
         let id = |i: usize| NicId(i as u32);
@@ -157,7 +161,11 @@ impl CommSpec {
                 })
                 .collect(),
             remote_nics: (remotes.iter().enumerate())
-                .map(|(j, &rail)| RemoteNic { id: id(j), rail })
+                .map(|(j, &(rail, speed_mbps))| RemoteNic {
+                    id: id(j),
+                    rail,
+                    speed_mbps,
+                })
                 .collect(),
             lanes: vec![(local, remote)],
         }

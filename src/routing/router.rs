@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::capacity::{Capacities, TOLERANCE};
+use super::capacity::{pcie_factor, Capacities, TOLERANCE};
 
 /// A lane on a backup NIC found slower than it was weighed by moves on only where its
 /// load per unit of capacity drops by more than this: small gains are not worth a move,
@@ -34,11 +34,12 @@ use super::{
 /// the watch only governs moving lanes *home*. Unknown candidates are probed first
 /// ([`Router::poll_probe`]), and the lane waits until none of its candidates is unknown, so
 /// that it is spread over every pair that works rather than over the first to answer. It
-/// then goes to the good candidate with the least load per unit of capacity: the larger of
-/// the lanes on its local NIC and on its remote NIC (across all comms, this lane
-/// included) over what the local NIC can carry for this comm's GPU (link speed or measured
-/// rate, times the PCIe path's factor: [`super::capacity`]). The remote NIC is taken to be
-/// as fast as the local one, as rail-matched NICs are. Candidates within
+/// then goes to the good candidate with the least load per unit of capacity at its busier
+/// end: the lanes on its local NIC (across all comms, this lane included) over what that
+/// NIC can carry for this comm's GPU (link speed or measured rate, times the PCIe path's
+/// factor: [`super::capacity`]), or the lanes on its remote NIC over the link speed the
+/// peer announced. An end of unknown capacity counts as fast as the other, as
+/// rail-matched NICs are. Candidates within
 /// [`TOLERANCE`] of the least are told apart by load alone (then the sum of both ends'
 /// lanes, then the nearer local NIC), so equal NICs measured a few per cent apart share
 /// equally; the seeded RNG breaks remaining ties. With `weighted` off every capacity
@@ -212,13 +213,19 @@ impl Loads {
         }
     }
 
-    fn cost(&self, pair: Pair) -> (u32, u32) {
+    /// Lanes on the pair's local NIC and on its remote NIC.
+    fn ends(&self, pair: Pair) -> (u32, u32) {
         let l = self.local.get(&pair.local).copied().unwrap_or(0);
         let r = self
             .remote
             .get(&(pair.peer, pair.remote))
             .copied()
             .unwrap_or(0);
+        (l, r)
+    }
+
+    fn cost(&self, pair: Pair) -> (u32, u32) {
+        let (l, r) = self.ends(pair);
         (l.max(r), l + r)
     }
 }
@@ -1053,7 +1060,7 @@ impl Router {
             if first || (retrying && !eligible) {
                 continue; // decide once the candidates that matter have answered
             }
-            if let Some(to) = self.pick(&candidates) {
+            if let Some((to, _)) = self.pick(&candidates) {
                 let l = &mut self.comms.get_mut(&comm).expect("listed above").lanes[lane];
                 self.moves.push_back(Move {
                     comm,
@@ -1170,7 +1177,7 @@ impl Router {
                         Health::Good(_) => {
                             let (max, sum) = loads.cost(pair);
                             Verdict::Eligible {
-                                cost: f64::from(max + 1) / self.weight(x, now),
+                                cost: self.load_per_capacity(x, y, loads.ends(pair), 1, now),
                                 key: (max, sum, allowed.rank as u8),
                             }
                         }
@@ -1210,19 +1217,17 @@ impl Router {
             let c = &self.comms[&id];
             let lane = &c.lanes[i];
             let (here, original) = (lane.current, lane.original);
-            let Some(x) = c.local.iter().find(|x| x.id == here.local) else {
+            let x = c.local.iter().find(|x| x.id == here.local);
+            let y = c.remote.iter().find(|y| y.id == here.remote);
+            let (Some(x), Some(y)) = (x, y) else {
                 continue;
             };
-            let (max, _) = loads.cost(here);
-            let cost_here = f64::from(max) / self.weight(x, now);
-            let best = (self.candidates(c, &loads, now).into_iter())
+            let cost_here = self.load_per_capacity(x, y, loads.ends(here), 0, now);
+            // Chosen as a failover chooses (near-equal costs are ties), among the others.
+            let others: Vec<Candidate> = (self.candidates(c, &loads, now).into_iter())
                 .filter(|k| k.pair != here && k.pair != original)
-                .filter_map(|k| match k.verdict {
-                    Verdict::Eligible { cost, .. } => Some((cost, k.pair)),
-                    _ => None,
-                })
-                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-            let Some((cost, to)) = best else {
+                .collect();
+            let Some((to, cost)) = self.pick(&others) else {
                 continue;
             };
             if cost >= cost_here * (1.0 - REBALANCE_MARGIN) {
@@ -1243,16 +1248,31 @@ impl Router {
         }
     }
 
-    /// What local NIC `x` can carry for a comm whose GPU it is `x.distance` from, as
-    /// selection weighs it; every NIC alike with `weighted` off.
-    fn weight(&self, x: &LocalNic, now: Instant) -> f64 {
-        match self.config.weighted {
-            // An unknown distance weighs as the limit, as it ranks.
-            true => {
-                (self.capacity).weight(x.id, x.distance.or(Some(self.config.distance_limit)), now)
-            }
-            false => 1.0,
+    /// The load per unit of capacity of the pair `x`–`y`, whose ends carry `(l, r)` lanes,
+    /// with `extra` lanes more: the busier end, each end's lanes divided by what it can
+    /// carry. The local end carries its capacity scaled by the PCIe path from the comm's
+    /// GPU (an unknown distance weighs as the limit, as it ranks); the remote end its
+    /// announced link speed. An end whose capacity is unknown counts as fast as the other
+    /// (rail-matched NICs usually are); with `weighted` off every NIC counts alike, and
+    /// the cost is the busier end's lane count.
+    fn load_per_capacity(
+        &self,
+        x: &LocalNic,
+        y: &RemoteNic,
+        (l, r): (u32, u32),
+        extra: u32,
+        now: Instant,
+    ) -> f64 {
+        if !self.config.weighted {
+            return f64::from(l.max(r) + extra);
         }
+        let path = x.distance.or(Some(self.config.distance_limit));
+        let remote = (y.speed_mbps.filter(|&m| m > 0)).map(|m| m as f64 * 1e6 / 8.0);
+        let local = (self.capacity.weight(x.id, path, now))
+            .or(remote.map(|r| r * pcie_factor(path)))
+            .unwrap_or_else(|| pcie_factor(path));
+        let remote = remote.unwrap_or(local);
+        f64::max(f64::from(l + extra) / local, f64::from(r + extra) / remote)
     }
 
     /// The pair's health as selection sees it at `now`.
@@ -1296,8 +1316,8 @@ impl Router {
     /// The eligible candidate with the least load per unit of capacity; candidates within
     /// [`TOLERANCE`] of that count as equal and are told apart by raw load, then distance
     /// (with equal capacities, exactly the order of load alone); the seeded RNG breaks
-    /// remaining ties.
-    fn pick(&mut self, candidates: &[Candidate]) -> Option<Pair> {
+    /// remaining ties. Returns the pair and its cost.
+    fn pick(&mut self, candidates: &[Candidate]) -> Option<(Pair, f64)> {
         let eligible = |c: &Candidate| match c.verdict {
             Verdict::Eligible { cost, key } => Some((cost, key)),
             _ => None,
@@ -1308,10 +1328,13 @@ impl Router {
         let near =
             |c: &Candidate| eligible(c).filter(|&(cost, _)| cost <= least * (1.0 + TOLERANCE));
         let best = candidates.iter().filter_map(near).map(|(_, k)| k).min()?;
-        let ties: Vec<Pair> = candidates
+        let ties: Vec<(Pair, f64)> = candidates
             .iter()
-            .filter(|c| near(c).is_some_and(|(_, k)| k == best))
-            .map(|c| c.pair)
+            .filter_map(|c| {
+                near(c)
+                    .filter(|&(_, k)| k == best)
+                    .map(|(cost, _)| (c.pair, cost))
+            })
             .collect();
         Some(ties[self.rng.below(ties.len())])
     }

@@ -180,6 +180,7 @@ fn remote(id: u32, rail: Option<u32>) -> RemoteNic {
     RemoteNic {
         id: NicId(id),
         rail,
+        speed_mbps: None,
     }
 }
 

@@ -163,6 +163,53 @@ fn a_nic_behind_the_host_bridge_takes_less_than_one_behind_the_gpus_switch() {
     assert!(on(2) > 0 && on(2) < on(1) && on(2) < on(3), "{after:?}");
 }
 
+/// [`striped`] where the peer announced its NICs' link speeds (`remote`) and this node's
+/// are `local` (empty: unknown).
+fn striped_to_a_peer_of(remote: &[u64], local: &[u64], config: RouterConfig) -> Sim {
+    let n = remote.len() as u32;
+    let mut sim = Sim::new(config);
+    for (i, &mbps) in local.iter().enumerate() {
+        sim.router.set_link_speed(NicId(i as u32), mbps);
+    }
+    for c in 0..2 * n as usize {
+        let nic = (c % n as usize) as u32;
+        let mut spec = rails_spec(n, &[(nic, nic); STRIPES]);
+        for (y, &mbps) in spec.remote_nics.iter_mut().zip(remote) {
+            y.speed_mbps = Some(mbps);
+        }
+        sim.add(c, spec);
+    }
+    sim
+}
+
+#[test]
+fn the_peers_announced_link_speeds_weigh_the_remote_end_of_each_pair() {
+    // The example with the slow ports at the peer: this node's NICs are all alike
+    // (unknown, or all 10 Gb/s like the testbed's veths, or 400 Gb/s), so the remote end
+    // is each pair's bottleneck and the failed NIC's stripes go to the 200 survivor.
+    let capacity = [200.0, 200.0, 100.0, 100.0];
+    for local in [&[][..], &[10_000; 4], &[400_000; 4]] {
+        let mut sim = striped_to_a_peer_of(&[200, 200, 100, 100], local, config(5));
+        let (kept, after) = kept_when_nic0_fails(&mut sim, &capacity);
+        assert_eq!(
+            after,
+            BTreeMap::from([(0, 0), (1, 24), (2, 12), (3, 12)]),
+            "local speeds {local:?}"
+        );
+        assert!((kept - 1.0).abs() < 1e-9, "kept {kept}");
+    }
+    // A slow local NIC still counts where it is the slower end: 200 Mb/s peers behind
+    // local NICs of which NIC 1 runs at 100.
+    let mut sim = striped_to_a_peer_of(&[200; 4], &[200, 100, 200, 200], config(5));
+    sim.nic_down(0);
+    let after = sim.local_loads();
+    assert!(after[&1] < after[&2] && after[&1] < after[&3], "{after:?}");
+    // Equal weights ignore what the peer says.
+    let mut sim = striped_to_a_peer_of(&[200, 200, 100, 100], &[], equal(5));
+    let (_, after) = kept_when_nic0_fails(&mut sim, &capacity);
+    assert_eq!(after, BTreeMap::from([(0, 0), (1, 16), (2, 16), (3, 16)]));
+}
+
 /// A second of traffic in which NIC 2 backs up at 100 Mbit/s and NICs 1 and 3 flow freely
 /// at the same rate (NIC 0 is down).
 fn nic2_backs_up(sim: &mut Sim) {
