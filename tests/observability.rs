@@ -90,6 +90,7 @@ fn record_all(t: &Telemetry, nic: &str) {
         });
     }
     t.record_drain_move(nic);
+    t.record_rebalance_move(nic);
     let from = NicPair {
         local: nic,
         remote: "peer/eth0",
@@ -185,6 +186,7 @@ fn endpoint_serves_recorded_series_over_tcp() {
         (r#"railover_nic_drained{nic="fetch0"}"#, 1.0),
         (r#"railover_nic_drained{nic="fetch0b"}"#, 0.0),
         (r#"railover_drain_moves_total{nic="fetch0"}"#, 1.0),
+        (r#"railover_rebalance_moves_total{nic="fetch0"}"#, 1.0),
         (r#"railover_probe_failures_total{nic="fetch0"}"#, 3.0),
         (r#"railover_placed_bytes_total{nic="fetch0b"}"#, 786432.0),
         (r#"railover_memory_exclusions_total{nic="fetch0"}"#, 1.0),
@@ -466,6 +468,7 @@ fn dashboard_queries_use_only_exported_metrics() {
         "railover_comms_displaced",
         "railover_degraded",
         "railover_nic_capacity_bytes_per_second",
+        "railover_rebalance_moves_total",
     ] {
         assert!(all.contains(needed), "no panel query contains {needed:?}");
     }

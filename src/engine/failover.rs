@@ -506,6 +506,7 @@ impl Engine {
                 );
             }
             Moved::Rebalance { switch, spread, .. } => {
+                t.record_rebalance_move(from.local);
                 t.record_comm_spread(spread);
                 tracing::warn!(
                     "railover: rebalance comm={c} {from} => {to} switch={:.1}ms spread_over={spread} replayed={replayed}B registered_on_backup={lazily}",

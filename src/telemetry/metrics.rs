@@ -43,6 +43,8 @@ pub const NIC_UP: &str = "railover_nic_up";
 pub const NIC_DRAINED: &str = "railover_nic_drained";
 /// `railover_drain_moves_total{nic}`.
 pub const DRAIN_MOVES_TOTAL: &str = "railover_drain_moves_total";
+/// `railover_rebalance_moves_total{nic}`.
+pub const REBALANCE_MOVES_TOTAL: &str = "railover_rebalance_moves_total";
 /// `railover_nic_capacity_bytes_per_second{nic}`.
 pub const NIC_CAPACITY: &str = "railover_nic_capacity_bytes_per_second";
 /// `railover_nic_down_seconds_total{nic}`.
@@ -210,8 +212,15 @@ pub const METRICS: &[MetricSpec] = &[
         name: DRAIN_MOVES_TOTAL,
         kind: MetricKind::Counter,
         labels: &["nic"],
-        unit: "lanes",
-        help: "Lanes moved off a pair in planned moves because one of its NICs was drained (here or at the peer); nic is the local NIC they left.",
+        unit: "moves",
+        help: "Planned moves of a comm's stripes off a pair because one of its NICs was drained, here or at the peer (one per comm each time its stripes settle elsewhere); nic is the local NIC they left.",
+    },
+    MetricSpec {
+        name: REBALANCE_MOVES_TOTAL,
+        kind: MetricKind::Counter,
+        labels: &["nic"],
+        unit: "moves",
+        help: "Planned moves of a comm's stripes off a backup they had failed over onto, because it showed it carries less than it was weighed by (one per comm each time its stripes settle elsewhere); nic is the local NIC they left.",
     },
     MetricSpec {
         name: NIC_CAPACITY,
@@ -762,9 +771,16 @@ impl Telemetry {
         metrics::histogram!(FAILOVER_SECONDS).record(f.resume.as_secs_f64());
     }
 
-    /// A lane left a pair in a planned move (a drain): counts it under the pair's local NIC.
+    /// A comm's stripes left a pair in a planned move (a drain) and settled elsewhere:
+    /// counts it under the pair's local NIC.
     pub fn record_drain_move(&self, nic: &str) {
         metrics::counter!(DRAIN_MOVES_TOTAL, "nic" => nic.to_owned()).increment(1);
+    }
+
+    /// A comm's stripes moved on from a backup that carries less than it was weighed by
+    /// (a rebalance) and settled: counts it under the backup's local NIC.
+    pub fn record_rebalance_move(&self, nic: &str) {
+        metrics::counter!(REBALANCE_MOVES_TOTAL, "nic" => nic.to_owned()).increment(1);
     }
 
     /// A lane moved back to its original pair: counts it under that pair's local NIC.
