@@ -188,6 +188,11 @@ pub struct PathMachine {
     /// fail-back leaves. Later hops of the same move do not replace it.
     left: Option<Pair>,
     stranded: Option<Stranded>,
+    /// Sender: a message has gone out on some lane.
+    carried: bool,
+    /// Sender: a lane opened while the comm held its first messages failed to open, so
+    /// they no longer wait ([`PathMachine::holding`]).
+    hold_failed: bool,
 }
 
 impl PathMachine {
@@ -214,6 +219,8 @@ impl PathMachine {
             planned: None,
             left: None,
             stranded: None,
+            carried: false,
+            hold_failed: false,
         }
     }
 
@@ -474,9 +481,31 @@ impl PathMachine {
         );
     }
 
+    /// Sender: a message went out on one of the comm's lanes.
+    pub fn handle_carried(&mut self) {
+        self.carried = true;
+    }
+
+    /// Sender: whether the comm's messages wait for the lanes being opened rather than go
+    /// out on lanes that carry no stripe. Only a comm that has carried nothing yet and
+    /// whose stripes all left in a drain waits: NCCL opened it on a drained NIC, or on a
+    /// pair ending on the peer's drained NIC, and its first message must not cross that
+    /// NIC. The wait ends when a lane is welcomed, and for good at the first lane that
+    /// fails to open: the drained pair then carries the comm until its move completes, as
+    /// it carries any comm being drained. So it lasts at most one handshake.
+    pub fn holding(&self) -> bool {
+        self.sender
+            && !self.carried
+            && !self.hold_failed
+            && self.moving == Some(MoveReason::Drain)
+            && !self.opening.is_empty()
+            && self.lanes.values().all(|c| c.stripes.is_empty())
+    }
+
     /// Sender: the lane `k` being opened failed. Returns the stripes that waited for it,
     /// now waiting for another move.
     pub fn handle_opening_failed(&mut self, k: usize) -> Vec<LaneId> {
+        self.hold_failed |= self.holding();
         let stripes = self
             .opening
             .remove(&k)
@@ -822,6 +851,60 @@ mod tests {
 
     fn stripes_of(p: &PathMachine) -> Vec<(usize, usize)> {
         p.lanes().map(|(k, c)| (k, c.stripes.len())).collect()
+    }
+
+    #[test]
+    fn a_comm_drained_before_its_first_message_holds_it_for_one_handshake_at_most() {
+        let t0 = Instant::now();
+        let drain = MoveReason::Drain;
+        let drained = |carried: bool| {
+            let mut s = PathMachine::new(true, T, 0);
+            s.route(pair(0), 2);
+            if carried {
+                s.handle_carried();
+            }
+            assert!(!s.holding(), "nothing moves yet");
+            for stripe in 0..2 {
+                let (placed, _) = s.handle_move(LaneId(stripe), pair(1), drain, t0);
+                if let Placed::Open { epoch } = placed {
+                    s.handle_opening(10, pair(1), LaneId(stripe), epoch);
+                }
+            }
+            s
+        };
+        // Fresh, every stripe off the drained pair: it waits for lane 10.
+        let mut s = drained(false);
+        assert!(s.holding());
+        assert!(s.handle_moved(10, t0 + MS));
+        assert!(!s.holding(), "welcomed: the new lane carries it");
+        // A comm that has carried messages goes on over its old lane meanwhile.
+        assert!(!drained(true).holding());
+        // The new lane fails: the old one carries the comm, even while the next opens.
+        let mut s = drained(false);
+        assert_eq!(s.handle_opening_failed(10), vec![LaneId(0), LaneId(1)]);
+        assert!(!s.holding());
+        let (placed, _) = s.handle_move(LaneId(0), pair(2), drain, t0 + MS);
+        assert_eq!(placed, Placed::Open { epoch: 2 });
+        s.handle_opening(11, pair(2), LaneId(0), 2);
+        assert!(!s.holding(), "the wait is over for good");
+        // A stripe still on the old lane carries the comm: nothing waits.
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 2);
+        let (placed, _) = s.handle_move(LaneId(0), pair(1), drain, t0);
+        assert_eq!(placed, Placed::Open { epoch: 1 });
+        s.handle_opening(10, pair(1), LaneId(0), 1);
+        assert!(!s.holding());
+        // A failover is not held here (its lanes are gone), nor is a receiver.
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 1);
+        let fo = MoveReason::Failover(FailReason::LinkDown);
+        assert_eq!(
+            s.handle_move(LaneId(0), pair(1), fo, t0).0,
+            Placed::Open { epoch: 1 }
+        );
+        s.handle_opening(10, pair(1), LaneId(0), 1);
+        assert!(!s.holding());
+        assert!(!PathMachine::new(false, T, 0).holding());
     }
 
     #[test]

@@ -167,6 +167,10 @@ impl Engine {
                     for lane in stripes {
                         self.start_migration(Move { lane, ..mv }, now, io);
                     }
+                    // A new comm's first messages no longer wait (`PathMachine::holding`).
+                    if self.comms.contains(c) {
+                        self.pump(c);
+                    }
                     return;
                 }
                 tracing::warn!("railover: comm {c}: new lane on {} failed: {error}", mv.to);
@@ -175,8 +179,11 @@ impl Engine {
                     if matches!(error, ConnError::Gone(_)) {
                         // The receiver failed or closed the comm: no pair can help.
                         self.fail_comm(c, error, io);
-                    } else if let (Some(_), Some(&s)) = (comm.route, stripes.first()) {
-                        let _ = self.router.handle_lane_failure(CommId(c), s, reason, now);
+                    } else {
+                        if let (Some(_), Some(&s)) = (comm.route, stripes.first()) {
+                            let _ = self.router.handle_lane_failure(CommId(c), s, reason, now);
+                        }
+                        self.pump(c);
                     }
                 }
             }

@@ -703,8 +703,9 @@ impl Engine {
         // Lanes by share: each stripe is one slot, so a lane with two stripes takes two
         // messages in three when another has one. Only lanes without stripes (draining,
         // or the comm is between moves) still carry it, one slot each. Without a lane
-        // (failover under way) the machine keeps its queue.
-        let live = |k: &usize| lanes.contains(*k);
+        // (failover under way), or while a new comm's first messages wait to cross no
+        // drained NIC (`PathMachine::holding`), the machine keeps its queue.
+        let live = |k: &usize| lanes.contains(*k) && !comm.path.holding();
         let striped: usize = (comm.path.lanes())
             .filter(|(k, _)| live(k))
             .map(|(_, l)| l.stripes.len())
@@ -746,6 +747,7 @@ impl Engine {
                 must: comm.in_place.contains(&seq),
             };
             lane.writer.push_data(seq, len, p.buf.lend(), Some(place));
+            comm.path.handle_carried();
             self.stats.bytes_sent.fetch_add(len, Ordering::Relaxed);
             self.metrics.message(lane.nic, true, len);
             self.dirty.push(k);
