@@ -193,6 +193,8 @@ pub struct PathMachine {
     /// Sender: a lane opened while the comm held its first messages failed to open, so
     /// they no longer wait ([`PathMachine::holding`]).
     hold_failed: bool,
+    /// Sender: a failover that a fail-back overtook before it settled, as it stood then.
+    interrupted: Option<Moved>,
 }
 
 impl PathMachine {
@@ -221,6 +223,7 @@ impl PathMachine {
             stranded: None,
             carried: false,
             hold_failed: false,
+            interrupted: None,
         }
     }
 
@@ -418,6 +421,11 @@ impl PathMachine {
         reason: MoveReason,
         now: Instant,
     ) -> (Placed, Option<usize>) {
+        if reason == MoveReason::Failback && matches!(self.moving, Some(MoveReason::Failover(_))) {
+            // The failed pair healed before every stripe found a backup: the failover is
+            // reported as it stood, and the fail-back is a move of its own.
+            self.interrupted = self.conclude(now);
+        }
         match reason {
             // Moved because its pair failed under another comm: its outage starts now.
             MoveReason::Failover(r) => _ = self.detected.get_or_insert((now, r)),
@@ -530,6 +538,19 @@ impl PathMachine {
         if !self.orphans.is_empty() || !self.opening.is_empty() {
             return None;
         }
+        self.conclude(now)
+    }
+
+    /// Sender: a failover that a fail-back overtook before it settled (some stripe still
+    /// waited for a lane), as it stood when the fail-back began: its detection, the time
+    /// until traffic flowed again (or until the fail-back began, if none had), and its
+    /// spread then. Taken once.
+    pub fn take_interrupted(&mut self) -> Option<Moved> {
+        self.interrupted.take()
+    }
+
+    /// Ends the move under way as it stands: how it went.
+    fn conclude(&mut self, now: Instant) -> Option<Moved> {
         let reason = self.moving.take()?;
         let detected = self.detected.take();
         let planned = self.planned.take();
@@ -905,6 +926,62 @@ mod tests {
         s.handle_opening(10, pair(1), LaneId(0), 1);
         assert!(!s.holding());
         assert!(!PathMachine::new(false, T, 0).holding());
+    }
+
+    #[test]
+    fn a_failover_overtaken_by_the_fail_back_is_reported_as_it_stood() {
+        let t0 = Instant::now();
+        let fo = MoveReason::Failover(FailReason::LinkDown);
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 2);
+        let loss = s.handle_lane_lost(
+            0,
+            &link_down(),
+            FailReason::LinkDown,
+            Duration::ZERO,
+            true,
+            t0,
+        );
+        assert_eq!(loss, Loss::Failover(LaneId(0)));
+        // Stripe 0 reaches pair 1; stripe 1's lane to pair 2 is still opening when the
+        // failed pair heals.
+        s.handle_move(LaneId(0), pair(1), fo, t0 + MS);
+        s.handle_opening(10, pair(1), LaneId(0), 1);
+        assert!(s.handle_moved(10, t0 + 20 * MS));
+        s.handle_move(LaneId(1), pair(2), fo, t0 + MS);
+        s.handle_opening(11, pair(2), LaneId(1), 2);
+        assert_eq!(s.settle(t0 + 30 * MS), None, "stripe 1 still waits");
+        assert_eq!(s.take_interrupted(), None);
+        let home = t0 + Duration::from_secs(3);
+        let (placed, abandoned) = s.handle_move(LaneId(1), pair(0), MoveReason::Failback, home);
+        assert_eq!((placed, abandoned), (Placed::Open { epoch: 3 }, Some(11)));
+        match s.take_interrupted() {
+            Some(Moved::Failover {
+                from,
+                reason,
+                resume,
+                spread,
+                ..
+            }) => {
+                assert_eq!(from, Some(pair(0)));
+                assert_eq!(reason, FailReason::LinkDown);
+                assert_eq!(resume, 20 * MS, "traffic flowed again on pair 1");
+                assert_eq!(spread, 1);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(s.take_interrupted(), None, "taken once");
+        // The fail-back then settles as one, from the backup it left.
+        s.handle_opening(12, pair(0), LaneId(1), 3);
+        s.handle_move(LaneId(0), pair(0), MoveReason::Failback, home);
+        assert!(s.handle_moved(12, home + 5 * MS));
+        assert!(matches!(
+            s.settle(home + 5 * MS),
+            Some(Moved::Failback { from: Some(f), away })
+                if f == pair(1) && away == home + 5 * MS - t0
+        ));
+        // A fail-back after a settled failover interrupts nothing.
+        assert_eq!(s.take_interrupted(), None);
     }
 
     #[test]

@@ -460,10 +460,14 @@ impl Engine {
 
     /// If comm `c`'s move (off `from`) is complete, logs and records how it ended.
     fn settled(&mut self, c: usize, from: Pair, now: Instant) {
+        if let Some(moved) = self.comms[c].path.settle(now) {
+            self.report_move(c, from, moved);
+        }
+    }
+
+    /// Logs and records how comm `c`'s move (off `from`) ended.
+    fn report_move(&mut self, c: usize, from: Pair, moved: Moved) {
         let comm = &mut self.comms[c];
-        let Some(moved) = comm.path.settle(now) else {
-            return;
-        };
         let replayed = std::mem::take(&mut comm.replayed);
         // The pair carrying most of the comm names where it went.
         let to = (comm.path.lanes())
@@ -817,6 +821,9 @@ impl Engine {
             .find(|(_, l)| l.stripes.contains(&mv.lane))
             .map(|(k, _)| k);
         let (placed, abandoned) = comm.path.handle_move(mv.lane, mv.to, mv.reason, now);
+        if let Some(failover) = comm.path.take_interrupted() {
+            self.report_move(c, mv.from, failover);
+        }
         if let Some(old) = abandoned {
             if self.lanes.contains(old) {
                 io.fence(old);
