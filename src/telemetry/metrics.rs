@@ -247,8 +247,8 @@ pub const METRICS: &[MetricSpec] = &[
         name: FAILOVERS_TOTAL,
         kind: MetricKind::Counter,
         labels: &["nic", "reason"],
-        unit: "lanes",
-        help: "Lanes moved off a pair whose local NIC is nic, by why the pair failed (timeout, nic_error, link_down, probe).",
+        unit: "moves",
+        help: "Comm failovers off a pair whose local NIC is nic, by why the pair failed (timeout, nic_error, link_down, probe): one per comm, when every stripe it moved runs again, or when a fail-back overtakes it.",
     },
     MetricSpec {
         name: FAILOVER_SECONDS,
@@ -289,8 +289,8 @@ pub const METRICS: &[MetricSpec] = &[
         name: FAILBACKS_TOTAL,
         kind: MetricKind::Counter,
         labels: &["nic"],
-        unit: "lanes",
-        help: "Lanes moved back to their original pair, whose local NIC is nic.",
+        unit: "moves",
+        help: "Comm fail-backs to their original pair, whose local NIC is nic: one per comm, when every stripe is home.",
     },
     MetricSpec {
         name: PROBE_FAILURES_TOTAL,
