@@ -400,15 +400,13 @@ unset RAILOVER_ZERO_COPY
 # the moved comm's GPU memory must not land on rxe1: refused there, that NIC left out
 # for the comm, everything on rxe2. gs: the sender's rxe1; gr: the receiver's (which
 # tells the sender).
-# One stripe per other NIC, so the moved comm tries rxe1 and rxe2 at once.
-export RAILOVER_GDR=force RAILOVER_STRIPES=2
+export RAILOVER_GDR=force
 [ "$role" = b ] && export RAILOVER_GDR_HCA='^=rxe1'
 want gs && scn gs 18713 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --gpu --seconds 18
 unset RAILOVER_GDR_HCA
 [ "$role" = a ] && export RAILOVER_GDR_HCA='^=rxe1'
 want gr && scn gr 18714 b 'sleep 3; links down eth0; sleep 3; links up eth0' $F --gpu --seconds 18
 unset RAILOVER_GDR_HCA
-unset RAILOVER_STRIPES
 # GPU memory on every NIC of both guests, and the receiver flushes every receive before
 # it reads it (iflush, as NCCL's proxy does with GDR): the receiver's rail 0 down for 3 s.
 # The flushes of the comm that moved must not fail for the NIC that went down.
