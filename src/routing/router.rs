@@ -436,7 +436,9 @@ impl Router {
     /// A lane of `comm` failed because one end of its pair cannot register the comm's
     /// memory (GPU memory too far from that NIC): unlike a lane failure, the pair is fine
     /// for other comms and answers probes, so the NIC at that `end` is excluded for this
-    /// comm alone, for good, and the lane waits for a pair without it.
+    /// comm alone, for good, and the lane waits for a pair without it, with every other
+    /// lane of the comm that runs through that NIC (the stripes that shared its
+    /// connection died with it, and the rest would fail the same way).
     pub fn handle_memory_unreachable(
         &mut self,
         comm: CommId,
@@ -447,14 +449,15 @@ impl Router {
     ) -> Result<(), RouterError> {
         self.tick(now);
         let c = self.comm_with_lane(comm, lane)?;
-        let l = &mut c.lanes[lane.0];
-        let nic = end.of(l.current);
-        if l.state == LaneState::Active {
-            l.state = LaneState::Pending {
-                failed: Some(reason),
-                since: now,
-                reported: false,
-            };
+        let nic = end.of(c.lanes[lane.0].current);
+        for l in &mut c.lanes {
+            if l.state == LaneState::Active && end.of(l.current) == nic {
+                l.state = LaneState::Pending {
+                    failed: Some(reason),
+                    since: now,
+                    reported: false,
+                };
+            }
         }
         if !c.unreachable.contains(&(end, nic)) {
             c.unreachable.push((end, nic));

@@ -1503,6 +1503,46 @@ fn a_remote_nic_reported_again_in_a_welcome_is_left_out_once() {
 }
 
 #[test]
+fn every_stripe_through_a_nic_that_cannot_reach_the_memory_moves_not_just_the_first() {
+    // Comm 0 cut into stripes, two of them on pair (1, 1), whose connection dies when the
+    // peer's NIC 1 cannot register the comm's receive buffer: the engine reports the
+    // first stripe it carried, and both must move, or the second waits for ever.
+    let mut sim = Sim::new(config(5));
+    sim.add(0, rails_spec(3, &[(0, 0), (1, 1), (1, 1), (2, 2)]));
+    sim.add(1, rails_spec(3, &[(1, 1)]));
+    sim.router
+        .handle_memory_unreachable(
+            CommId(0),
+            LaneId(1),
+            End::Remote,
+            FailReason::NicError,
+            sim.now,
+        )
+        .unwrap();
+    sim.drive();
+    let mut moved: Vec<_> = (sim.take_moves().into_iter())
+        .map(|m| (m.comm, m.lane, m.from))
+        .collect();
+    moved.sort();
+    assert_eq!(
+        moved,
+        vec![
+            (CommId(0), LaneId(1), pair(1, 1)),
+            (CommId(0), LaneId(2), pair(1, 1))
+        ]
+    );
+    for lane in 0..4 {
+        let p = sim.router.current_pair(CommId(0), LaneId(lane)).unwrap();
+        assert_ne!(p.remote, NicId(1), "lane {lane}: {p}");
+    }
+    assert_eq!(
+        sim.router.current_pair(CommId(1), LaneId(0)),
+        Some(pair(1, 1)),
+        "another comm's memory is fine there"
+    );
+}
+
+#[test]
 fn a_nic_that_cannot_reach_a_comms_memory_is_left_out_for_that_comm_alone() {
     let mut sim = router_with_rails(3, 2, config(5));
     sim.router
