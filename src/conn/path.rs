@@ -874,6 +874,22 @@ mod tests {
         p.lanes().map(|(k, c)| (k, c.stripes.len())).collect()
     }
 
+    /// A sender whose one lane, cut into two stripes on pair 0, lost its link at `t0`.
+    fn two_stripes_on_a_lost_lane(t0: Instant) -> PathMachine {
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 2);
+        let loss = s.handle_lane_lost(
+            0,
+            &link_down(),
+            FailReason::LinkDown,
+            Duration::ZERO,
+            true,
+            t0,
+        );
+        assert_eq!(loss, Loss::Failover(LaneId(0)));
+        s
+    }
+
     #[test]
     fn a_comm_drained_before_its_first_message_holds_it_for_one_handshake_at_most() {
         let t0 = Instant::now();
@@ -932,17 +948,7 @@ mod tests {
     fn a_failover_overtaken_by_the_fail_back_is_reported_as_it_stood() {
         let t0 = Instant::now();
         let fo = MoveReason::Failover(FailReason::LinkDown);
-        let mut s = PathMachine::new(true, T, 0);
-        s.route(pair(0), 2);
-        let loss = s.handle_lane_lost(
-            0,
-            &link_down(),
-            FailReason::LinkDown,
-            Duration::ZERO,
-            true,
-            t0,
-        );
-        assert_eq!(loss, Loss::Failover(LaneId(0)));
+        let mut s = two_stripes_on_a_lost_lane(t0);
         // Stripe 0 reaches pair 1; stripe 1's lane to pair 2 is still opening when the
         // failed pair heals.
         s.handle_move(LaneId(0), pair(1), fo, t0 + MS);
@@ -988,17 +994,7 @@ mod tests {
     fn a_planned_move_that_joins_a_failover_under_way_leaves_it_a_failover() {
         let t0 = Instant::now();
         let fo = MoveReason::Failover(FailReason::LinkDown);
-        let mut s = PathMachine::new(true, T, 0);
-        s.route(pair(0), 2);
-        let loss = s.handle_lane_lost(
-            0,
-            &link_down(),
-            FailReason::LinkDown,
-            Duration::ZERO,
-            true,
-            t0,
-        );
-        assert_eq!(loss, Loss::Failover(LaneId(0)));
+        let mut s = two_stripes_on_a_lost_lane(t0);
         let at = t0 + 10 * MS;
         assert_eq!(
             s.handle_move(LaneId(0), pair(1), fo, at).0,
