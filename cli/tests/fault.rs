@@ -516,6 +516,55 @@ fn assert_kept_bandwidth(recv: &Report, fault: u128, n: usize, failed: usize) {
     );
 }
 
+fault_test! {
+    /// Comms NCCL opens on a drained NIC run on another pair from their first message
+    /// (`docs/design.md` §5.8): rv0 is named in the drain file of both processes before
+    /// any comm opens, then 4 comms connect, two of them on rv0, and send 512 KiB
+    /// messages. Their handshakes cross rv0 (it still works); their data must not: rv0
+    /// carries less than one message's worth from A while every byte arrives once. The
+    /// first comm finds no pair known healthy yet, so its messages also wait for the
+    /// probe of rv1's pair.
+    fn comms_opened_on_a_drained_nic_send_nothing_over_it() {
+        if needs_failover() {
+            return;
+        }
+        let tb = bed(2);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("drain");
+        std::fs::write(&file, "rv0\n").unwrap();
+        let before = tb.tx_bytes(Side::A);
+        let size = 512 << 10;
+        let flow = Flow::start(
+            &tb,
+            FlowOpts {
+                per_dev: 2,
+                size,
+                seconds: 4.0,
+                env: vec![
+                    ("RAILOVER_CONTROL_DIR", dir.path().to_str().unwrap().to_owned()),
+                    ("RAILOVER_DRAIN_FILE", file.to_str().unwrap().to_owned()),
+                ],
+                ..FlowOpts::default()
+            },
+        );
+        let comms = flow.dev_of.len();
+        let on_rv0 = flow.dev_of.iter().filter(|&&d| d == 0).count();
+        let (recv, send) = flow.finish();
+        let after = tb.tx_bytes(Side::A);
+        assert_delivered_exactly_once(&recv, &send, comms);
+        assert!(!send.stderr.contains(" failover comm="), "{}", send.stderr_tail);
+        let moved = send.stderr.matches("railover: drain comm=").count();
+        assert!(moved >= on_rv0, "{moved} drain moves for {on_rv0} comms opened on rv0");
+        let (rv0, rv1) = (after[0] - before[0], after[1] - before[1]);
+        println!("bytes sent from A: rv0 {rv0}, rv1 {rv1}");
+        assert!(
+            rv0 < size as u64,
+            "rv0 carried {rv0} B, at least a {size} B message, while drained; rv1 {rv1} B"
+        );
+        assert!(rv1 > 8 * size as u64, "rv1 carried only {rv1} B");
+    }
+}
+
 /// Per-NIC load after failover, from the interface counters: every surviving NIC
 /// carries a real share (a stand-in for the lane rule until lanes are exposed).
 fn nic_rates(tb: &Testbed, window: Duration) -> Vec<f64> {

@@ -195,6 +195,9 @@ pub struct PathMachine {
     hold_failed: bool,
     /// Sender: a failover that a fail-back overtook before it settled, as it stood then.
     interrupted: Option<Moved>,
+    /// Sender: the comm started on a drained pair, and its first messages wait until
+    /// then for the router's first move ([`PathMachine::handle_leaving`]).
+    leaving_until: Option<Instant>,
 }
 
 impl PathMachine {
@@ -224,6 +227,7 @@ impl PathMachine {
             carried: false,
             hold_failed: false,
             interrupted: None,
+            leaving_until: None,
         }
     }
 
@@ -421,6 +425,7 @@ impl PathMachine {
         reason: MoveReason,
         now: Instant,
     ) -> (Placed, Option<usize>) {
+        self.leaving_until = None;
         if reason == MoveReason::Failback && matches!(self.moving, Some(MoveReason::Failover(_))) {
             // The failed pair healed before every stripe found a backup: the failover is
             // reported as it stood, and the fail-back is a move of its own.
@@ -494,20 +499,42 @@ impl PathMachine {
         self.carried = true;
     }
 
-    /// Sender: whether the comm's messages wait for the lanes being opened rather than go
-    /// out on lanes that carry no stripe. Only a comm that has carried nothing yet and
-    /// whose stripes all left in a drain waits: NCCL opened it on a drained NIC, or on a
-    /// pair ending on the peer's drained NIC, and its first message must not cross that
-    /// NIC. The wait ends when a lane is welcomed, and for good at the first lane that
-    /// fails to open: the drained pair then carries the comm until its move completes, as
-    /// it carries any comm being drained. So it lasts at most one handshake.
+    /// Sender: the comm starts on a drained pair, and the router may first probe the
+    /// candidates before it moves the stripes off: its first messages wait for that until
+    /// `until` at the latest ([`PathMachine::handle_hold_timeout`]).
+    pub fn handle_leaving(&mut self, until: Instant) {
+        if self.sender && !self.carried {
+            self.leaving_until = Some(until);
+        }
+    }
+
+    /// Sender: whether the comm's messages wait rather than go out on the lanes it has.
+    /// Only a comm that has carried nothing yet waits, so that its first message does not
+    /// cross a drained NIC (NCCL opened it on a drained NIC, or on a pair ending on the
+    /// peer's): while the router has not moved its stripes yet, until the limit given to
+    /// [`PathMachine::handle_leaving`] (a probe of the candidates); then while every
+    /// stripe has left in a drain and a new lane is being opened for them. That wait ends
+    /// when a lane is welcomed, and for good at the first lane that fails to open: the
+    /// drained pair then carries the comm until its move completes, as it carries any
+    /// comm being drained. So it lasts a probe and a handshake at most.
     pub fn holding(&self) -> bool {
-        self.sender
-            && !self.carried
-            && !self.hold_failed
-            && self.moving == Some(MoveReason::Drain)
+        let awaiting_move = self.leaving_until.is_some() && self.moving.is_none();
+        let awaiting_lane = self.moving == Some(MoveReason::Drain)
             && !self.opening.is_empty()
-            && self.lanes.values().all(|c| c.stripes.is_empty())
+            && self.lanes.values().all(|c| c.stripes.is_empty());
+        self.sender && !self.carried && !self.hold_failed && (awaiting_move || awaiting_lane)
+    }
+
+    /// Sender: ends a wait for the router's first move that has run to its limit; `true`
+    /// when it did, and the comm's messages go out on the lanes it has.
+    pub fn handle_hold_timeout(&mut self, now: Instant) -> bool {
+        match self.leaving_until {
+            Some(t) if now >= t => {
+                self.leaving_until = None;
+                !self.carried
+            }
+            _ => false,
+        }
     }
 
     /// Sender: the lane `k` being opened failed. Returns the stripes that waited for it,
@@ -942,6 +969,51 @@ mod tests {
         s.handle_opening(10, pair(1), LaneId(0), 1);
         assert!(!s.holding());
         assert!(!PathMachine::new(false, T, 0).holding());
+    }
+
+    #[test]
+    fn a_comm_opened_on_a_drained_pair_waits_for_the_routers_move_until_its_limit() {
+        let t0 = Instant::now();
+        let limit = t0 + 100 * MS;
+        let leaving = || {
+            let mut s = PathMachine::new(true, T, 0);
+            s.route(pair(0), 2);
+            s.handle_leaving(limit);
+            s
+        };
+        // No move by the limit (the candidates' probes did not answer): it goes out on
+        // the lane it has, not a millisecond before.
+        let mut s = leaving();
+        assert!(s.holding());
+        assert!(!s.handle_hold_timeout(limit - MS));
+        assert!(s.holding());
+        assert!(s.handle_hold_timeout(limit));
+        assert!(!s.holding());
+        assert!(!s.handle_hold_timeout(limit + MS), "released once");
+        // The move comes: the wait for the new lane takes over, and the limit is gone.
+        let mut s = leaving();
+        let drain = MoveReason::Drain;
+        assert_eq!(
+            s.handle_move(LaneId(0), pair(1), drain, t0).0,
+            Placed::Open { epoch: 1 }
+        );
+        s.handle_opening(10, pair(1), LaneId(0), 1);
+        assert_eq!(
+            s.handle_move(LaneId(1), pair(1), drain, t0).0,
+            Placed::Waiting(10)
+        );
+        assert!(s.holding());
+        assert!(!s.handle_hold_timeout(limit + MS));
+        assert!(s.holding(), "until lane 10 is welcomed");
+        assert!(s.handle_moved(10, limit + 2 * MS));
+        assert!(!s.holding());
+        // A comm that has carried messages never waits.
+        let mut s = PathMachine::new(true, T, 0);
+        s.route(pair(0), 2);
+        s.handle_carried();
+        s.handle_leaving(limit);
+        assert!(!s.holding());
+        assert!(!s.handle_hold_timeout(limit));
     }
 
     #[test]

@@ -59,9 +59,15 @@ impl Engine {
                     peer,
                     remote,
                 };
+                let drained = self.router.drained(original);
                 let comm = &mut self.comms[c];
                 comm.route = Some(Route { peer });
                 comm.path.route(original, stripes);
+                if drained {
+                    // The router may probe the candidates before it moves the stripes
+                    // off: the first messages wait for that, not cross the drained NIC.
+                    comm.path.handle_leaving(now + 2 * self.setup.probe_timeout);
+                }
                 self.routes_dirty = true;
             }
             Err(e) => tracing::warn!("railover: comm {c} cannot fail over: {e}"),
@@ -1033,6 +1039,14 @@ impl Engine {
         self.weigh_nics(&shares, now);
         for (k, cause) in dead {
             self.lane_condemned(k, cause, now, io);
+        }
+        // A new comm on a drained pair whose stripes the router did not move in time: its
+        // first messages go out on the lane it has.
+        let released: Vec<usize> = (self.comms.iter_mut())
+            .filter_map(|(c, comm)| comm.path.handle_hold_timeout(now).then_some(c))
+            .collect();
+        for c in released {
+            self.pump(c);
         }
         // A receiver whose sender never came back: the peer is gone or has no pair left.
         let nic_up = self.nic_up.iter().any(|&up| up);
