@@ -1040,21 +1040,23 @@ impl Engine {
         for (k, cause) in dead {
             self.lane_condemned(k, cause, now, io);
         }
-        // A new comm on a drained pair whose stripes the router did not move in time: its
-        // first messages go out on the lane it has.
-        let released: Vec<usize> = (self.comms.iter_mut())
-            .filter_map(|(c, comm)| comm.path.handle_hold_timeout(now).then_some(c))
-            .collect();
+        // One pass over the comms for their path timers. A new comm on a drained pair whose
+        // stripes the router did not move in time: its first messages go out on the lane
+        // it has. A receiver whose sender never came back: the peer is gone or has no pair
+        // left.
+        let nic_up = self.nic_up.iter().any(|&up| up);
+        let (mut released, mut abandoned) = (Vec::new(), Vec::new());
+        for (c, comm) in self.comms.iter_mut() {
+            if comm.path.handle_hold_timeout(now) {
+                released.push(c);
+            }
+            if let Some(gone) = comm.path.handle_timeout(now, nic_up) {
+                abandoned.push((c, gone));
+            }
+        }
         for c in released {
             self.pump(c);
         }
-        // A receiver whose sender never came back: the peer is gone or has no pair left.
-        let nic_up = self.nic_up.iter().any(|&up| up);
-        let abandoned: Vec<_> = self
-            .comms
-            .iter_mut()
-            .filter_map(|(c, comm)| Some((c, comm.path.handle_timeout(now, nic_up)?)))
-            .collect();
         for (c, gone) in abandoned {
             if self.comm_busy(c) || !matches!(gone.error, ConnError::PeerClosed) {
                 tracing::warn!(

@@ -705,7 +705,8 @@ impl Engine {
         // or the comm is between moves) still carry it, one slot each. Without a lane
         // (failover under way), or while a new comm's first messages wait to cross no
         // drained NIC (`PathMachine::holding`), the machine keeps its queue.
-        let live = |k: &usize| lanes.contains(*k) && !comm.path.holding();
+        let holding = comm.path.holding();
+        let live = |k: &usize| !holding && lanes.contains(*k);
         let striped: usize = (comm.path.lanes())
             .filter(|(k, _)| live(k))
             .map(|(_, l)| l.stripes.len())
