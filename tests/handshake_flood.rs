@@ -319,7 +319,7 @@ fn stranger_hello(i: u64) -> Vec<u8> {
         rail: Some(0),
         mbps: None,
     }];
-    Initiator::connect(&[0x5A; 16], nics, &random).1
+    Initiator::connect(&[0x5A; 16], 0, nics, &random).1
 }
 
 #[test]

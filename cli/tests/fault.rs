@@ -565,6 +565,112 @@ fault_test! {
     }
 }
 
+fault_test! {
+    fn comms_opened_while_a_nic_is_down_connect_over_another_rail_and_move_home_when_it_heals() {
+        if needs_failover() {
+            return;
+        }
+        // B's end down: A's rv0 has no carrier when the sender starts, so no link event
+        // will say so; the sender knows it from sysfs and goes over rv1 at once.
+        connect_while_down(
+            |tb| tb.link_down(Side::B, 0),
+            |tb| tb.link_up(Side::B, 0),
+            "rv0 without carrier",
+        );
+    }
+}
+
+fault_test! {
+    fn comms_opened_while_a_peer_nic_is_silent_connect_over_another_rail_and_move_home_when_it_heals() {
+        if needs_failover() {
+            return;
+        }
+        // Carrier up, no error, no answer: what B sends on rv0 vanishes, so the connects
+        // on rv0 hear nothing back, and move to rv1 after the reach limit.
+        connect_while_down(
+            |tb| tb.blackhole(Side::B, 0),
+            |tb| tb.unblackhole(Side::B, 0),
+            "B's rv0 blackholed",
+        );
+    }
+}
+
+/// NCCL connects lazily, and communicators are made mid-job: comms opened on a NIC that
+/// is down (`fault`, after the receiver listens and before the sender connects) must
+/// connect, deliver everything once, and return to that NIC when it heals (`heal`).
+fn connect_while_down(fault: impl Fn(&Testbed), heal: impl Fn(&Testbed), what: &str) {
+    let tb = bed(2);
+    let size = 256 << 10;
+    let flow = Flow::start_after(
+        &tb,
+        FlowOpts {
+            size,
+            seconds: 14.0,
+            ..FlowOpts::default()
+        },
+        || fault(&tb),
+    );
+    let comms = flow.dev_of.len();
+    let on_rv0 = flow.comms_on(&[0]);
+    flow.wait_ticks(20);
+    heal(&tb);
+    let healed = unix_ms();
+    // Fail-back waits for K good probes a second apart: give it that and a margin, then
+    // see rv0 carry the comms again.
+    flow.wait_more_ticks(60);
+    let per_nic = nic_rates(&tb, Duration::from_secs(2));
+    let (recv, send) = flow.finish();
+    println!(
+        "{what}: per-NIC after the heal (Mbit/s): {:?}",
+        per_nic
+            .iter()
+            .map(|x| (x * 8.0 / 1e6) as u64)
+            .collect::<Vec<_>>()
+    );
+    assert_delivered_exactly_once(&recv, &send, comms);
+    let over = (send.stderr.lines())
+        .filter(|l| l.contains("railover: comm ") && l.contains(" connected to "))
+        .count();
+    assert_eq!(
+        over,
+        on_rv0.len(),
+        "{what}: {over} comms connected over another pair, {} were opened on rv0\n{}",
+        on_rv0.len(),
+        send.stderr_tail
+    );
+    let failovers = send.stderr.matches("railover: failover comm=").count();
+    let failbacks = send.stderr.matches("railover: failback comm=").count();
+    println!("{what}: {failovers} failover and {failbacks} failback lines; healed at {healed}");
+    for l in send.stderr.lines().filter(|l| {
+        l.contains(" connected to ") || l.contains("railover: fail") || l.contains("trying NIC")
+    }) {
+        println!("  sender: {l}");
+    }
+    // One failover per comm, off NCCL's pair: the move the router made at the connect.
+    let from_rv0 = (send.stderr.lines())
+        .filter(|l| l.contains("railover: failover comm=") && l.contains(" rv0->"))
+        .count();
+    assert_eq!(
+        (failovers, from_rv0),
+        (on_rv0.len(), on_rv0.len()),
+        "{what}: {failovers} failover lines, {from_rv0} from rv0, for {} comms opened on rv0\n{}",
+        on_rv0.len(),
+        send.stderr_tail
+    );
+    assert!(
+        failbacks >= on_rv0.len(),
+        "{what}: {failbacks} fail-backs for {} comms opened on rv0\n{}",
+        on_rv0.len(),
+        send.stderr_tail
+    );
+    let link = link_bytes_per_s(&tb);
+    assert!(
+        per_nic[0] > 0.25 * link,
+        "{what}: rv0 carries only {:.0} B/s after the heal (link {link:.0} B/s)",
+        per_nic[0]
+    );
+}
+
 /// Per-NIC load after failover, from the interface counters: every surviving NIC
 /// carries a real share (a stand-in for the lane rule until lanes are exposed).
 fn nic_rates(tb: &Testbed, window: Duration) -> Vec<f64> {

@@ -440,7 +440,7 @@ fn session() -> Session {
 }
 
 fn honest_session() -> Session {
-    let (mut i, hello) = Initiator::connect(&TOKEN, Vec::new(), &[1; 64]);
+    let (mut i, hello) = Initiator::connect(&TOKEN, 0, Vec::new(), &[1; 64]);
     let mut r = Responder::default();
     let ch = r
         .handle_hello(&hello[HEADER_LEN..], lookup(None), &[2; 64])
@@ -553,7 +553,7 @@ pub fn handshake(data: &[u8]) {
             }
             let random_c: Random = inp.array();
             let random_l: Random = inp.array();
-            let (mut i, hello) = Initiator::connect(&token, Vec::new(), &random_c);
+            let (mut i, hello) = Initiator::connect(&token, 0, Vec::new(), &random_c);
             let mut r = Responder::default();
             let ch = r
                 .handle_hello(&hello[HEADER_LEN..], lookup(None), &random_l)
@@ -576,7 +576,7 @@ fn start(
     random: &Random,
 ) -> (Initiator, Vec<u8>) {
     match inp.u8() % 3 {
-        0 => Initiator::connect(token, nics, random),
+        0 => Initiator::connect(token, 0, nics, random),
         1 => Initiator::resume(Purpose::Probe, s, 0, nics, random),
         _ => Initiator::resume(Purpose::Migrate, s, inp.u64(), nics, random),
     }
@@ -886,7 +886,7 @@ pub fn seeds(target: &str) -> Vec<Vec<u8>> {
             mbps: None,
         },
     ];
-    let (_, hello) = Initiator::connect(&TOKEN, nics.clone(), &[3; 64]);
+    let (_, hello) = Initiator::connect(&TOKEN, 0, nics.clone(), &[3; 64]);
     let welcome = Welcome { nics }.encode(7);
     let stream: Vec<u8> = [
         hello.clone(),

@@ -198,13 +198,22 @@ impl fmt::Debug for Initiator {
 }
 
 impl Initiator {
-    /// A new comm's first lane, keyed by the handle's token. Returns the Hello frame.
-    pub fn connect(token: &[u8; 16], nics: Vec<NicAddr>, random: &Random) -> (Initiator, Vec<u8>) {
+    /// A new comm's first lane to NCCL's listener `listen` (its id in its process, which
+    /// a failover listener needs to find it), keyed by the handle's token. Returns the
+    /// Hello frame.
+    pub fn connect(
+        token: &[u8; 16],
+        listen: u64,
+        nics: Vec<NicAddr>,
+        random: &Random,
+    ) -> (Initiator, Vec<u8>) {
         let (nonce, eph) = split(random);
         let secret = StaticSecret::from(eph);
+        let mut comm = [0; 16];
+        comm[..8].copy_from_slice(&listen.to_le_bytes());
         let hello = Hello {
             purpose: Purpose::Data,
-            comm: [0; 16],
+            comm,
             nonce,
             eph: PublicKey::from(&secret).to_bytes(),
             epoch: 0,
@@ -277,6 +286,13 @@ impl Initiator {
         }
         Ok(self.session)
     }
+}
+
+/// The NCCL listener a `Data` Hello names (see [`Initiator::connect`]).
+pub fn listen_id(comm: &CommId) -> u64 {
+    let mut id = [0; 8];
+    id.copy_from_slice(&comm.0[..8]);
+    u64::from_le_bytes(id)
 }
 
 /// What a listener learns from a handshake that authenticated.
@@ -434,7 +450,7 @@ mod tests {
 
     /// A full `Data` handshake; both sessions.
     fn connect(seed: u8) -> (Session, Session) {
-        let (mut i, hello) = Initiator::connect(&TOKEN, nics(), &random(seed));
+        let (mut i, hello) = Initiator::connect(&TOKEN, 0, nics(), &random(seed));
         let mut r = Responder::default();
         let ch = r
             .handle_hello(body(&hello), token_lookup(TOKEN), &random(seed + 1))
@@ -451,7 +467,7 @@ mod tests {
 
     #[test]
     fn both_ends_agree_on_a_session_the_wire_does_not_carry() {
-        let (mut i, hello) = Initiator::connect(&TOKEN, nics(), &random(1));
+        let (mut i, hello) = Initiator::connect(&TOKEN, 0, nics(), &random(1));
         let mut r = Responder::default();
         let ch = r
             .handle_hello(body(&hello), token_lookup(TOKEN), &random(2))
@@ -474,7 +490,7 @@ mod tests {
         }
         // Different randomness, different session.
         let (other, _) = {
-            let (mut i, hello) = Initiator::connect(&TOKEN, nics(), &random(3));
+            let (mut i, hello) = Initiator::connect(&TOKEN, 0, nics(), &random(3));
             let mut r = Responder::default();
             let ch = r
                 .handle_hello(body(&hello), token_lookup(TOKEN), &random(4))
@@ -490,7 +506,7 @@ mod tests {
     #[test]
     fn a_wrong_token_is_refused_on_both_sides() {
         // The connector's token is wrong: the listener refuses its proof.
-        let (mut i, hello) = Initiator::connect(&[8; 16], nics(), &random(1));
+        let (mut i, hello) = Initiator::connect(&[8; 16], 0, nics(), &random(1));
         let mut r = Responder::default();
         let ch = r
             .handle_hello(body(&hello), token_lookup(TOKEN), &random(2))
@@ -518,7 +534,7 @@ mod tests {
 
     #[test]
     fn a_replayed_transcript_is_refused() {
-        let (mut i, hello) = Initiator::connect(&TOKEN, nics(), &random(1));
+        let (mut i, hello) = Initiator::connect(&TOKEN, 0, nics(), &random(1));
         let mut r = Responder::default();
         let ch = r
             .handle_hello(body(&hello), token_lookup(TOKEN), &random(2))
@@ -536,7 +552,7 @@ mod tests {
             AuthError::BadMac
         );
         // A replayed Challenge does not satisfy a new connector either.
-        let (mut i2, _) = Initiator::connect(&TOKEN, nics(), &random(5));
+        let (mut i2, _) = Initiator::connect(&TOKEN, 0, nics(), &random(5));
         assert_eq!(i2.handle_challenge(body(&ch)), Err(AuthError::BadMac));
         // Nor does a second Proof on a lane that already authenticated.
         assert_eq!(
@@ -550,7 +566,7 @@ mod tests {
         for flip in [
             /* proof mac */ 0usize, /* hello nics */ 1, /* challenge mac */ 2,
         ] {
-            let (mut i, mut hello) = Initiator::connect(&TOKEN, nics(), &random(1));
+            let (mut i, mut hello) = Initiator::connect(&TOKEN, 0, nics(), &random(1));
             let mut r = Responder::default();
             if flip == 1 {
                 // An on-path change to the NIC list (the port's low byte).
@@ -639,7 +655,7 @@ mod tests {
             r.handle_proof(&[0; 32]).unwrap_err(),
             AuthError::OutOfOrder("Proof")
         );
-        let (i, hello) = Initiator::connect(&TOKEN, nics(), &random(1));
+        let (i, hello) = Initiator::connect(&TOKEN, 0, nics(), &random(1));
         assert_eq!(
             i.finish().unwrap_err(),
             AuthError::OutOfOrder("Welcome before Challenge")
@@ -681,7 +697,7 @@ mod tests {
             let mut r = Responder::default();
             let _ = r.handle_hello(&bytes, token_lookup(TOKEN), &random(1));
             let _ = r.handle_proof(&bytes);
-            let (mut i, _) = Initiator::connect(&TOKEN, nics(), &random(2));
+            let (mut i, _) = Initiator::connect(&TOKEN, 0, nics(), &random(2));
             let _ = i.handle_challenge(&bytes);
         }
     }

@@ -1082,7 +1082,7 @@ mod tests {
         assert!(!m.awaits_proof(), "no Hello yet");
         assert!(!m.deadline_due(t0 + 1999 * MS));
         assert!(m.deadline_due(t0 + 2000 * MS));
-        let (_, hello) = Initiator::connect(&[1; 16], Vec::new(), &[2; 64]);
+        let (_, hello) = Initiator::connect(&[1; 16], 0, Vec::new(), &[2; 64]);
         let body = &hello[wire::HEADER_LEN..];
         let refused = m
             .handle_hello(body, |_, _| Some(Secret::Token([1; 16])), &[3; 64], t0)
@@ -1141,7 +1141,7 @@ mod tests {
         assert!(m.handle_frame(&frame(Kind::Data), b"", 0).is_err());
         assert!(m.handle_payload(true, t0).is_err());
         // A connector welcomed before it was challenged has not authenticated.
-        let (auth, hello) = Initiator::connect(&[1; 16], Vec::new(), &[2; 64]);
+        let (auth, hello) = Initiator::connect(&[1; 16], 0, Vec::new(), &[2; 64]);
         let mut c = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
         c.connecting(auth, hello);
         assert_eq!(kinds(&mut c), [Kind::Hello]);
@@ -1150,7 +1150,7 @@ mod tests {
         assert!(c.handle_frame(&h, &welcome[wire::HEADER_LEN..], 0).is_err());
         let refuse = frame(Kind::Refuse);
         let mut c = LaneMachine::new(TIMEOUT, t0, 2000 * MS);
-        let (auth, hello) = Initiator::connect(&[1; 16], Vec::new(), &[2; 64]);
+        let (auth, hello) = Initiator::connect(&[1; 16], 0, Vec::new(), &[2; 64]);
         c.connecting(auth, hello);
         assert!(c.handle_frame(&refuse, b"", 0).is_err());
         // A carrying lane hands everything but keepalives to its comm.

@@ -355,7 +355,9 @@ pub struct NicAddr {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Hello {
     pub purpose: Purpose,
-    /// The comm a probe or migration is for (its public id); zero for `Data`.
+    /// The comm a probe or migration is for (its public id); for `Data`, the id of the
+    /// NCCL listener it is for, little-endian in the first 8 bytes (a failover listener
+    /// finds it by this; NCCL's own listener is known by its socket).
     pub comm: [u8; 16],
     pub nonce: [u8; 32],
     /// Ephemeral X25519 public key (`Data`); zero otherwise.

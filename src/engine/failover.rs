@@ -20,13 +20,15 @@ use crate::transport::fair::LaneSample;
 use crate::transport::verbs::register::USER_REGISTRATIONS;
 
 impl Engine {
-    /// A send comm was just connected: tell the router about both NIC lists.
+    /// A send comm was just connected: tell the router about both NIC lists. `elsewhere`:
+    /// why NCCL's pair could not carry the connect, which another pair did.
     pub(super) fn register_route(
         &mut self,
         c: usize,
         nic: usize,
         to: SocketAddr,
         remote: Vec<NicAddr>,
+        elsewhere: Option<FailReason>,
         now: Instant,
     ) {
         let peer = match self.peers.iter().position(|p| *p == remote) {
@@ -52,20 +54,29 @@ impl Engine {
         let mut spec = CommSpec::one_lane(peer, &rails, distance, &remotes, (local, remote));
         let stripes = self.stripes();
         spec.lanes = vec![(local, remote); stripes];
-        match self.router.add_comm(CommId(c), spec, now) {
+        let added = match elsewhere {
+            None => self.router.add_comm(CommId(c), spec, now),
+            Some(why) => self.router.add_comm_elsewhere(CommId(c), spec, why, now),
+        };
+        match added {
             Ok(()) => {
                 let original = Pair {
                     local,
                     peer,
                     remote,
                 };
-                let drained = self.router.drained(original);
+                let leaving = self.router.drained(original) || elsewhere.is_some();
                 let comm = &mut self.comms[c];
                 comm.route = Some(Route { peer });
+                // A comm connected over another pair starts out as if on NCCL's, which
+                // it leaves at once: its stripes go where the router places them, in one
+                // move reported as a failover from NCCL's pair, and the lane that carried
+                // the handshake is let go.
                 comm.path.route(original, stripes);
-                if drained {
+                if leaving {
                     // The router may probe the candidates before it moves the stripes
-                    // off: the first messages wait for that, not cross the drained NIC.
+                    // off: the first messages wait for that, not cross the drained NIC
+                    // (or go out on the handshake's lane, to be replayed after the move).
                     comm.path.handle_leaving(now + 2 * self.setup.probe_timeout);
                 }
                 self.routes_dirty = true;
@@ -133,6 +144,11 @@ impl Engine {
                 let again = matches!(error, ConnError::PeerClosed)
                     .then(|| d.again(now))
                     .flatten();
+                // No answer from the listener's NIC, or a socket error: another same-rail
+                // pair may carry it (`rescue`). A listener that answered and refused
+                // would refuse on any pair.
+                let unreachable = matches!(error, ConnError::Io(_) | ConnError::Stalled(_));
+                let time_left = now < d.since + HANDSHAKE_TIMEOUT;
                 match again {
                     Some(at) => {
                         tracing::info!(
@@ -142,6 +158,9 @@ impl Engine {
                         );
                         d.attempt += 1;
                         self.redials.push((at, d));
+                    }
+                    None if unreachable && time_left && self.next_via(&mut d, reason) => {
+                        self.redials.push((now, d));
                     }
                     None => {
                         tracing::warn!("railover: connect failed: {error}");

@@ -21,7 +21,9 @@ use parking_lot::Mutex;
 
 use super::{Engine, Io, LocalNic, Setup};
 use crate::conn::wire::{Header, Kind, NicAddr, DATA_PLACED, HEADER_LEN};
-use crate::handoff::{CommShared, CommandQueue, ListenShared, PendingConnect, Request, Status};
+use crate::handoff::{
+    CommShared, CommandQueue, ListenShared, PendingConnect, Request, Rescue, Status,
+};
 use crate::routing::RouterConfig;
 use crate::telemetry::exporter::ExporterConfig;
 use crate::telemetry::metrics::Telemetry;
@@ -156,13 +158,14 @@ impl Receiver {
         let listen = Arc::new(ListenShared {
             id: 1,
             token,
+            nic: 0,
             ready: Mutex::new(VecDeque::new()),
             queue: b.queue.clone(),
         });
         b.listening(listen.clone());
         let pending = Arc::new(PendingConnect::default());
         let to = SocketAddr::from(([127, 0, 0, 2], 4000));
-        a.connect(0, to, &token, &pending, now, &mut wa);
+        a.connect(0, to, &token, Rescue::default(), &pending, now, &mut wa);
         a.drive(now, &mut wa);
         let lane = b.next_lane();
         wb.open.insert(lane);

@@ -263,11 +263,20 @@ impl Engine {
                 Ok(())
             }
             (Step::Welcomed { nics, session, .. }, Role::Connecting(d)) => {
-                let (pending, nic, to) = (d.pending.clone(), d.nic, d.to);
+                let (pending, nic, to, via) = (d.pending.clone(), d.nic, d.to, d.via);
                 let session = session
                     .ok_or_else(|| ConnError::Protocol("the handshake agreed no session".into()))?;
                 let shared = self.new_comm(Side::Send, k, nic, session);
-                self.register_route(shared.key, nic, to, nics, now);
+                if let Some(v) = via {
+                    tracing::warn!(
+                        "railover: comm {} connected to {to} over NIC {}->{} ({:?} on NCCL's NIC {nic}); it moves home when that pair heals",
+                        shared.key,
+                        v.local,
+                        v.to,
+                        v.why
+                    );
+                }
+                self.register_route(shared.key, nic, to, nics, via.map(|v| v.why), now);
                 *pending.result.lock() = Some(Ok(shared));
                 Ok(())
             }
@@ -416,19 +425,27 @@ impl Engine {
         now: Instant,
     ) -> Result<(), ConnError> {
         let random = fresh_random(&mut self.entropy)?;
-        let token = listener
-            .and_then(|id| self.listeners.get(&id))
-            .map(|s| s.token);
-        let (recv_by_id, comms) = (&self.recv_by_id, &self.comms);
-        let secret = |purpose, id| match purpose {
-            Purpose::Data => token.map(Secret::Token),
+        // A new comm's connect comes to NCCL's listener, or, when NCCL's pair could not
+        // carry it, to a failover listener naming NCCL's listener by its id.
+        let named = std::cell::Cell::new(listener);
+        let (listeners, recv_by_id, comms) = (&self.listeners, &self.recv_by_id, &self.comms);
+        let secret = |purpose, id: CommId| match purpose {
+            Purpose::Data => {
+                let id = listener.unwrap_or_else(|| auth::listen_id(&id));
+                named.set(Some(id));
+                listeners.get(&id).map(|s| Secret::Token(s.token))
+            }
             Purpose::Probe | Purpose::Migrate => recv_by_id
                 .get(&id)
                 .and_then(|&c| comms.get(c))
                 .map(|c| Secret::Session(c.session.clone())),
         };
         let lane = &mut self.lanes[k];
-        match lane.m.handle_hello(body, secret, &random, now)? {
+        let outcome = lane.m.handle_hello(body, secret, &random, now)?;
+        lane.role = Role::Handshake {
+            listener: named.get(),
+        };
+        match outcome {
             None => {
                 // It named a secret of ours, which anyone may name: it keeps its
                 // pre-authentication deadline (a real connector answers the Challenge
@@ -472,9 +489,8 @@ impl Engine {
                     self.refuse(k, &AuthError::NotHere(Purpose::Data), now);
                     return Ok(());
                 };
-                let nic = self.lanes[k].nic.unwrap_or(0);
                 let id = session.id();
-                let comm = self.new_comm(Side::Recv, k, nic, session);
+                let comm = self.new_comm(Side::Recv, k, shared.nic, session);
                 self.recv_by_id.insert(id, comm.key);
                 let welcome = self.welcome(0, 0);
                 self.lanes[k].writer.push_ctrl(&welcome);

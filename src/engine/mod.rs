@@ -25,6 +25,7 @@ pub mod harness;
 mod lanes;
 mod lateness;
 mod paths;
+mod rescue;
 mod timers;
 
 use std::collections::{BTreeSet, HashMap};
@@ -44,10 +45,12 @@ use crate::conn::wire::{Group, Header, Kind, NicAddr, CTS_IN_PLACE};
 use crate::conn::ConnError;
 use crate::conn::Transmit;
 use crate::handoff::{
-    CommShared, CommandQueue, Error, ListenShared, PendingConnect, Request, Side,
+    CommShared, CommandQueue, Error, ListenShared, PendingConnect, Request, Rescue, Side,
 };
 use crate::routing::rng::SplitMix64;
-use crate::routing::{self, Move, NicId, Pair, PeerId, RoutePublisher, Router, RouterConfig};
+use crate::routing::{
+    self, FailReason, Move, NicId, Pair, PeerId, RoutePublisher, Router, RouterConfig,
+};
 use crate::telemetry::metrics::Telemetry;
 use crate::telemetry::sampler::{LanePlaced, Sampler};
 use crate::topology::PathType;
@@ -253,11 +256,14 @@ enum Role {
     Closing,
 }
 
-/// NCCL's connect, across the attempts a busy listener may make it take.
+/// NCCL's connect, across the attempts a busy listener may make it take, and the pairs
+/// it may try when NCCL's own cannot carry it.
 #[derive(Debug)]
 struct Dial {
     pending: Arc<PendingConnect>,
+    /// NCCL's device: the comm's NIC, whichever pair carries the connect.
     nic: usize,
+    /// NCCL's listener.
     to: SocketAddr,
     /// The handle's token: the key of the handshake, never sent.
     token: [u8; 16],
@@ -265,9 +271,32 @@ struct Dial {
     since: Instant,
     /// Attempts made before this one.
     attempt: u32,
+    /// The listener's id and its process's failover listeners (NCCL's handle).
+    rescue: Rescue,
+    /// Set while the connect goes over another pair than NCCL's.
+    via: Option<Via>,
+    /// Pairs tried so far, NCCL's included: (local NIC, the listener's NIC index).
+    tried: Vec<(usize, usize)>,
+}
+
+/// A same-rail pair that carries a connect NCCL's pair could not.
+#[derive(Debug, Clone, Copy)]
+struct Via {
+    local: usize,
+    /// Index in the listener's NIC list.
+    remote: usize,
+    /// That NIC's failover listener.
+    to: SocketAddr,
+    /// Why NCCL's pair was left.
+    why: FailReason,
 }
 
 impl Dial {
+    /// Where this attempt goes: (local NIC, listener address).
+    fn target(&self) -> (usize, SocketAddr) {
+        self.via.map_or((self.nic, self.to), |v| (v.local, v.to))
+    }
+
     /// When to try again after the listener dropped attempt `self.attempt` before the
     /// handshake finished, if there is time left: soon, then backing off to 1 s.
     fn again(&self, now: Instant) -> Option<Instant> {
@@ -556,49 +585,63 @@ impl Engine {
     }
 
     /// Connects from local NIC `nic` to NCCL's listener at `to`, keyed by its `token`.
+    /// When NCCL's pair cannot carry it (the local carrier is down, or the listener's NIC
+    /// does not answer), the connect goes over a same-rail pair of `rescue`'s.
+    #[allow(clippy::too_many_arguments)]
     pub fn connect(
         &mut self,
         nic: usize,
         to: SocketAddr,
         token: &[u8; 16],
+        rescue: Rescue,
         pending: &Arc<PendingConnect>,
         now: Instant,
         io: &mut dyn Io,
     ) {
-        let d = Dial {
+        let mut d = Dial {
             pending: pending.clone(),
             nic,
             to,
             token: *token,
             since: now,
             attempt: 0,
+            rescue,
+            via: None,
+            tried: Vec::new(),
         };
+        if let Some(why) = self.nic_unusable(nic) {
+            // Known down: NCCL's pair is not even tried (without a same-rail pair to
+            // go to, it is, and fails as it would have).
+            self.next_via(&mut d, why);
+        }
         self.dial(d, now, io);
     }
 
-    /// One attempt of NCCL's connect `d`.
-    fn dial(&mut self, d: Dial, now: Instant, io: &mut dyn Io) {
-        let (nic, to) = (d.nic, d.to);
-        let result = fresh_random(&mut self.entropy)
-            .map_err(Error::from)
-            .and_then(|random| {
-                let k = self.lanes.vacant_key();
-                io.connect(k, nic, to).map_err(|e| {
-                    tracing::warn!("railover: connect to {to} failed: {e}");
-                    Error::from(e)
-                })?;
-                Ok((k, random))
-            });
-        let (k, random) = match result {
+    /// One attempt of NCCL's connect `d`: on its pair, or on the pair it was moved to.
+    fn dial(&mut self, mut d: Dial, now: Instant, io: &mut dyn Io) {
+        let k = self.lanes.vacant_key();
+        let random = match fresh_random(&mut self.entropy) {
             Ok(r) => r,
             Err(e) => {
-                *d.pending.result.lock() = Some(Err(e));
+                *d.pending.result.lock() = Some(Err(e.into()));
                 return;
             }
         };
-        let (auth, hello) = Initiator::connect(&d.token, self.wire.clone(), &random);
-        let deadline = (d.since + HANDSHAKE_TIMEOUT).saturating_duration_since(now);
-        self.add_lane(k, Role::Connecting(d), now, deadline);
+        let (nic, to) = loop {
+            let (nic, to) = d.target();
+            let Err(e) = io.connect(k, nic, to) else {
+                break (nic, to);
+            };
+            tracing::warn!("railover: connect to {to} failed: {e}");
+            if !self.next_via(&mut d, FailReason::NicError) {
+                *d.pending.result.lock() = Some(Err(e.into()));
+                return;
+            }
+        };
+        let (auth, hello) =
+            Initiator::connect(&d.token, d.rescue.listen_id, self.wire.clone(), &random);
+        let limit = self.reach_limit(&d, now);
+        self.add_lane(k, Role::Connecting(d), now, limit);
         let lane = &mut self.lanes[k];
         lane.nic = Some(nic);
         lane.remote = Some(to.ip());
@@ -943,7 +986,8 @@ impl Engine {
                 }
             }
             if due {
-                if let Some(more) = self.patience(k, now) {
+                let more = (self.patience(k, now)).or_else(|| self.dial_patience(k, now, io));
+                if let Some(more) = more {
                     if self.lanes[k].m.extend(now + more) == Some(1) {
                         tracing::info!(
                             "railover: a handshake on a congested path that works is given {} ms more",

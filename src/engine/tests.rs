@@ -42,13 +42,16 @@ struct Mem {
     /// The address every lane's peer has, as `Fabric::peer` reports it.
     peer: Option<IpAddr>,
     ops: Vec<Op>,
+    /// Where each connect went: (local NIC, address).
+    dialled: Vec<(usize, SocketAddr)>,
 }
 
 impl Io for Mem {
-    fn connect(&mut self, k: usize, _nic: usize, _to: SocketAddr) -> io::Result<()> {
+    fn connect(&mut self, k: usize, nic: usize, to: SocketAddr) -> io::Result<()> {
         if self.refuse_connect {
             return Err(io::ErrorKind::ConnectionRefused.into());
         }
+        self.dialled.push((nic, to));
         self.ops.push(Op::Connect(k));
         self.open.insert(k);
         Ok(())
@@ -151,16 +154,31 @@ fn addr(host: u8) -> SocketAddr {
 }
 
 fn engine(host: u8, now: Instant) -> Engine {
+    engine_with_nics(host, 1, now)
+}
+
+/// NIC `i`'s failover listener on `host`: NIC 0's is [`addr`].
+fn nic_addr(host: u8, i: u8) -> SocketAddr {
+    SocketAddr::from(([127, 0, i, host], 4000))
+}
+
+/// An engine with `n` NICs, one per rail, NIC `i` at [`nic_addr`]`(host, i)`.
+fn engine_with_nics(host: u8, n: u8, now: Instant) -> Engine {
     // One waker per poll: each engine has its own.
     let poll = Poll::new().unwrap();
     let setup = Setup {
-        nics: vec![LocalNic {
-            name: format!("eth{host}"),
-            ip: addr(host).ip(),
-            rail: Some(0),
-            speed_mbps: None,
-        }],
-        distance: vec![vec![None]],
+        nics: (0..n)
+            .map(|i| LocalNic {
+                name: match i {
+                    0 => format!("eth{host}"),
+                    _ => format!("eth{host}.{i}"),
+                },
+                ip: nic_addr(host, i).ip(),
+                rail: Some(u32::from(i)),
+                speed_mbps: None,
+            })
+            .collect(),
+        distance: vec![vec![None; usize::from(n)]; usize::from(n)],
         spin: Duration::ZERO,
         completion_timeout: Duration::from_secs(2),
         probe_timeout: Duration::from_millis(200),
@@ -175,11 +193,13 @@ fn engine(host: u8, now: Instant) -> Engine {
     let queue = Arc::new(CommandQueue::new(
         Waker::new(poll.registry(), Token(usize::from(host))).unwrap(),
     ));
-    let wire = vec![NicAddr {
-        addr: addr(host),
-        rail: Some(0),
-        mbps: None,
-    }];
+    let wire = (0..n)
+        .map(|i| NicAddr {
+            addr: nic_addr(host, i),
+            rail: Some(u32::from(i)),
+            mbps: None,
+        })
+        .collect();
     Engine::new(setup, queue, wire, now)
 }
 
@@ -213,6 +233,7 @@ fn listen_on(b: &mut Engine) -> Arc<ListenShared> {
     let listen = Arc::new(ListenShared {
         id: 9,
         token: [3; 16],
+        nic: 0,
         ready: Mutex::new(VecDeque::new()),
         queue: b.queue.clone(),
     });
@@ -232,7 +253,15 @@ fn connected_after(now: Instant, prepare: impl FnOnce(&mut Engine)) -> Pair {
     let (mut ma, mut mb) = (Mem::default(), Mem::default());
     let listen = listen_on(&mut b);
     let pending = Arc::new(PendingConnect::default());
-    a.connect(0, addr(2), &[3; 16], &pending, now, &mut ma);
+    a.connect(
+        0,
+        addr(2),
+        &[3; 16],
+        Rescue::default(),
+        &pending,
+        now,
+        &mut ma,
+    );
     a.drive(now, &mut ma);
     assert_eq!(ma.ops, [Op::Connect(0)]);
     let kb = b.next_lane();
@@ -451,7 +480,15 @@ fn an_injected_cut_buries_its_lanes_and_the_restore_closes_them() {
     let mut a = engine(1, now);
     let mut io = Mem::default();
     let pending = Arc::new(PendingConnect::default());
-    a.connect(0, addr(2), &[3; 16], &pending, now, &mut io);
+    a.connect(
+        0,
+        addr(2),
+        &[3; 16],
+        Rescue::default(),
+        &pending,
+        now,
+        &mut io,
+    );
     a.drive(now, &mut io);
     a.inject_link(0, false, now, &mut io);
     assert!(a.nic_cut(0));
@@ -512,7 +549,15 @@ fn a_refused_connect_fails_the_pending_connect_and_keeps_no_lane() {
         ..Mem::default()
     };
     let pending = Arc::new(PendingConnect::default());
-    a.connect(0, addr(2), &[3; 16], &pending, now, &mut io);
+    a.connect(
+        0,
+        addr(2),
+        &[3; 16],
+        Rescue::default(),
+        &pending,
+        now,
+        &mut io,
+    );
     assert!(matches!(*pending.result.lock(), Some(Err(_))));
     assert!(a.lanes.is_empty());
     assert!(io.ops.is_empty());
@@ -577,7 +622,15 @@ fn a_lane_that_named_our_secret_has_only_the_preauth_deadline_to_prove_it() {
     let (mut ma, mut mb) = (Mem::default(), Mem::default());
     listen_on(&mut b);
     let pending = Arc::new(PendingConnect::default());
-    a.connect(0, addr(2), &[3; 16], &pending, now, &mut ma);
+    a.connect(
+        0,
+        addr(2),
+        &[3; 16],
+        Rescue::default(),
+        &pending,
+        now,
+        &mut ma,
+    );
     a.drive(now, &mut ma);
     // Its Hello arrives; the Challenge goes out, and no Proof ever comes back. Anyone
     // may name the listener's comm in a Hello: it earns no longer deadline.
@@ -612,7 +665,7 @@ fn a_hello_over_a_path_our_peer_keeps_talking_on_waits_longer_for_its_proof() {
     mb.peer = Some(addr(1).ip());
     let listen = listen_on(&mut b);
     let first = Arc::new(PendingConnect::default());
-    a.connect(0, addr(2), &[3; 16], &first, t0, &mut ma);
+    a.connect(0, addr(2), &[3; 16], Rescue::default(), &first, t0, &mut ma);
     a.drive(t0, &mut ma);
     let carrier = b.next_lane();
     mb.open.insert(carrier);
@@ -624,7 +677,15 @@ fn a_hello_over_a_path_our_peer_keeps_talking_on_waits_longer_for_its_proof() {
     for _ in 0..2 {
         let pending = Arc::new(PendingConnect::default());
         let ka = a.next_lane();
-        a.connect(0, addr(2), &[3; 16], &pending, t0, &mut ma);
+        a.connect(
+            0,
+            addr(2),
+            &[3; 16],
+            Rescue::default(),
+            &pending,
+            t0,
+            &mut ma,
+        );
         a.drive(t0, &mut ma);
         let kb = b.next_lane();
         mb.open.insert(kb);
@@ -681,7 +742,15 @@ fn a_connect_the_listener_drops_before_it_authenticates_tries_again() {
     let mut a = engine(1, now);
     let mut io = Mem::default();
     let pending = Arc::new(PendingConnect::default());
-    a.connect(0, addr(2), &[3; 16], &pending, now, &mut io);
+    a.connect(
+        0,
+        addr(2),
+        &[3; 16],
+        Rescue::default(),
+        &pending,
+        now,
+        &mut io,
+    );
     a.drive(now, &mut io);
     // The listener closes the connection unanswered (its handshake caps were full).
     io.eof.insert(0);
@@ -703,7 +772,15 @@ fn a_connect_the_listener_drops_before_it_authenticates_tries_again() {
         ..Mem::default()
     };
     let pending = Arc::new(PendingConnect::default());
-    b.connect(0, addr(2), &[3; 16], &pending, now, &mut io);
+    b.connect(
+        0,
+        addr(2),
+        &[3; 16],
+        Rescue::default(),
+        &pending,
+        now,
+        &mut io,
+    );
     assert!(matches!(*pending.result.lock(), Some(Err(_))));
 }
 
@@ -922,4 +999,132 @@ fn status_counts_each_sides_comms_and_the_nics_they_run_on() {
     assert!(a.degraded.is_empty());
     let b = p.b.status(now);
     assert_eq!((b.comms.send, b.comms.recv), (0, 1));
+}
+
+/// `b` with two NICs (one per rail) opens NCCL listener 9 on NIC 0; `a`, with two NICs
+/// too, connects from NIC 0 with the handle's failover NICs to go to instead.
+fn rescue_pair(now: Instant) -> (Engine, Mem, Engine, Arc<ListenShared>, Rescue) {
+    let (a, mut b) = (engine_with_nics(1, 2, now), engine_with_nics(2, 2, now));
+    let listen = listen_on(&mut b);
+    let rescue = Rescue {
+        listen_id: listen.id,
+        nics: b.wire().to_vec(),
+    };
+    (a, Mem::default(), b, listen, rescue)
+}
+
+#[test]
+fn a_connect_from_a_nic_without_carrier_goes_to_the_failover_listener_of_a_same_rail_pair() {
+    let t0 = Instant::now();
+    let (mut a, mut ma, mut b, listen, rescue) = rescue_pair(t0);
+    a.carrier(0, false, t0, &mut ma);
+    let pending = Arc::new(PendingConnect::default());
+    a.connect(0, nic_addr(2, 0), &[3; 16], rescue, &pending, t0, &mut ma);
+    a.drive(t0, &mut ma);
+    // Not NCCL's pair (NIC 0 to the listener): NIC 1 to b's NIC 1's failover listener.
+    assert_eq!(ma.dialled, [(1, nic_addr(2, 1))]);
+    let ka = *ma.open.iter().next().unwrap();
+    // b takes it on its failover listener of NIC 1 (reactor listener 1, no NCCL id).
+    let mut mb = Mem::default();
+    let kb = b.next_lane();
+    mb.open.insert(kb);
+    b.accepted(kb, 1, None, Some(1), t0, &mut mb);
+    shuttle((&mut a, &mut ma, ka), (&mut b, &mut mb, kb), t0);
+    let send = (pending.result.lock().take())
+        .expect("the connect finished")
+        .expect("it succeeded");
+    assert_eq!(send.nic(), 0, "the send comm keeps NCCL's device");
+    let recv = listen
+        .ready
+        .lock()
+        .pop_front()
+        .expect("NCCL's listener has the comm");
+    assert_eq!(
+        recv.nic(),
+        0,
+        "the receive comm keeps the listener's device"
+    );
+    assert_eq!(b.stats.rejected_connections.load(Ordering::Relaxed), 0);
+    // The comm is away from NCCL's pair from the start (the router probes NIC 1's pair
+    // and moves it there), and nothing more is dialled from NIC 0.
+    assert_eq!(a.router.displaced_comms(), 1);
+    assert!(
+        ma.dialled.len() > 1 && ma.dialled[1..].iter().all(|&d| d == (1, nic_addr(2, 1))),
+        "{:?}",
+        ma.dialled
+    );
+}
+
+#[test]
+fn a_failover_listener_serves_a_new_comm_only_for_an_nccl_listener_it_has_and_its_token() {
+    let t0 = Instant::now();
+    for (listen_id, token, ok) in [
+        (9, [3; 16], true),
+        (10, [3; 16], false),
+        (9, [4; 16], false),
+    ] {
+        let (mut a, mut ma, mut b, listen, mut rescue) = rescue_pair(t0);
+        rescue.listen_id = listen_id;
+        a.carrier(0, false, t0, &mut ma);
+        let pending = Arc::new(PendingConnect::default());
+        a.connect(0, nic_addr(2, 0), &token, rescue, &pending, t0, &mut ma);
+        a.drive(t0, &mut ma);
+        let ka = *ma.open.iter().next().unwrap();
+        let mut mb = Mem::default();
+        let kb = b.next_lane();
+        mb.open.insert(kb);
+        b.accepted(kb, 1, None, Some(1), t0, &mut mb);
+        shuttle((&mut a, &mut ma, ka), (&mut b, &mut mb, kb), t0);
+        // An unknown listener is refused by b; a wrong token fails the connector's own
+        // check of b's Challenge, before any Proof.
+        let accepted = listen.ready.lock().len();
+        let refused = b.stats.refused_handshakes.load(Ordering::Relaxed);
+        let connected = pending.result.lock().take().is_some_and(|r| r.is_ok());
+        assert_eq!(
+            (accepted, refused, connected),
+            match (ok, listen_id) {
+                (true, _) => (1, 0, true),
+                (false, 9) => (0, 0, false),
+                (false, _) => (0, 1, false),
+            },
+            "listen id {listen_id}, token {token:?}"
+        );
+    }
+}
+
+#[test]
+fn a_connect_that_hears_nothing_moves_to_another_pair_at_the_reach_limit_but_a_busy_listener_keeps_it(
+) {
+    let t0 = Instant::now();
+    for answered in [false, true] {
+        let (mut a, mut ma, _b, _listen, rescue) = rescue_pair(t0);
+        // The fabric connected (the listener's NIC answered) or not.
+        ma.peer = answered.then(|| nic_addr(2, 0).ip());
+        let pending = Arc::new(PendingConnect::default());
+        a.connect(0, nic_addr(2, 0), &[3; 16], rescue, &pending, t0, &mut ma);
+        a.drive(t0, &mut ma);
+        assert_eq!(ma.dialled, [(0, nic_addr(2, 0))], "NCCL's pair first");
+        // Twice the completion timeout (2 s here) is the reach limit: just before it,
+        // nothing changes.
+        let limit = t0 + Duration::from_secs(4);
+        a.handle_timeout(limit - Duration::from_millis(1), &mut ma);
+        assert_eq!(ma.dialled.len(), 1);
+        a.handle_timeout(limit, &mut ma);
+        a.drive(limit, &mut ma);
+        if answered {
+            assert_eq!(
+                ma.dialled.len(),
+                1,
+                "a listener that answered is waited for"
+            );
+            assert!(ma.open.len() == 1 && pending.result.lock().is_none());
+        } else {
+            assert_eq!(
+                ma.dialled[1..],
+                [(1, nic_addr(2, 1))],
+                "then the other rail's pair"
+            );
+            assert!(pending.result.lock().is_none(), "still connecting");
+        }
+    }
 }

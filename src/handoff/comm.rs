@@ -14,7 +14,7 @@ use super::queue::{Call, Command, CommandQueue};
 use super::request::Request;
 use super::Error;
 use crate::conn::matching::{Matched, Matcher};
-use crate::conn::wire::Group;
+use crate::conn::wire::{Group, NicAddr};
 use crate::conn::ConnError;
 use crate::transport::memory::{Memory, Region, UserBuf};
 
@@ -285,8 +285,19 @@ impl CommShared {
 pub struct ListenShared {
     pub(crate) id: u64,
     pub(crate) token: [u8; 16],
+    /// NCCL's device: the receive comms' NIC, whichever pair their connect came over.
+    pub(crate) nic: usize,
     pub(crate) ready: Mutex<VecDeque<Arc<CommShared>>>,
     pub(crate) queue: Arc<CommandQueue>,
+}
+
+/// What NCCL's handle says of a listener beyond its address: its id in its process and
+/// that process's failover listeners, index for index with its NICs. With them a connect
+/// that NCCL's pair cannot carry reaches the same listener over another pair.
+#[derive(Debug, Clone, Default)]
+pub struct Rescue {
+    pub listen_id: u64,
+    pub nics: Vec<NicAddr>,
 }
 
 /// A `connect` in progress, between NCCL's retries.

@@ -13,7 +13,9 @@ pub mod request;
 
 use std::any::Any;
 
-pub use comm::{CommShared, ListenShared, MemoryRegion, PendingConnect, PendingListen, Side};
+pub use comm::{
+    CommShared, ListenShared, MemoryRegion, PendingConnect, PendingListen, Rescue, Side,
+};
 pub use error::Error;
 pub use operator::{DrainSource, ProcessStatus};
 pub(crate) use queue::{Call, Drive};

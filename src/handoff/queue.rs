@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use mio::Waker;
 use parking_lot::Mutex;
 
-use super::comm::{CommShared, ListenShared, PendingConnect, PendingListen};
+use super::comm::{CommShared, ListenShared, PendingConnect, PendingListen, Rescue};
 use super::operator::{DrainSource, ProcessStatus};
 use super::request::Request;
 use super::Error;
@@ -35,6 +35,8 @@ pub enum Command {
         to: SocketAddr,
         /// The handle's token: the key of this handshake, never sent.
         token: [u8; 16],
+        /// The listener's id and failover listeners, from the handle.
+        rescue: Rescue,
         pending: Arc<PendingConnect>,
     },
     /// A send NCCL posted, matched to receive `seq` (`CommShared::claim`) and cut to its
@@ -383,6 +385,7 @@ mod tests {
             shared: Arc::new(ListenShared {
                 id: 1,
                 token: [0; 16],
+                nic: 0,
                 ready: Mutex::new(VecDeque::new()),
                 queue: q.clone(),
             }),
@@ -435,6 +438,7 @@ mod tests {
             nic: 0,
             to: "127.0.0.1:9".parse().unwrap(),
             token: [0; 16],
+            rescue: Rescue::default(),
             pending: pending.clone(),
         });
         assert!(internal(pending.result.lock().take().unwrap()));
@@ -450,6 +454,7 @@ mod tests {
                 nic: 0,
                 to: std::net::SocketAddr::from(([127, 0, 0, 1], port)),
                 token: [0; 16],
+                rescue: Rescue::default(),
                 pending: pending.clone(),
             };
             (c, pending)

@@ -20,8 +20,8 @@ use crate::config::{Config, TransportChoice};
 use crate::control::{Control, ControlConfig, NicIdent};
 use crate::handoff::comm::{Isend, MAX_RECVS, NCCL_PTR_HOST};
 pub use crate::handoff::{
-    CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Side,
-    Status,
+    CommShared, Error, ListenShared, MemoryRegion, PendingConnect, PendingListen, Request, Rescue,
+    Side, Status,
 };
 use crate::handoff::{Command, Done};
 use crate::reactor::{LocalNic, ReactorHandle, ReactorStats, Setup};
@@ -569,6 +569,7 @@ pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<Lis
     let shared = Arc::new(ListenShared {
         id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         token,
+        nic: dev as usize,
         ready: Mutex::new(Default::default()),
         queue: rt.reactor.queue.clone(),
     });
@@ -596,6 +597,8 @@ pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<Lis
         addr,
         token,
         connect_id: 0,
+        listen_id: shared.id,
+        nics: rt.reactor.wire_nics.clone(),
     }
     .encode();
     Ok(shared)
@@ -652,6 +655,10 @@ pub fn connect(
         nic: dev as usize,
         to: h.addr,
         token: h.token,
+        rescue: Rescue {
+            listen_id: h.listen_id,
+            nics: h.nics,
+        },
         pending,
     });
     rt.reactor.queue.drive();

@@ -102,8 +102,10 @@ impl ReactorHandle {
         fabric: F,
         progress: Progress,
     ) -> io::Result<ReactorHandle> {
+        let names: Vec<String> = setup.nics.iter().map(|n| n.name.clone()).collect();
         let mut reactor = Reactor::new(setup, fabric)?;
         reactor.watch_links()?;
+        reactor.seed_carriers(&names);
         let (queue, stats, routes) = (
             reactor.queue.clone(),
             reactor.engine.stats().clone(),
@@ -389,6 +391,20 @@ impl<F: Fabric> Reactor<F> {
         Ok(())
     }
 
+    /// NICs (netdevs named `names`, index for index) whose carrier is already down when
+    /// the reactor starts: no link event will say so, and a connect NCCL makes from one
+    /// goes over another pair at once instead of waiting for an answer that cannot come.
+    /// A NIC that is not a netdev (a verbs device) is left to its fabric's port events.
+    fn seed_carriers(&mut self, names: &[String]) {
+        let now = Instant::now();
+        for (i, name) in names.iter().enumerate() {
+            let carrier = std::fs::read_to_string(format!("/sys/class/net/{name}/carrier"));
+            if carrier.is_ok_and(|c| c.trim() == "0") {
+                self.engine.carrier(i, false, now, &mut self.io);
+            }
+        }
+    }
+
     /// One turn of the reactor thread: it may busy-poll (the spin budget) or park in
     /// `epoll` until the next event or deadline.
     fn thread_turn(&mut self) {
@@ -560,8 +576,9 @@ impl<F: Fabric> Reactor<F> {
                 nic,
                 to,
                 token,
+                rescue,
                 pending,
-            } => engine.connect(nic, to, &token, &pending, now, io),
+            } => engine.connect(nic, to, &token, rescue, &pending, now, io),
             Command::Send {
                 comm,
                 req,

@@ -310,6 +310,38 @@ impl Router {
         spec: CommSpec,
         now: Instant,
     ) -> Result<(), RouterError> {
+        self.add(comm, spec, None, now)
+    }
+
+    /// Registers a comm whose connect NCCL's pairs could not carry (`why`: the local
+    /// carrier was down, or the peer's NIC did not answer), so it was made over another
+    /// pair. NCCL's pairs stay the lanes' originals: they count as failed from `now`, the
+    /// lanes leave them at once (a failover, placed like any other), and they move home
+    /// when those pairs pass their fail-back test. Other comms' lanes on those pairs are
+    /// left to their own detection and to the pairs' fail-back probes (a failed probe of
+    /// a busy pair moves them): one connect that found no answer is not proof against
+    /// lanes that deliver.
+    ///
+    /// # Errors
+    ///
+    /// As [`Router::add_comm`].
+    pub fn add_comm_elsewhere(
+        &mut self,
+        comm: CommId,
+        spec: CommSpec,
+        why: FailReason,
+        now: Instant,
+    ) -> Result<(), RouterError> {
+        self.add(comm, spec, Some(why), now)
+    }
+
+    fn add(
+        &mut self,
+        comm: CommId,
+        spec: CommSpec,
+        unreachable: Option<FailReason>,
+        now: Instant,
+    ) -> Result<(), RouterError> {
         self.tick(now);
         if self.comms.contains_key(&comm) {
             return Err(RouterError::DuplicateComm(comm));
@@ -341,6 +373,18 @@ impl Router {
             let state = if self.down.contains(&local) {
                 LaneState::Pending {
                     failed: Some(FailReason::LinkDown),
+                    since: now,
+                    reported: false,
+                }
+            } else if let Some(why) = unreachable {
+                let ps = self.pairs.entry(pair).or_default();
+                ps.health = Health::Bad(now);
+                ps.last_failure = Some(now);
+                if let Some(w) = &mut ps.watch {
+                    w.streak = 0;
+                }
+                LaneState::Pending {
+                    failed: Some(why),
                     since: now,
                     reported: false,
                 }
@@ -672,6 +716,11 @@ impl Router {
     /// Whether either end of `pair` is drained.
     pub fn drained(&self, pair: Pair) -> bool {
         self.drains.hold(pair)
+    }
+
+    /// Whether local NIC `nic` has lost its carrier ([`Router::handle_nic_down`]).
+    pub fn nic_down(&self, nic: NicId) -> bool {
+        self.down.contains(&nic)
     }
 
     /// Local NIC `nic`'s link speed (Mb/s, as sysfs or the RDMA port reports it): its

@@ -1617,3 +1617,50 @@ fn a_nic_that_cannot_reach_a_comms_memory_is_left_out_for_that_comm_alone() {
 
 mod drain;
 mod weights;
+
+#[test]
+fn a_comm_connected_elsewhere_leaves_nccls_pair_at_once_and_returns_when_it_heals() {
+    // Comm 0 runs on (0, 0); comm 1's connect could not reach the peer's NIC 0 (its
+    // packets vanish there), so it was made over another pair.
+    let mut sim = Sim::new(config(7));
+    sim.add(0, rails_spec(3, &[(0, 0), (0, 0)]));
+    sim.dead_remote.insert(0);
+    let mut spec = rails_spec(3, &[(0, 0), (0, 0), (0, 0), (0, 0)]);
+    spec.peer = PEER;
+    sim.router
+        .add_comm_elsewhere(CommId(1), spec, FailReason::Timeout, sim.now)
+        .unwrap();
+    sim.drive();
+    // Its four stripes leave NCCL's pair at once, as a failover, spread over the two
+    // others; comm 0's lanes, which no failure was reported on, stay.
+    let moves = sim.take_moves();
+    assert_eq!(moves.len(), 4, "{moves:?}");
+    assert!(moves.iter().all(|m| m.comm == CommId(1)
+        && m.from == pair(0, 0)
+        && m.reason == MoveReason::Failover(FailReason::Timeout)));
+    let to: BTreeSet<_> = moves.iter().map(|m| m.to).collect();
+    assert_eq!(to, BTreeSet::from([pair(1, 1), pair(2, 2)]));
+    assert_eq!(
+        sim.router.current_pair(CommId(0), LaneId(0)),
+        Some(pair(0, 0))
+    );
+    assert_eq!(sim.router.stats().failovers.timeout, 4);
+    // NCCL's pair is watched: its first failed probe is the evidence that moves comm 0
+    // too; once it answers (K good probes a second apart), every stripe goes home.
+    sim.advance_to(ms(5_000));
+    let probed = sim.take_moves();
+    assert!(
+        probed.iter().all(|m| m.comm == CommId(0)
+            && m.from == pair(0, 0)
+            && m.reason == MoveReason::Failover(FailReason::Probe)),
+        "{probed:?}"
+    );
+    assert_eq!(probed.len(), 2, "{probed:?}");
+    sim.dead_remote.clear();
+    sim.advance_to(ms(9_000));
+    let home = sim.take_moves();
+    assert_eq!(home.len(), 6, "{home:?}");
+    assert!(home
+        .iter()
+        .all(|m| m.to == pair(0, 0) && m.reason == MoveReason::Failback));
+}

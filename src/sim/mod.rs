@@ -32,7 +32,7 @@ use crate::conn::ib_model::{IbModel, Placed};
 use crate::conn::matching::Matched;
 use crate::handoff::comm::Isend;
 use crate::handoff::{
-    CommShared, Command, Done, ListenShared, PendingConnect, PendingListen, Request, Status,
+    CommShared, Command, Done, ListenShared, PendingConnect, PendingListen, Request, Rescue, Status,
 };
 use crate::reactor::driven::Driven;
 use crate::reactor::{LocalNic, Setup};
@@ -322,6 +322,7 @@ impl Sim {
             let shared = Arc::new(ListenShared {
                 id: i as u64 + 1,
                 token,
+                nic: c.nic,
                 ready: Mutex::new(VecDeque::new()),
                 queue: rx.queue().clone(),
             });
@@ -342,6 +343,7 @@ impl Sim {
                 nic: c.nic,
                 to: addr,
                 token,
+                rescue: Rescue::default(),
                 pending: p.clone(),
             });
             pending.push((shared, p));

@@ -126,6 +126,13 @@ impl Flow {
     /// Starts both ends and connects every comm; panics (with the peers' stderr) if
     /// that does not happen within 30 s.
     pub fn start(tb: &Testbed, opts: FlowOpts) -> Flow {
+        Flow::start_after(tb, opts, || {})
+    }
+
+    /// As [`Flow::start`], with `between` run once the receiver listens (its handles
+    /// made) and before the sender starts and connects: a fault there is one that NCCL's
+    /// lazy connects, and communicators created mid-job, meet.
+    pub fn start_after(tb: &Testbed, opts: FlowOpts, between: impl FnOnce()) -> Flow {
         let t = Duration::from_secs(30);
         let recv = spawn(tb, Side::B, "recv", &opts);
         let listening = recv.wait_line(t, listening_or_failed);
@@ -155,6 +162,7 @@ impl Flow {
             })
             .collect();
         let dev_of = handles.iter().map(|h| h.dev as usize).collect();
+        between();
         let mut send = spawn(tb, Side::A, "send", &opts);
         for h in handles {
             send.send(&Command::Handle(h).to_line());
