@@ -241,6 +241,17 @@ fn listen_on(b: &mut Engine) -> Arc<ListenShared> {
     listen
 }
 
+/// `e` connects from NIC 0 to NCCL listener 9 at [`addr`]`(2)`, with token `[3; 16]`
+/// and no failover NICs in the handle.
+fn connect_to_listener(
+    e: &mut Engine,
+    pending: &Arc<PendingConnect>,
+    now: Instant,
+    io: &mut dyn Io,
+) {
+    e.connect(0, addr(2), &[3; 16], Rescue::default(), pending, now, io);
+}
+
 /// `a` connects to `b`'s NCCL listener; both sides' lane is 0.
 fn connected(now: Instant) -> Pair {
     connected_after(now, |_| {})
@@ -253,15 +264,7 @@ fn connected_after(now: Instant, prepare: impl FnOnce(&mut Engine)) -> Pair {
     let (mut ma, mut mb) = (Mem::default(), Mem::default());
     let listen = listen_on(&mut b);
     let pending = Arc::new(PendingConnect::default());
-    a.connect(
-        0,
-        addr(2),
-        &[3; 16],
-        Rescue::default(),
-        &pending,
-        now,
-        &mut ma,
-    );
+    connect_to_listener(&mut a, &pending, now, &mut ma);
     a.drive(now, &mut ma);
     assert_eq!(ma.ops, [Op::Connect(0)]);
     let kb = b.next_lane();
@@ -480,15 +483,7 @@ fn an_injected_cut_buries_its_lanes_and_the_restore_closes_them() {
     let mut a = engine(1, now);
     let mut io = Mem::default();
     let pending = Arc::new(PendingConnect::default());
-    a.connect(
-        0,
-        addr(2),
-        &[3; 16],
-        Rescue::default(),
-        &pending,
-        now,
-        &mut io,
-    );
+    connect_to_listener(&mut a, &pending, now, &mut io);
     a.drive(now, &mut io);
     a.inject_link(0, false, now, &mut io);
     assert!(a.nic_cut(0));
@@ -549,15 +544,7 @@ fn a_refused_connect_fails_the_pending_connect_and_keeps_no_lane() {
         ..Mem::default()
     };
     let pending = Arc::new(PendingConnect::default());
-    a.connect(
-        0,
-        addr(2),
-        &[3; 16],
-        Rescue::default(),
-        &pending,
-        now,
-        &mut io,
-    );
+    connect_to_listener(&mut a, &pending, now, &mut io);
     assert!(matches!(*pending.result.lock(), Some(Err(_))));
     assert!(a.lanes.is_empty());
     assert!(io.ops.is_empty());
@@ -622,15 +609,7 @@ fn a_lane_that_named_our_secret_has_only_the_preauth_deadline_to_prove_it() {
     let (mut ma, mut mb) = (Mem::default(), Mem::default());
     listen_on(&mut b);
     let pending = Arc::new(PendingConnect::default());
-    a.connect(
-        0,
-        addr(2),
-        &[3; 16],
-        Rescue::default(),
-        &pending,
-        now,
-        &mut ma,
-    );
+    connect_to_listener(&mut a, &pending, now, &mut ma);
     a.drive(now, &mut ma);
     // Its Hello arrives; the Challenge goes out, and no Proof ever comes back. Anyone
     // may name the listener's comm in a Hello: it earns no longer deadline.
@@ -665,7 +644,7 @@ fn a_hello_over_a_path_our_peer_keeps_talking_on_waits_longer_for_its_proof() {
     mb.peer = Some(addr(1).ip());
     let listen = listen_on(&mut b);
     let first = Arc::new(PendingConnect::default());
-    a.connect(0, addr(2), &[3; 16], Rescue::default(), &first, t0, &mut ma);
+    connect_to_listener(&mut a, &first, t0, &mut ma);
     a.drive(t0, &mut ma);
     let carrier = b.next_lane();
     mb.open.insert(carrier);
@@ -677,15 +656,7 @@ fn a_hello_over_a_path_our_peer_keeps_talking_on_waits_longer_for_its_proof() {
     for _ in 0..2 {
         let pending = Arc::new(PendingConnect::default());
         let ka = a.next_lane();
-        a.connect(
-            0,
-            addr(2),
-            &[3; 16],
-            Rescue::default(),
-            &pending,
-            t0,
-            &mut ma,
-        );
+        connect_to_listener(&mut a, &pending, t0, &mut ma);
         a.drive(t0, &mut ma);
         let kb = b.next_lane();
         mb.open.insert(kb);
@@ -742,15 +713,7 @@ fn a_connect_the_listener_drops_before_it_authenticates_tries_again() {
     let mut a = engine(1, now);
     let mut io = Mem::default();
     let pending = Arc::new(PendingConnect::default());
-    a.connect(
-        0,
-        addr(2),
-        &[3; 16],
-        Rescue::default(),
-        &pending,
-        now,
-        &mut io,
-    );
+    connect_to_listener(&mut a, &pending, now, &mut io);
     a.drive(now, &mut io);
     // The listener closes the connection unanswered (its handshake caps were full).
     io.eof.insert(0);
@@ -772,15 +735,7 @@ fn a_connect_the_listener_drops_before_it_authenticates_tries_again() {
         ..Mem::default()
     };
     let pending = Arc::new(PendingConnect::default());
-    b.connect(
-        0,
-        addr(2),
-        &[3; 16],
-        Rescue::default(),
-        &pending,
-        now,
-        &mut io,
-    );
+    connect_to_listener(&mut b, &pending, now, &mut io);
     assert!(matches!(*pending.result.lock(), Some(Err(_))));
 }
 
