@@ -419,7 +419,7 @@ impl<F: Fabric> Reactor<F> {
         }
         let again =
             self.engine.has_again() || !self.accepting.is_empty() || !self.io.unread.is_empty();
-        let busy = again || self.requests_in_flight();
+        let busy = || again || self.requests_in_flight();
         let mut timeout = self.budget.timeout(now, busy, self.next_wakeup());
         if again {
             timeout = Some(Duration::ZERO);
