@@ -16,6 +16,10 @@ use super::request::Request;
 use super::Error;
 use crate::transport::memory::UserBuf;
 
+/// How long [`CommandQueue::drive_until`] waits between turns: a turn that found the
+/// reactor taken nudged its owner, who answers within this or leaves it free.
+const DRIVE_WAIT: Duration = Duration::from_micros(100);
+
 /// Work for the reactor.
 #[derive(Debug)]
 pub enum Command {
@@ -205,6 +209,30 @@ impl CommandQueue {
     /// progress is the reactor thread's alone, or the reactor is gone.
     pub fn drive(&self) {
         self.drive_for(Call::Other);
+    }
+
+    /// Waits up to `limit` for the answer to a command this caller queued (`answer`,
+    /// asked to wait at most the time it is given), driving the reactor between looks.
+    /// A caller blocked on its own command (`listen`, a close) runs the turn that serves
+    /// it: the reactor thread keeps off the reactor while callers are active, so merely
+    /// waiting would cost each such call the thread's hand-over time, and an all-to-all
+    /// init's thousands of `listen` calls one after the other.
+    pub fn drive_until<T>(
+        &self,
+        limit: Duration,
+        mut answer: impl FnMut(Duration) -> Option<T>,
+    ) -> Option<T> {
+        let end = Instant::now() + limit;
+        loop {
+            self.drive();
+            let left = end.saturating_duration_since(Instant::now());
+            if let Some(v) = answer(left.min(DRIVE_WAIT)) {
+                return Some(v);
+            }
+            if left.is_zero() {
+                return None;
+            }
+        }
     }
 
     /// [`CommandQueue::drive`] from a call of NCCL's proxy loop ([`Call`]).
@@ -502,5 +530,56 @@ mod tests {
             done.wait(Duration::ZERO),
             "a command lost in a panic still signals"
         );
+    }
+
+    /// A driver that serves the queue on the caller's thread: its turn answers every
+    /// `Listen` queued so far, as the reactor's would.
+    struct Serving(Arc<CommandQueue>, AtomicUsize);
+
+    impl Drive for Serving {
+        fn try_drive(&self, _call: Call<'_>) {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            for c in self.0.take() {
+                if let Command::Listen { reply, .. } = c {
+                    reply.finish(Ok("127.0.0.1:1".parse().unwrap()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_caller_waiting_on_its_own_command_runs_the_turn_that_answers_it() {
+        let poll = Poll::new().unwrap();
+        let q = Arc::new(CommandQueue::new(
+            Waker::new(poll.registry(), Token(0)).unwrap(),
+        ));
+        let driver = Arc::new(Serving(q.clone(), AtomicUsize::new(0)));
+        let weak: Weak<dyn Drive> = Arc::downgrade(&driver) as Weak<Serving>;
+        q.driven_by(weak);
+        let reply = Arc::new(PendingListen::default());
+        q.push(Command::Listen {
+            nic: 0,
+            shared: Arc::new(ListenShared {
+                id: 1,
+                token: [0; 16],
+                nic: 0,
+                ready: Mutex::new(VecDeque::new()),
+                queue: q.clone(),
+            }),
+            reply: reply.clone(),
+        });
+        // Nobody else serves this queue: only the caller's own turn can answer, and
+        // without it the wait would end empty-handed at its limit.
+        let got = q.drive_until(Duration::from_secs(30), |t| reply.wait(t));
+        assert!(matches!(got, Some(Ok(_))), "{got:?}");
+        assert_eq!(
+            driver.1.load(Ordering::Relaxed),
+            1,
+            "one turn, before any wait"
+        );
+        // An answer that never comes ends the wait at its limit, having driven.
+        let never = q.drive_until(Duration::ZERO, |_| None::<()>);
+        assert!(never.is_none());
+        assert_eq!(driver.1.load(Ordering::Relaxed), 2);
     }
 }

@@ -579,8 +579,11 @@ pub fn listen(ctx: &Context, dev: i32, handle: &mut [u8; 128]) -> Result<Arc<Lis
         shared: shared.clone(),
         reply: reply.clone(),
     });
-    rt.reactor.queue.drive();
-    let addr = reply.wait(LISTEN_REPLY).unwrap_or_else(|| {
+    let addr = (rt
+        .reactor
+        .queue
+        .drive_until(LISTEN_REPLY, |t| reply.wait(t)))
+    .unwrap_or_else(|| {
         Err(Error::Internal(
             "the reactor did not open the listener in time".into(),
         ))
@@ -927,8 +930,12 @@ pub fn close_comm(comm: &Arc<CommShared>) -> Result<(), Error> {
         comm: comm.clone(),
         done: done.signaller(),
     });
-    comm.queue.drive();
-    if !done.wait(std::time::Duration::from_secs(10)) {
+    let limit = std::time::Duration::from_secs(10);
+    if (comm
+        .queue
+        .drive_until(limit, |t| done.wait(t).then_some(())))
+    .is_none()
+    {
         return Err(Error::Internal(
             "the reactor did not confirm the close within 10 s".into(),
         ));
