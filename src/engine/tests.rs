@@ -968,23 +968,35 @@ fn rescue_pair(now: Instant) -> (Engine, Mem, Engine, Arc<ListenShared>, Rescue)
     (a, Mem::default(), b, listen, rescue)
 }
 
-#[test]
-fn a_connect_from_a_nic_without_carrier_goes_to_the_failover_listener_of_a_same_rail_pair() {
-    let t0 = Instant::now();
-    let (mut a, mut ma, mut b, listen, rescue) = rescue_pair(t0);
-    a.carrier(0, false, t0, &mut ma);
+/// `a`'s NIC 0 has no carrier when it connects to listener 9 with `rescue` and `token`;
+/// whatever `a` dials, `b` takes on its failover listener of NIC 1 (reactor listener
+/// 1, no NCCL id), and the two handshake. Returns the connect and `b`'s side.
+fn connect_without_carrier(
+    (a, ma, b): (&mut Engine, &mut Mem, &mut Engine),
+    rescue: Rescue,
+    token: [u8; 16],
+    t0: Instant,
+) -> (Arc<PendingConnect>, Mem) {
+    a.carrier(0, false, t0, ma);
     let pending = Arc::new(PendingConnect::default());
-    a.connect(0, nic_addr(2, 0), &[3; 16], rescue, &pending, t0, &mut ma);
-    a.drive(t0, &mut ma);
-    // Not NCCL's pair (NIC 0 to the listener): NIC 1 to b's NIC 1's failover listener.
-    assert_eq!(ma.dialled, [(1, nic_addr(2, 1))]);
+    a.connect(0, nic_addr(2, 0), &token, rescue, &pending, t0, ma);
+    a.drive(t0, ma);
     let ka = *ma.open.iter().next().unwrap();
-    // b takes it on its failover listener of NIC 1 (reactor listener 1, no NCCL id).
     let mut mb = Mem::default();
     let kb = b.next_lane();
     mb.open.insert(kb);
     b.accepted(kb, 1, None, Some(1), t0, &mut mb);
-    shuttle((&mut a, &mut ma, ka), (&mut b, &mut mb, kb), t0);
+    shuttle((a, ma, ka), (b, &mut mb, kb), t0);
+    (pending, mb)
+}
+
+#[test]
+fn a_connect_from_a_nic_without_carrier_goes_to_the_failover_listener_of_a_same_rail_pair() {
+    let t0 = Instant::now();
+    let (mut a, mut ma, mut b, listen, rescue) = rescue_pair(t0);
+    let (pending, _mb) = connect_without_carrier((&mut a, &mut ma, &mut b), rescue, [3; 16], t0);
+    // Not NCCL's pair (NIC 0 to the listener): NIC 1 to b's NIC 1's failover listener.
+    assert_eq!(ma.dialled[0], (1, nic_addr(2, 1)));
     let send = (pending.result.lock().take())
         .expect("the connect finished")
         .expect("it succeeded");
@@ -1020,16 +1032,7 @@ fn a_failover_listener_serves_a_new_comm_only_for_an_nccl_listener_it_has_and_it
     ] {
         let (mut a, mut ma, mut b, listen, mut rescue) = rescue_pair(t0);
         rescue.listen_id = listen_id;
-        a.carrier(0, false, t0, &mut ma);
-        let pending = Arc::new(PendingConnect::default());
-        a.connect(0, nic_addr(2, 0), &token, rescue, &pending, t0, &mut ma);
-        a.drive(t0, &mut ma);
-        let ka = *ma.open.iter().next().unwrap();
-        let mut mb = Mem::default();
-        let kb = b.next_lane();
-        mb.open.insert(kb);
-        b.accepted(kb, 1, None, Some(1), t0, &mut mb);
-        shuttle((&mut a, &mut ma, ka), (&mut b, &mut mb, kb), t0);
+        let (pending, _mb) = connect_without_carrier((&mut a, &mut ma, &mut b), rescue, token, t0);
         // An unknown listener is refused by b; a wrong token fails the connector's own
         // check of b's Challenge, before any Proof.
         let accepted = listen.ready.lock().len();

@@ -407,18 +407,7 @@ mod tests {
         });
         assert!(later.wait(Duration::ZERO), "refused at once");
         // A `listen` waiting for its address is answered too, never left to time out.
-        let reply = Arc::new(PendingListen::default());
-        q.push(Command::Listen {
-            nic: 0,
-            shared: Arc::new(ListenShared {
-                id: 1,
-                token: [0; 16],
-                nic: 0,
-                ready: Mutex::new(VecDeque::new()),
-                queue: q.clone(),
-            }),
-            reply: reply.clone(),
-        });
+        let reply = push_listen(&q);
         assert!(matches!(
             reply.wait(Duration::ZERO),
             Some(Err(Error::InvalidUsage(_)))
@@ -532,6 +521,23 @@ mod tests {
         );
     }
 
+    /// Queues a `Listen` of NCCL listener 1 on NIC 0; returns where its answer comes.
+    fn push_listen(q: &Arc<CommandQueue>) -> Arc<PendingListen> {
+        let reply = Arc::new(PendingListen::default());
+        q.push(Command::Listen {
+            nic: 0,
+            shared: Arc::new(ListenShared {
+                id: 1,
+                token: [0; 16],
+                nic: 0,
+                ready: Mutex::new(VecDeque::new()),
+                queue: q.clone(),
+            }),
+            reply: reply.clone(),
+        });
+        reply
+    }
+
     /// A driver that serves the queue on the caller's thread: its turn answers every
     /// `Listen` queued so far, as the reactor's would.
     struct Serving(Arc<CommandQueue>, AtomicUsize);
@@ -556,18 +562,7 @@ mod tests {
         let driver = Arc::new(Serving(q.clone(), AtomicUsize::new(0)));
         let weak: Weak<dyn Drive> = Arc::downgrade(&driver) as Weak<Serving>;
         q.driven_by(weak);
-        let reply = Arc::new(PendingListen::default());
-        q.push(Command::Listen {
-            nic: 0,
-            shared: Arc::new(ListenShared {
-                id: 1,
-                token: [0; 16],
-                nic: 0,
-                ready: Mutex::new(VecDeque::new()),
-                queue: q.clone(),
-            }),
-            reply: reply.clone(),
-        });
+        let reply = push_listen(&q);
         // Nobody else serves this queue: only the caller's own turn can answer, and
         // without it the wait would end empty-handed at its limit.
         let got = q.drive_until(Duration::from_secs(30), |t| reply.wait(t));
