@@ -195,8 +195,9 @@ pub struct PathMachine {
     hold_failed: bool,
     /// Sender: a failover that a fail-back overtook before it settled, as it stood then.
     interrupted: Option<Moved>,
-    /// Sender: the comm started on a drained pair, and its first messages wait until
-    /// then for the router's first move ([`PathMachine::handle_leaving`]).
+    /// Sender: the comm started on a pair it leaves at once (drained, or one that could
+    /// not carry its connect), and its first messages wait until then for the router's
+    /// first move ([`PathMachine::handle_leaving`]).
     leaving_until: Option<Instant>,
 }
 
@@ -499,9 +500,10 @@ impl PathMachine {
         self.carried = true;
     }
 
-    /// Sender: the comm starts on a drained pair, and the router may first probe the
-    /// candidates before it moves the stripes off: its first messages wait for that until
-    /// `until` at the latest ([`PathMachine::handle_hold_timeout`]).
+    /// Sender: the comm starts on a pair it leaves at once (drained, or one that could
+    /// not carry its connect, which another pair did), and the router may first probe
+    /// the candidates before it moves the stripes off: its first messages wait for that
+    /// until `until` at the latest ([`PathMachine::handle_hold_timeout`]).
     pub fn handle_leaving(&mut self, until: Instant) {
         if self.sender && !self.carried {
             self.leaving_until = Some(until);

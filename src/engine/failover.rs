@@ -148,7 +148,7 @@ impl Engine {
                 // pair may carry it (`rescue`). A listener that answered and refused
                 // would refuse on any pair.
                 let unreachable = matches!(error, ConnError::Io(_) | ConnError::Stalled(_));
-                let time_left = now < d.since + HANDSHAKE_TIMEOUT;
+                let time_left = !d.left(now).is_zero();
                 match again {
                     Some(at) => {
                         tracing::info!(

@@ -275,7 +275,9 @@ struct Dial {
     rescue: Rescue,
     /// Set while the connect goes over another pair than NCCL's.
     via: Option<Via>,
-    /// Pairs tried so far, NCCL's included: (local NIC, the listener's NIC index).
+    /// Every pair dialled so far, NCCL's first and the current one last: (local NIC, the
+    /// listener's NIC index). Empty when NCCL's listener is not among the handle's NICs:
+    /// then no other pair can be told from its own, and the connect stays on it.
     tried: Vec<(usize, usize)>,
 }
 
@@ -283,9 +285,7 @@ struct Dial {
 #[derive(Debug, Clone, Copy)]
 struct Via {
     local: usize,
-    /// Index in the listener's NIC list.
-    remote: usize,
-    /// That NIC's failover listener.
+    /// The listener's NIC's failover listener.
     to: SocketAddr,
     /// Why NCCL's pair was left.
     why: FailReason,
@@ -295,6 +295,11 @@ impl Dial {
     /// Where this attempt goes: (local NIC, listener address).
     fn target(&self) -> (usize, SocketAddr) {
         self.via.map_or((self.nic, self.to), |v| (v.local, v.to))
+    }
+
+    /// The time left of [`HANDSHAKE_TIMEOUT`] from NCCL's call, at `now`.
+    fn left(&self, now: Instant) -> Duration {
+        (self.since + HANDSHAKE_TIMEOUT).saturating_duration_since(now)
     }
 
     /// When to try again after the listener dropped attempt `self.attempt` before the
@@ -598,6 +603,7 @@ impl Engine {
         now: Instant,
         io: &mut dyn Io,
     ) {
+        let nccl = (rescue.nics.iter()).position(|n| n.addr.ip() == to.ip());
         let mut d = Dial {
             pending: pending.clone(),
             nic,
@@ -607,7 +613,7 @@ impl Engine {
             attempt: 0,
             rescue,
             via: None,
-            tried: Vec::new(),
+            tried: nccl.map(|r| (nic, r)).into_iter().collect(),
         };
         if let Some(why) = self.nic_unusable(nic) {
             // Known down: NCCL's pair is not even tried (without a same-rail pair to
@@ -986,8 +992,7 @@ impl Engine {
                 }
             }
             if due {
-                let more = (self.patience(k, now)).or_else(|| self.dial_patience(k, now, io));
-                if let Some(more) = more {
+                if let Some(more) = self.patience(k, now, io) {
                     if self.lanes[k].m.extend(now + more) == Some(1) {
                         tracing::info!(
                             "railover: a handshake on a congested path that works is given {} ms more",
@@ -1022,28 +1027,34 @@ impl Engine {
 
     /// How much longer lane `k`'s handshake may take, when what is due is its deadline and
     /// its path shows that the other end is there and busy: a replacement lane of ours
-    /// whose pair the peer keeps acknowledging, or an accepted lane that named one of our
+    /// whose pair the peer keeps acknowledging, an accepted lane that named one of our
     /// comms and waits for its Proof while that peer's bytes keep arriving over the same
-    /// path. A stranger's connection does not come over a path we hear, so a flood gets
-    /// no more time than before.
-    fn patience(&self, k: usize, now: Instant) -> Option<Duration> {
+    /// path, or NCCL's connect whose listener's NIC answered (see
+    /// [`Engine::connect_patience`]). A stranger's connection does not come over a path
+    /// we hear, so a flood gets no more time than before.
+    fn patience(&self, k: usize, now: Instant, io: &dyn Io) -> Option<Duration> {
         let lane = self.lanes.get(k)?;
         if !lane.m.deadline_due(now) {
             return None;
         }
         let timeout = self.setup.completion_timeout;
-        match lane.role {
+        match &lane.role {
             Role::Migrating { mv, .. } if lane.queued.is_none() => self
                 .pair_delivering(mv.to, now)
                 .then(|| migration_limit(timeout, self.setup.probe_timeout)),
-            Role::Handshake { .. } if lane.m.awaits_proof() => {
-                let heard = lane.path().and_then(|p| self.paths.last_heard(p));
-                heard
-                    .is_some_and(|t| now.saturating_duration_since(t) < timeout)
-                    .then(|| lanes::preauth_deadline(timeout))
-            }
+            Role::Handshake { .. } if lane.m.awaits_proof() => self
+                .heard_lately(lane, now)
+                .then(|| lanes::preauth_deadline(timeout)),
+            Role::Connecting(d) => self.connect_patience(d, lane, io.peer(k).is_some(), now),
             _ => None,
         }
+    }
+
+    /// Whether `lane`'s path (our NIC, the peer's address) carried the peer's bytes within
+    /// the last completion timeout.
+    fn heard_lately(&self, lane: &Lane, now: Instant) -> bool {
+        (lane.path().and_then(|p| self.paths.last_heard(p)))
+            .is_some_and(|t| now.saturating_duration_since(t) < self.setup.completion_timeout)
     }
 
     /// Lane `k`'s machine may have a nearer deadline than the one it is armed for (it was

@@ -30,29 +30,30 @@ impl Engine {
     }
 
     /// The deadline of an attempt of `d`: [`reach`] while another pair is left to try
-    /// (the answer it waits for is the listener's NIC's, see [`Engine::dial_patience`]),
-    /// and in any case within [`HANDSHAKE_TIMEOUT`] of NCCL's call.
+    /// (the answer it waits for is the listener's NIC's, see
+    /// [`Engine::connect_patience`]), and in any case within [`HANDSHAKE_TIMEOUT`] of
+    /// NCCL's call.
     pub(super) fn reach_limit(&self, d: &Dial, now: Instant) -> Duration {
-        let left = (d.since + HANDSHAKE_TIMEOUT).saturating_duration_since(now);
         match self.via_candidate(d) {
-            Some(_) => left.min(reach(self.setup.completion_timeout)),
-            None => left,
+            Some(_) => d.left(now).min(reach(self.setup.completion_timeout)),
+            None => d.left(now),
         }
     }
 
-    /// More time for connecting lane `k` at its deadline, up to [`HANDSHAKE_TIMEOUT`]
-    /// from NCCL's call: the listener's NIC answered (the fabric connected, so what is
-    /// slow is a busy listener, which another pair would not help), its path delivers
-    /// other lanes' bytes, or no other pair is left to try.
-    pub(super) fn dial_patience(&self, k: usize, now: Instant, io: &dyn Io) -> Option<Duration> {
-        let lane = self.lanes.get(k).filter(|l| l.m.deadline_due(now))?;
-        let Role::Connecting(d) = &lane.role else {
-            return None;
-        };
-        let left = (d.since + HANDSHAKE_TIMEOUT).saturating_duration_since(now);
-        let heard = (lane.path().and_then(|p| self.paths.last_heard(p)))
-            .is_some_and(|t| now.saturating_duration_since(t) < self.setup.completion_timeout);
-        let stay = io.peer(k).is_some() || heard || self.via_candidate(d).is_none();
+    /// More time for NCCL's connect `d` on `lane` at its deadline, up to
+    /// [`HANDSHAKE_TIMEOUT`] from NCCL's call: the listener's NIC answered (`answered`:
+    /// the fabric connected, so what is slow is a busy listener, which another pair would
+    /// not help), the lane's path delivers other lanes' bytes, or no other pair is left to
+    /// try.
+    pub(super) fn connect_patience(
+        &self,
+        d: &Dial,
+        lane: &Lane,
+        answered: bool,
+        now: Instant,
+    ) -> Option<Duration> {
+        let stay = answered || self.heard_lately(lane, now) || self.via_candidate(d).is_none();
+        let left = d.left(now);
         (stay && !left.is_zero()).then_some(left)
     }
 
@@ -62,20 +63,16 @@ impl Engine {
         let Some((local, remote)) = self.via_candidate(d) else {
             return false;
         };
-        let (nic, to) = d.target();
-        if let Some(r) = d.rescue.nics.iter().position(|n| n.addr.ip() == to.ip()) {
-            d.tried.push((nic, r));
-        }
+        d.tried.push((local, remote));
+        let (nic, from) = d.target();
         let to = d.rescue.nics[remote].addr;
         tracing::info!(
-            "railover: connect to {} from NIC {}: {why:?} on {nic}->{}; trying NIC {local}->{to} (same rail) instead",
+            "railover: connect to {} from NIC {}: {why:?} on {nic}->{from}; trying NIC {local}->{to} (same rail) instead",
             d.to,
             d.nic,
-            d.target().1
         );
         d.via = Some(Via {
             local,
-            remote,
             to,
             why: d.via.map_or(why, |v| v.why),
         });
@@ -83,12 +80,12 @@ impl Engine {
     }
 
     /// The pair `d` would try next: a local NIC that is up and a listener NIC on the
-    /// same rail, neither NCCL's pair nor one tried, the nearest to NCCL's device first
-    /// (PCIe distance), undrained before drained.
+    /// same rail, not yet dialled, the nearest to NCCL's device first (PCIe distance),
+    /// undrained before drained.
     fn via_candidate(&self, d: &Dial) -> Option<(usize, usize)> {
-        let nics = &d.rescue.nics;
-        let nccl = (d.nic, nics.iter().position(|n| n.addr.ip() == d.to.ip())?);
-        let current = d.via.map_or(nccl, |v| (v.local, v.remote));
+        if d.tried.is_empty() {
+            return None;
+        }
         let distance = self.setup.distance.get(d.nic);
         let drained = self.drained_mask();
         let mut best = None;
@@ -99,15 +96,15 @@ impl Engine {
             if self.nic_unusable(l).is_some() {
                 continue;
             }
-            for (r, _) in (nics.iter().enumerate()).filter(|(_, n)| n.rail == Some(rail)) {
-                let pair = (l, r);
-                if pair == nccl || pair == current || d.tried.contains(&pair) {
+            let nics = d.rescue.nics.iter().enumerate();
+            for (r, _) in nics.filter(|(_, n)| n.rail == Some(rail)) {
+                if d.tried.contains(&(l, r)) {
                     continue;
                 }
                 let far = distance.and_then(|x| x.get(l).copied().flatten());
                 let rank = (l < 32 && drained & 1 << l != 0, far.is_none(), far, l, r);
                 if best.as_ref().map_or(true, |(b, _)| rank < *b) {
-                    best = Some((rank, pair));
+                    best = Some((rank, (l, r)));
                 }
             }
         }

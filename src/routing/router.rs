@@ -173,6 +173,17 @@ struct PairState {
     probe_floor: Option<f64>,
 }
 
+impl PairState {
+    /// The pair failed at `now`: unhealthy, and a fail-back test under way starts over.
+    fn failed_at(&mut self, now: Instant) {
+        self.health = Health::Bad(now);
+        self.last_failure = Some(now);
+        if let Some(w) = &mut self.watch {
+            w.streak = 0;
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default)]
 enum Health {
     #[default]
@@ -377,12 +388,7 @@ impl Router {
                     reported: false,
                 }
             } else if let Some(why) = unreachable {
-                let ps = self.pairs.entry(pair).or_default();
-                ps.health = Health::Bad(now);
-                ps.last_failure = Some(now);
-                if let Some(w) = &mut ps.watch {
-                    w.streak = 0;
-                }
+                self.pairs.entry(pair).or_default().failed_at(now);
                 LaneState::Pending {
                     failed: Some(why),
                     since: now,
@@ -951,11 +957,7 @@ impl Router {
                 decayed
             };
         }
-        ps.health = Health::Bad(now);
-        ps.last_failure = Some(now);
-        if let Some(w) = &mut ps.watch {
-            w.streak = 0;
-        }
+        ps.failed_at(now);
         let mut originals = Vec::new();
         for c in self.comms.values_mut() {
             for l in &mut c.lanes {
